@@ -1,0 +1,44 @@
+"""recoverypoint: multi-step operations with side effects, safe to retry.
+
+Declare an :class:`Operation` as atomic phases and foreign steps, register it with an
+:class:`Engine`, and run each request under its idempotency key.
+"""
+
+from .context import AtomicContext, StepContext
+from .engine import Engine
+from .errors import (
+    ConcurrentUpdate,
+    DeclarationError,
+    IdempotencyError,
+    InvalidKey,
+    InvalidParams,
+    KeyInUse,
+    LockLost,
+    OperationNotRegistered,
+    ParamsMismatch,
+    RequestTooLarge,
+    Retryable,
+)
+from .operation import Operation, Outcome, RecoveryPoint, Request, Response
+
+__all__ = [
+    "AtomicContext",
+    "ConcurrentUpdate",
+    "DeclarationError",
+    "Engine",
+    "IdempotencyError",
+    "InvalidKey",
+    "InvalidParams",
+    "KeyInUse",
+    "LockLost",
+    "Operation",
+    "OperationNotRegistered",
+    "Outcome",
+    "ParamsMismatch",
+    "RecoveryPoint",
+    "Request",
+    "RequestTooLarge",
+    "Response",
+    "Retryable",
+    "StepContext",
+]

@@ -1,0 +1,341 @@
+"""The engine: claim a key, run its phases from the recovery point, replay what finished."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import Connection
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from . import store
+from .backoff import backoff_delay
+from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
+from .database import create_engine
+from .errors import (
+    ConcurrentUpdate,
+    DeclarationError,
+    KeyInUse,
+    LockLost,
+    OperationNotRegistered,
+    ParamsMismatch,
+)
+from .keys import (
+    DEFAULT_MAX_PARAMS_BYTES,
+    canonical_json,
+    check_size,
+    fingerprint,
+    safe_headers,
+    validate_key,
+    validate_scope,
+)
+from .operation import Operation, Outcome, Phase, RecoveryPoint, Request, Response
+from .store import ClaimRequest, KeyRecord
+
+logger = logging.getLogger("recoverypoint")
+
+T = TypeVar("T")
+
+# SQLSTATEs that mean "the same transaction may succeed if run again".
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+# A request that reaches the end of its phases without a Response finishes with this.
+_NO_CONTENT = Response(204)
+
+
+@dataclass(frozen=True)
+class _Advanced:
+    point: str
+    state: dict[str, Any]
+
+
+_Step = _Advanced | Outcome
+
+
+class Engine:
+    """Runs registered operations against PostgreSQL.
+
+    Parameters
+    ----------
+    database:
+        A URL (``postgresql://``, ``postgres://`` or ``postgresql+psycopg://``; always run
+        on psycopg 3) or an existing :class:`sqlalchemy.Engine` on psycopg 3.
+    max_params_bytes:
+        Largest canonical params accepted; larger ones raise :class:`RequestTooLarge`.
+    serialization_retries:
+        In-process retries of a transaction that hit a serialization failure or deadlock
+        before :class:`ConcurrentUpdate` (409) is raised.
+    retry_base, retry_cap:
+        Seconds: the backoff after a failed attempt before the completer may retry the
+        key grows from ``retry_base`` to ``retry_cap``.
+    """
+
+    def __init__(
+        self,
+        database: str | URL | sa.Engine,
+        *,
+        max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+        serialization_retries: int = 10,
+        retry_base: float = 2.0,
+        retry_cap: float = 3600.0,
+    ) -> None:
+        self.db = create_engine(database)
+        self._serializable = self.db.execution_options(isolation_level="SERIALIZABLE")
+        self.max_params_bytes = max_params_bytes
+        self.serialization_retries = serialization_retries
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        self._operations: dict[tuple[str, int], Operation[Any]] = {}
+
+    def register(self, *operations: Operation[Any]) -> None:
+        """Make operations runnable; checks each declaration and raises
+        :class:`DeclarationError` on the first mistake."""
+        for operation in operations:
+            operation.validate()
+            ident = (operation.name, operation.version)
+            known = self._operations.get(ident)
+            if known is not None and known is not operation:
+                raise DeclarationError(
+                    f"another operation is already registered as {ident[0]!r} v{ident[1]}"
+                )
+            self._operations[ident] = operation
+
+    def operation(self, name: str, version: int) -> Operation[Any]:
+        """The registered operation ``name`` at ``version``."""
+        try:
+            return self._operations[(name, version)]
+        except KeyError:
+            raise OperationNotRegistered(
+                f"operation {name!r} v{version} is not registered with this engine; "
+                "call engine.register() with it (keep old versions registered until "
+                "their keys have finished)"
+            ) from None
+
+    def dispose(self) -> None:
+        """Close the engine's pooled connections."""
+        self.db.dispose()
+
+    # -- the request path ----------------------------------------------------------------
+
+    def run(
+        self,
+        operation: Operation[Any],
+        *,
+        key: str,
+        params: Any,
+        scope: str = "",
+        request: Request | None = None,
+    ) -> Outcome:
+        """Run ``operation`` once per ``(scope, operation, key)``.
+
+        A new key runs every phase; an unfinished key resumes after its recovery point; a
+        finished key replays its stored response (``Outcome.replayed``). Raises an
+        :class:`IdempotencyError` for bad input (nothing stored), a key in use or reused
+        with other params, and re-raises what a phase raised once the lease is released.
+        """
+        if self._operations.get((operation.name, operation.version)) is not operation:
+            self.operation(operation.name, operation.version)  # raises: not registered
+            raise OperationNotRegistered(
+                f"another operation is registered as {operation.name!r} v{operation.version}"
+            )
+        request = request or Request()
+        key = validate_key(key)
+        scope = validate_scope(scope)
+        params_json = operation.dump_params(params)
+        check_size(params_json, self.max_params_bytes)
+        claim_request = ClaimRequest(
+            scope=scope,
+            operation=operation.name,
+            key=key,
+            version=operation.version,
+            method=request.method.upper(),
+            path=request.path,
+            params_json=params_json,
+            fingerprint=fingerprint(request.method, request.path, params_json),
+            token=uuid.uuid4(),
+            lock_timeout=operation.lock_timeout.total_seconds(),
+        )
+        first = self._transact(lambda conn: self._claim(conn, operation, claim_request))
+        if isinstance(first, Outcome):
+            return first
+        run, step = first
+        return self._drive(run, step)
+
+    def _claim(
+        self, conn: Connection, operation: Operation[Any], request: ClaimRequest
+    ) -> Outcome | tuple[_Run, _Step | None]:
+        """The claim's transaction; a new key runs its first atomic phase in it too, so a
+        new request costs one commit less and leaves nothing behind if that phase fails."""
+        record = store.claim(conn, request)
+        if record is None or not record.claimed:
+            return _refuse(record, request)
+        if record.operation_version != operation.version:
+            operation = self.operation(operation.name, record.operation_version)
+        run = _Run(self, operation, record, request.token)
+        if record.inserted and operation.phases[0].atomic:
+            return run, run.atomic(conn, operation.phases[0], {})
+        return run, None
+
+    def _drive(self, run: _Run, step: _Step | None) -> Outcome:
+        point, state = run.record.recovery_point, run.record.state
+        try:
+            while True:
+                if isinstance(step, Outcome):
+                    return step
+                if step is not None:
+                    point, state = step.point, step.state
+                phase = run.operation.phases[run.operation.next_phase(point)]
+                step = run.next(phase, state)
+        except LockLost:
+            raise
+        except BaseException as exc:
+            self._release(run, exc)
+            raise
+
+    def _release(self, run: _Run, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
+        try:
+            with self.db.begin() as conn:
+                released = store.release(conn, run.record.id, run.token, error, retry_in)
+        except Exception:
+            # The lease then simply expires; the original error matters more.
+            logger.exception("could not release key %s after: %s", run.record.id, error)
+            return
+        logger.warning(
+            "key %s of %s failed at %s (lease %s): %s",
+            run.record.id,
+            run.operation.name,
+            run.record.recovery_point,
+            "released" if released else "already taken over",
+            error,
+        )
+
+    def _transact(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one SERIALIZABLE transaction, again on serialization failure or
+        deadlock, with capped, jittered backoff."""
+        for attempt in range(self.serialization_retries + 1):
+            try:
+                with self._serializable.begin() as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                if getattr(exc.orig, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
+                    raise
+                if attempt == self.serialization_retries:
+                    raise ConcurrentUpdate() from exc
+                time.sleep(backoff_delay(attempt, base=0.005, cap=0.25))
+        raise AssertionError("unreachable")
+
+
+class _Run:
+    """One attempt at one key record: runs phases and commits their results, fenced."""
+
+    def __init__(
+        self, engine: Engine, operation: Operation[Any], record: KeyRecord, token: uuid.UUID
+    ) -> None:
+        self.engine = engine
+        self.operation = operation
+        self.record = record
+        self.token = token
+        self.identity = KeyIdentity(operation.name, record.id, record.created_at)
+        self.params = operation.load_params(canonical_json(record.request_params))
+
+    def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
+        if phase.atomic:
+            return self.engine._transact(lambda conn: self.atomic(conn, phase, state))
+        # Outside any transaction, and no pooled connection is held meanwhile.
+        result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        if isinstance(result, Response):
+            new_state = state
+        elif result is None or isinstance(result, Mapping):
+            new_state = {**state, **(result or {})}
+        else:
+            raise TypeError(
+                f"foreign step {phase.point!r} returned {type(result).__name__}; "
+                "return a dict, None or a Response"
+            )
+        return self.engine._transact(
+            lambda conn: self._commit(conn, phase, result, new_state, [])
+        )
+
+    def atomic(self, conn: Connection, phase: Phase, state: dict[str, Any]) -> _Step:
+        # A fresh copy each time: a phase retried after a serialization failure starts over.
+        tx = AtomicContext(conn, json.loads(canonical_json(state)), self.identity, phase.point)
+        result = phase.fn(tx, self.params)
+        tx.close()
+        if not (result is None or isinstance(result, Response | RecoveryPoint)):
+            raise TypeError(
+                f"atomic phase {phase.point!r} returned {type(result).__name__}; "
+                "return None, a Response or a RecoveryPoint"
+            )
+        return self._commit(conn, phase, result, tx.state, tx.staged_jobs)
+
+    def _commit(
+        self,
+        conn: Connection,
+        phase: Phase,
+        result: object,
+        state: dict[str, Any],
+        jobs: list[StagedJob],
+    ) -> _Step:
+        state_json = _state_json(phase, state)
+        store.stage_jobs(conn, self.record.id, jobs)
+        point = phase.point
+        if isinstance(result, RecoveryPoint):
+            if result.name not in phase.jumps_to:
+                raise DeclarationError(
+                    f"phase {phase.point!r} returned RecoveryPoint({result.name!r}); "
+                    f"declare it with jumps_to=({result.name!r},)"
+                )
+            point = result.name
+        if not isinstance(result, Response):
+            if self.operation.next_phase(point) < len(self.operation.phases):
+                store.advance(conn, self.record.id, self.token, point, state_json)
+                return _Advanced(point, json.loads(state_json))
+            result = _NO_CONTENT
+        headers = safe_headers(result.headers)
+        try:
+            body_json = canonical_json(result.body)
+        except ValueError as exc:
+            raise TypeError(f"the Response of phase {phase.point!r} is {exc}") from exc
+        store.finish(
+            conn,
+            self.record.id,
+            self.token,
+            state_json=state_json,
+            status=result.status,
+            headers_json=canonical_json(headers),
+            body_json=body_json,
+        )
+        return Outcome(result.status, json.loads(body_json), headers, replayed=False)
+
+
+def _state_json(phase: Phase, state: dict[str, Any]) -> str:
+    try:
+        return canonical_json(state)
+    except ValueError as exc:
+        raise TypeError(f"the state after phase {phase.point!r} is {exc}") from exc
+
+
+def _refuse(record: KeyRecord | None, request: ClaimRequest) -> Outcome:
+    """Why a key could not be claimed: a replay, a mismatch or a key in use."""
+    if record is None:
+        # The row was deleted between the conflict and the read: a reaper raced us.
+        raise KeyInUse(key=request.key, retry_after=1)
+    if record.fingerprint != request.fingerprint:
+        raise ParamsMismatch(key=request.key)
+    if record.response_status is not None:
+        return Outcome(
+            record.response_status,
+            record.response_body,
+            dict(record.response_headers or {}),
+            replayed=True,
+        )
+    raise KeyInUse(key=request.key, retry_after=max(1, int(record.lease_left)))

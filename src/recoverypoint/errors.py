@@ -1,0 +1,100 @@
+"""Everything recoverypoint raises, each error with the HTTP status an integration maps it to.
+
+::
+
+    IdempotencyError                 500  root; never raised itself
+    ├── InvalidKey                   400  missing, empty, too long or non-printable key
+    ├── InvalidParams                422  params that are not JSON, contain NUL or fail validation
+    ├── RequestTooLarge              413  params over the size limit
+    ├── ParamsMismatch               422  key reused with another method, path or params
+    ├── KeyInUse                     409  another request holds the key's lease (retry_after)
+    ├── LockLost                     409  our lease was taken over; our writes rolled back
+    ├── ConcurrentUpdate             409  serialization failures outlasted in-process retries
+    ├── Retryable                    503  raised by phase code for a transient foreign failure
+    ├── OperationNotRegistered       500  the engine does not know the operation (or version)
+    └── DeclarationError             500  an operation declared wrongly (raised at import time)
+
+Errors of the 4xx family never leave a row behind. Each class's docstring is its default
+message, written for the person who has to act on it.
+"""
+
+from __future__ import annotations
+
+
+class IdempotencyError(Exception):
+    """An idempotent request could not be carried out."""
+
+    http_status: int = 500
+
+    def __init__(self, message: str | None = None, *, key: str | None = None) -> None:
+        self.message = message or (self.__doc__ or "").strip()
+        self.key = key
+        super().__init__(self.message)
+
+
+class InvalidKey(IdempotencyError):
+    """The idempotency key is missing or invalid: send 1 to 255 printable ASCII characters,
+    for example a UUID4."""
+
+    http_status = 400
+
+
+class InvalidParams(IdempotencyError):
+    """The request params cannot be stored: they must be JSON-serialisable, free of NUL
+    characters and valid for the operation."""
+
+    http_status = 422
+
+
+class RequestTooLarge(IdempotencyError):
+    """The request params exceed the size limit; send a smaller request."""
+
+    http_status = 413
+
+
+class ParamsMismatch(IdempotencyError):
+    """This idempotency key was already used with another method, path or params;
+    use a new key for a new request."""
+
+    http_status = 422
+
+
+class KeyInUse(IdempotencyError):
+    """A request with this idempotency key is still in progress; retry with the same key
+    after the Retry-After delay."""
+
+    http_status = 409
+
+    def __init__(
+        self, message: str | None = None, *, key: str | None = None, retry_after: int = 1
+    ) -> None:
+        super().__init__(message, key=key)
+        self.retry_after = retry_after
+
+
+class LockLost(IdempotencyError):
+    """This request's lease on the key expired and another request took it over; its last
+    phase was rolled back. Retry with the same key to get the outcome."""
+
+    http_status = 409
+
+
+class ConcurrentUpdate(IdempotencyError):
+    """Concurrent requests kept conflicting on the same rows; retry with the same key."""
+
+    http_status = 409
+
+
+class Retryable(IdempotencyError):
+    """A foreign system failed transiently; retry with the same key."""
+
+    http_status = 503
+
+
+class OperationNotRegistered(IdempotencyError):
+    """The operation is not registered with this engine: call engine.register(operation)
+    at start-up, and keep older versions registered while their keys are unfinished."""
+
+
+class DeclarationError(IdempotencyError):
+    """The operation is declared wrongly; fix its phases before serving requests."""

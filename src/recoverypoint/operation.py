@@ -1,0 +1,232 @@
+"""Operations: a named, versioned, ordered list of atomic phases and foreign steps.
+
+An operation is declared once, at import time, and checked when it is registered with an
+:class:`~recoverypoint.Engine`; a request never discovers a declaration error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Generic, Literal, TypeVar, overload
+
+from pydantic import TypeAdapter, ValidationError
+
+from .errors import DeclarationError, InvalidParams
+from .keys import canonical_json
+
+P = TypeVar("P")
+F = TypeVar("F", bound=Callable[..., Any])
+
+STARTED = "started"
+FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Request:
+    """The request a key was first used with; method, path and params make its fingerprint."""
+
+    method: str = "POST"
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Response:
+    """A phase's final answer: the key finishes with it, and every retry replays it."""
+
+    status: int
+    body: Any = None
+    headers: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryPoint:
+    """Returned by an atomic phase to jump forward to a later declared recovery point."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What :meth:`Engine.run` returns: the stored response, and whether it was a replay."""
+
+    status: int
+    body: Any
+    headers: dict[str, str]
+    replayed: bool
+
+
+AtomicResult = Response | RecoveryPoint | None
+StepResult = Response | Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One declared phase: the recovery point it reaches when its work commits."""
+
+    point: str
+    kind: Literal["atomic", "foreign"]
+    fn: Callable[..., Any]
+    jumps_to: tuple[str, ...] = field(default=())
+
+    @property
+    def atomic(self) -> bool:
+        return self.kind == "atomic"
+
+
+class Operation(Generic[P]):
+    """A named, versioned, ordered list of phases.
+
+    Parameters
+    ----------
+    name:
+        Stable name stored with every key; renaming the Python functions never orphans keys.
+    params:
+        Optional type (a pydantic model, dataclass, TypedDict…) that validates and normalises
+        the params. Phases receive an instance of it; without it they receive the JSON dict.
+    version:
+        Bump it when the phases change; unfinished keys resume with the version that
+        started them, so keep the old one registered until they are done.
+    lock_timeout:
+        How long a request holds a key before a retry may take it over. Each committed
+        phase renews it; make it longer than your slowest foreign step.
+    max_attempts:
+        Failed attempts after which the completer abandons a key.
+    """
+
+    @overload
+    def __init__(
+        self: Operation[Any],
+        name: str,
+        *,
+        params: None = None,
+        version: int = 1,
+        lock_timeout: timedelta = ...,
+        max_attempts: int = 10,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        name: str,
+        *,
+        params: type[P],
+        version: int = 1,
+        lock_timeout: timedelta = ...,
+        max_attempts: int = 10,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        params: type[P] | None = None,
+        version: int = 1,
+        lock_timeout: timedelta = timedelta(seconds=90),
+        max_attempts: int = 10,
+    ) -> None:
+        if not name or len(name) > 200:
+            raise DeclarationError(f"operation name must be 1 to 200 characters, got {name!r}")
+        if version < 1:
+            raise DeclarationError(f"operation {name!r}: version must be >= 1, got {version}")
+        if lock_timeout <= timedelta(0):
+            raise DeclarationError(f"operation {name!r}: lock_timeout must be positive")
+        if max_attempts < 1:
+            raise DeclarationError(f"operation {name!r}: max_attempts must be >= 1")
+        self.name = name
+        self.version = version
+        self.lock_timeout = lock_timeout
+        self.max_attempts = max_attempts
+        self.phases: list[Phase] = []
+        self._adapter: TypeAdapter[P] | None = TypeAdapter(params) if params is not None else None
+
+    def __repr__(self) -> str:
+        points = " → ".join(p.point for p in self.phases)
+        return f"<Operation {self.name} v{self.version}: {STARTED} → {points}>"
+
+    # -- declaration ---------------------------------------------------------------------
+
+    def atomic_phase(self, point: str, *, jumps_to: tuple[str, ...] = ()) -> Callable[[F], F]:
+        """Declare the next phase: ``fn(tx: AtomicContext, params)`` in one SERIALIZABLE
+        transaction, committing ``point``. List in ``jumps_to`` every later point the
+        phase may return as :class:`RecoveryPoint`."""
+        return self._declare(point, "atomic", tuple(jumps_to))
+
+    def foreign_step(self, point: str) -> Callable[[F], F]:
+        """Declare the next phase: ``fn(step: StepContext, params)`` outside any transaction;
+        what it returns is committed with ``point``."""
+        return self._declare(point, "foreign", ())
+
+    def _declare(
+        self, point: str, kind: Literal["atomic", "foreign"], jumps_to: tuple[str, ...]
+    ) -> Callable[[F], F]:
+        if not isinstance(point, str) or not point or len(point) > 100:
+            raise DeclarationError(f"{self.name}: a recovery point is 1 to 100 characters")
+        if point == STARTED:
+            raise DeclarationError(f"{self.name}: {STARTED!r} is where every request begins")
+        if any(p.point == point for p in self.phases):
+            raise DeclarationError(f"{self.name}: recovery point {point!r} is declared twice")
+        if self.phases and self.phases[-1].point == FINISHED:
+            raise DeclarationError(f"{self.name}: no phase may follow {FINISHED!r}")
+
+        def register(fn: F) -> F:
+            self.phases.append(Phase(point, kind, fn, jumps_to))
+            return fn
+
+        return register
+
+    def validate(self) -> None:
+        """Check the whole declaration; :meth:`Engine.register` calls this."""
+        if not self.phases:
+            raise DeclarationError(f"{self.name}: declare at least one phase")
+        if not self.phases[-1].atomic:
+            raise DeclarationError(
+                f"{self.name}: the last phase {self.phases[-1].point!r} is a foreign step; "
+                "end with an atomic phase that records its result and returns a Response"
+            )
+        for index, phase in enumerate(self.phases):
+            later = {p.point for p in self.phases[index + 1 :]}
+            for target in phase.jumps_to:
+                if target not in later:
+                    raise DeclarationError(
+                        f"{self.name}: phase {phase.point!r} may jump to {target!r}, "
+                        "which is not a recovery point declared after it"
+                    )
+
+    # -- running -------------------------------------------------------------------------
+
+    def next_phase(self, point: str) -> int:
+        """Index of the phase that runs from ``point``."""
+        if point == STARTED:
+            return 0
+        for index, phase in enumerate(self.phases):
+            if phase.point == point:
+                return index + 1
+        raise DeclarationError(
+            f"{self.name} v{self.version} declares no recovery point {point!r}; "
+            "bump the version when you change the phases and keep the old one registered"
+        )
+
+    def dump_params(self, params: Any) -> str:
+        """Validate and normalise ``params``; return their canonical JSON."""
+        if self._adapter is not None:
+            try:
+                params = self._adapter.dump_python(
+                    self._adapter.validate_python(params), mode="json"
+                )
+            except ValidationError as exc:
+                raise InvalidParams(f"the params are not valid for {self.name}: {exc}") from exc
+        try:
+            return canonical_json(params)
+        except ValueError as exc:
+            raise InvalidParams(f"the params cannot be stored: they are {exc}") from exc
+
+    def load_params(self, params_json: str) -> P:
+        """The params as phases see them, rebuilt from what was stored."""
+        if self._adapter is not None:
+            return self._adapter.validate_json(params_json)
+        value: P = json.loads(params_json)
+        return value
+

@@ -1,0 +1,97 @@
+"""The tables recoverypoint owns, as SQLAlchemy Core metadata.
+
+The Alembic revisions under ``migrations/`` create exactly these tables; a test compares
+the two so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+metadata = MetaData()
+
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("scope", Text, nullable=False),
+    Column("operation", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("operation_version", Integer, nullable=False),
+    Column("request_method", Text, nullable=False),
+    Column("request_path", Text, nullable=False),
+    Column("request_params", JSONB, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("recovery_point", Text, nullable=False, server_default=text("'started'")),
+    Column("state", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # The lease: whoever holds lock_token may commit until locked_at + the lock timeout.
+    Column("locked_at", DateTime(timezone=True)),
+    Column("lock_token", UUID(as_uuid=True)),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column(
+        "next_attempt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+    ),
+    Column("last_error", Text),
+    Column("response_status", Integer),
+    Column("response_headers", JSONB),
+    Column("response_body", JSONB),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("last_run_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("finished_at", DateTime(timezone=True)),
+    UniqueConstraint(
+        "scope", "operation", "idempotency_key", name="idempotency_keys_scope_operation_key"
+    ),
+    CheckConstraint(
+        "char_length(idempotency_key) BETWEEN 1 AND 255", name="idempotency_keys_key_length"
+    ),
+    CheckConstraint("char_length(scope) <= 255", name="idempotency_keys_scope_length"),
+    # A finished key always has its response, so a replay never finds half a record.
+    CheckConstraint(
+        "(finished_at IS NULL) = (response_status IS NULL)", name="idempotency_keys_finished"
+    ),
+    # The completer's claim: unfinished keys by the time their next attempt is due.
+    Index(
+        "idempotency_keys_unfinished",
+        "next_attempt_at",
+        postgresql_where=text("finished_at IS NULL"),
+    ),
+    # The reaper's scan: finished keys by age.
+    Index(
+        "idempotency_keys_finished_at",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+    ),
+)
+
+staged_jobs = Table(
+    "staged_jobs",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("job_name", Text, nullable=False),
+    Column("job_args", JSONB, nullable=False),
+    # Derived from the key record and the job's position in it: stable across retries,
+    # so a consumer can dedupe on it.
+    Column("job_key", Text, nullable=False, unique=True),
+    Column(
+        "idempotency_key_id",
+        BigInteger,
+        ForeignKey("idempotency_keys.id", ondelete="SET NULL"),
+    ),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Index("staged_jobs_idempotency_key_id", "idempotency_key_id"),
+)
