@@ -196,10 +196,10 @@ class Engine:
         except LockLost:
             raise
         except BaseException as exc:
-            self._release(run, exc)
+            self._release(run, point, exc)
             raise
 
-    def _release(self, run: _Run, exc: BaseException) -> None:
+    def _release(self, run: _Run, point: str, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
@@ -213,7 +213,7 @@ class Engine:
             "key %s of %s failed at %s (lease %s): %s",
             run.record.id,
             run.operation.name,
-            run.record.recovery_point,
+            point,
             "released" if released else "already taken over",
             error,
         )

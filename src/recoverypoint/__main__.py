@@ -1,0 +1,5 @@
+"""``python -m recoverypoint``: the same as the ``recoverypoint`` command."""
+
+from recoverypoint.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""The ``recoverypoint`` command.
+
+Each subcommand is a function that adds its parser and sets ``handler``; a new one (for
+example ``worker``, in its own module) only needs to be added to :data:`_SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeAlias
+
+from alembic.util import CommandError
+from sqlalchemy.exc import DBAPIError
+
+from recoverypoint import migrate
+from recoverypoint.database import normalize_url
+
+DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
+
+# Exit statuses: 2 is argparse's own for a usage error.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="recoverypoint",
+        description="Idempotency keys with recovery points on PostgreSQL.",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for add_subcommand in _SUBCOMMANDS:
+        add_subcommand(subparsers)
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+def _add_migrate(subparsers: _Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "migrate",
+        help="create or upgrade recoverypoint's tables",
+        description=(
+            "Bring recoverypoint's tables to the newest schema; a database already there is "
+            "left alone. The version is kept in recoverypoint_alembic_version, apart from "
+            "your own Alembic history."
+        ),
+    )
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=os.environ.get(DATABASE_URL_ENV),
+        help=f"postgresql://user:password@host:port/database (default: ${DATABASE_URL_ENV})",
+    )
+    parser.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the SQL instead of running it; no database is contacted",
+    )
+    parser.set_defaults(handler=_migrate)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    if args.sql:
+        migrate.upgrade_sql(sys.stdout)
+        return EXIT_OK
+    if not args.database_url:
+        return _fail(
+            EXIT_USAGE,
+            f"no database to migrate: pass --database-url postgresql://user:password@host/db "
+            f"or set {DATABASE_URL_ENV} (or use --sql to print the SQL instead)",
+        )
+    try:
+        url = normalize_url(args.database_url)
+    except ValueError as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    try:
+        result = migrate.upgrade(url)
+    except DBAPIError as exc:
+        # The driver's message says what went wrong (refused, no such database, bad
+        # password); a traceback would only bury it. Its lines are joined into one.
+        detail = " ".join(str(exc.orig or exc).split())
+        return _fail(EXIT_FAILED, f"{url.render_as_string(hide_password=True)}: {detail}")
+    except CommandError as exc:  # e.g. the database is at a revision this version lacks
+        return _fail(EXIT_FAILED, str(exc))
+    if result.applied:
+        print(f"applied {', '.join(result.applied)}; ", end="")
+    print(f"recoverypoint schema is at revision {result.revision} (head)")
+    return EXIT_OK
+
+
+def _fail(status: int, message: str) -> int:
+    print(f"recoverypoint migrate: error: {message}", file=sys.stderr)
+    return status
+
+
+_SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate,)

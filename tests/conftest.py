@@ -1,0 +1,171 @@
+"""Fixtures on a real PostgreSQL server: a fresh database per test session, migrated with
+``recoverypoint.migrate``, and dropped at the end. There are no database mocks.
+
+The server is the first of:
+
+1. ``RECOVERYPOINT_TEST_DATABASE_URL``: a server you run (CI sets it). The database in the URL
+   is only used to create and drop the test databases, so ``.../postgres`` is fine;
+2. a ``postgres:16`` container (testcontainers), when a Docker daemon answers;
+3. an embedded server (pgserver) in a temporary directory.
+
+The header of the pytest report says which one was used.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import secrets
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+import recoverypoint as rp
+from recoverypoint import migrate
+from recoverypoint.database import create_engine, normalize_url
+from recoverypoint.embedded import embedded_database
+
+from rides import Faults, Provider  # noqa: E402  (tests/ is on sys.path)
+
+SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
+
+
+@functools.cache
+def _server_kind() -> str:
+    """``env``, ``docker`` or ``embedded``; decided once, for the report header and fixtures."""
+    if os.environ.get(SERVER_URL_ENV):
+        return "env"
+    with warnings.catch_warnings():
+        # A failed docker.from_env() leaves its socket to the garbage collector, whose
+        # ResourceWarning would fail some later test: collect it here, silently.
+        warnings.simplefilter("ignore", ResourceWarning)
+        docker_answers = _docker_answers()
+        gc.collect()
+    return "docker" if docker_answers else "embedded"
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env()
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception:  # no SDK, no socket, daemon down: all mean "no Docker"
+        return False
+    return True
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    kind = _server_kind()
+    if kind == "env":
+        url = normalize_url(os.environ[SERVER_URL_ENV]).render_as_string(hide_password=True)
+        where = f"the server at ${SERVER_URL_ENV} ({url})"
+    elif kind == "docker":
+        where = "a postgres:16 container (testcontainers)"
+    else:
+        where = "an embedded server (pgserver)"
+    return f"recoverypoint test databases: {where}"
+
+
+def _url_string(url: str) -> str:
+    """``url`` as a ``postgresql+psycopg://`` string, password included (tests need it)."""
+    return normalize_url(url).render_as_string(hide_password=False)
+
+
+@contextmanager
+def _fresh_database(server_url: str) -> Iterator[str]:
+    """Create an empty database ``rp_test_<hex>`` on the server, yield its URL, drop it."""
+    name = f"rp_test_{secrets.token_hex(8)}"
+    # CREATE/DROP DATABASE cannot run inside a transaction.
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        try:
+            yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as connection:
+                # FORCE: a test that leaked a connection must not leave the database behind.
+                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    """Admin URL of the test server, for tests that create databases of their own."""
+    kind = _server_kind()
+    if kind == "env":
+        yield _url_string(os.environ[SERVER_URL_ENV])
+    elif kind == "docker":
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:16", driver="psycopg") as container:
+            yield _url_string(container.get_connection_url())
+    else:
+        with embedded_database() as url:
+            yield url
+
+
+@pytest.fixture(scope="session")
+def database_url(server_url: str) -> Iterator[str]:
+    """A database of this session alone, at the newest schema (``postgresql+psycopg://``)."""
+    with _fresh_database(server_url) as url:
+        migrate.upgrade(url)
+        yield url
+
+
+@pytest.fixture(scope="session")
+def db(database_url: str) -> Iterator[sa.Engine]:
+    """An engine on :func:`database_url`, with room for 60 threads at once."""
+    engine = create_engine(database_url, pool_size=10, max_overflow=60)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def empty_database_url(server_url: str) -> Iterator[str]:
+    """A brand-new database with no tables, dropped after the test."""
+    with _fresh_database(server_url) as url:
+        yield url
+
+
+@pytest.fixture
+def scope() -> str:
+    """A scope no other test uses, so tests never see each other's keys."""
+    return uuid.uuid4().hex
+
+
+@pytest.fixture(scope="session")
+def business_tables(db: sa.Engine) -> None:
+    """The example tables the engine tests write to (rides, audit records, the provider's)."""
+    from rides import SCHEMA
+
+    with db.begin() as connection:
+        connection.exec_driver_sql(SCHEMA)
+
+
+@pytest.fixture
+def engine(db: sa.Engine, business_tables: None) -> rp.Engine:
+    """A recoverypoint engine of its own, on the session's database."""
+    return rp.Engine(db)
+
+
+@pytest.fixture
+def provider(db: sa.Engine, business_tables: None) -> Provider:
+    return Provider(db)
+
+
+@pytest.fixture
+def faults() -> Faults:
+    return Faults()

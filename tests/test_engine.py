@@ -1,0 +1,454 @@
+"""The request path on real PostgreSQL: claim, phases, recovery points, replay, failures."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from rides import Boom, Faults, Provider, count, ride_operation
+
+import recoverypoint as rp
+
+RIDES = rp.Request("POST", "/rides")
+
+
+def key_row(db: sa.Engine, scope: str) -> dict[str, Any]:
+    with db.connect() as conn:
+        return dict(
+            conn.execute(
+                sa.text("SELECT * FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+            )
+            .mappings()
+            .one()
+        )
+
+
+def test_new_key_runs_every_phase_and_stores_the_response(
+    engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
+) -> None:
+    op = ride_operation("create_ride", provider, faults)
+    engine.register(op)
+
+    outcome = engine.run(op, key="k1", params={"scope": scope}, scope=scope, request=RIDES)
+
+    assert outcome.status == 201
+    assert outcome.replayed is False
+    assert outcome.body["charge_id"].startswith("ch_")
+    row = key_row(db, scope)
+    assert row["recovery_point"] == "finished"
+    assert row["locked_at"] is None and row["lock_token"] is None
+    assert row["response_status"] == 201
+    assert row["response_body"] == outcome.body
+    assert row["state"] == outcome.body
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
+    jobs = count(
+        db,
+        "SELECT count(*) FROM staged_jobs WHERE idempotency_key_id = :k AND job_name = :n",
+        k=row["id"],
+        n="send_ride_receipt",
+    )
+    assert jobs == 1
+
+
+def test_finished_key_replays_without_running_any_phase(
+    engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
+) -> None:
+    op = ride_operation("create_ride", provider, faults)
+    engine.register(op)
+    first = engine.run(op, key="k1", params={"scope": scope}, scope=scope, request=RIDES)
+    calls_before = dict(faults.calls)
+
+    again = engine.run(op, key="k1", params={"scope": scope}, scope=scope, request=RIDES)
+
+    assert again.replayed is True
+    assert (again.status, again.body, again.headers) == (first.status, first.body, first.headers)
+    assert dict(faults.calls) == calls_before
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+
+
+def test_replay_keeps_safe_headers_only(engine: rp.Engine, db: sa.Engine, scope: str) -> None:
+    op: rp.Operation[Any] = rp.Operation("set_prefs")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        headers = {
+            "Location": "/prefs/1",
+            "X-Request-Cost": "3",
+            "Set-Cookie": "session=secret",
+            "Connection": "keep-alive",
+            "Transfer-Encoding": "chunked",
+        }
+        return rp.Response(200, {"ok": True}, headers)
+
+    engine.register(op)
+    first = engine.run(op, key="k", params={}, scope=scope)
+    replay = engine.run(op, key="k", params={}, scope=scope)
+
+    expected = {"Location": "/prefs/1", "X-Request-Cost": "3"}
+    assert first.headers == expected
+    assert replay.headers == expected and replay.replayed
+    assert key_row(db, scope)["response_headers"] == expected
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"params": {"amount": 2}},
+        {"request": rp.Request("PUT", "/rides")},
+        {"request": rp.Request("POST", "/rides/other")},
+    ],
+    ids=["params", "method", "path"],
+)
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "unfinished"])
+def test_reused_key_with_another_request_is_refused(
+    engine: rp.Engine, db: sa.Engine, scope: str, changed: dict[str, Any], finished: bool
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("pay")
+
+    @op.atomic_phase("paid")
+    def pay(tx: rp.AtomicContext, params: Any) -> None:
+        pass
+
+    @op.foreign_step("notified")
+    def notify(step: rp.StepContext, params: Any) -> None:
+        if not finished:
+            raise rp.Retryable("provider down")
+
+    @op.atomic_phase("finished")
+    def done(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {"paid": True})
+
+    engine.register(op)
+    original = {"params": {"amount": 1}, "request": RIDES}
+    if finished:
+        engine.run(op, key="k", scope=scope, **original)
+    else:
+        # An existing, unfinished key: make one that survives its first failure.
+        with pytest.raises(rp.Retryable):
+            engine.run(op, key="k", scope=scope, **original)
+    rows_before = count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope)
+
+    with pytest.raises(rp.ParamsMismatch) as caught:
+        engine.run(op, key="k", scope=scope, **{**original, **changed})
+
+    assert caught.value.http_status == 422
+    rows_after = count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope)
+    assert rows_after == rows_before
+
+
+def test_keys_are_scoped_by_scope_and_operation(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    runs: list[str] = []
+    ops = []
+    for name in ("op_a", "op_b"):
+        op: rp.Operation[Any] = rp.Operation(name)
+
+        @op.atomic_phase("finished")
+        def finish(tx: rp.AtomicContext, params: Any, name: str = name) -> rp.Response:
+            runs.append(name)
+            return rp.Response(200, {"op": name})
+
+        ops.append(op)
+    engine.register(*ops)
+
+    for op in ops:
+        for owner in (scope, scope + "-other"):
+            outcome = engine.run(op, key="same-key", params={}, scope=owner)
+            assert outcome.replayed is False
+    assert sorted(runs) == ["op_a", "op_a", "op_b", "op_b"]
+
+
+def test_in_flight_key_gives_key_in_use_with_retry_after(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    entered, leave = threading.Event(), threading.Event()
+    op: rp.Operation[Any] = rp.Operation("slow")
+
+    @op.atomic_phase("created")
+    def create(tx: rp.AtomicContext, params: Any) -> None:
+        pass
+
+    @op.foreign_step("called")
+    def call(step: rp.StepContext, params: Any) -> None:
+        entered.set()
+        assert leave.wait(10)
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {"done": True})
+
+    engine.register(op)
+    results: list[rp.Outcome] = []
+    first = threading.Thread(
+        target=lambda: results.append(engine.run(op, key="k", params={}, scope=scope))
+    )
+    first.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(rp.KeyInUse) as caught:
+            engine.run(op, key="k", params={}, scope=scope)
+    finally:
+        leave.set()
+        first.join()
+
+    assert caught.value.http_status == 409
+    assert 1 <= caught.value.retry_after <= 90
+    assert results[0].status == 201
+    assert engine.run(op, key="k", params={}, scope=scope).replayed
+
+
+def test_early_response_is_terminal_and_replayed(
+    engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
+) -> None:
+    op = ride_operation("create_ride", provider, faults)
+    engine.register(op)
+    params = {"scope": scope, "customer": "cus_declined"}
+
+    declined = engine.run(op, key="k", params=params, scope=scope, request=RIDES)
+    again = engine.run(op, key="k", params=params, scope=scope, request=RIDES)
+
+    assert (declined.status, declined.body) == (402, {"error": "card_declined"})
+    assert again.replayed and (again.status, again.body) == (402, {"error": "card_declined"})
+    assert faults.calls["finished:start"] == 0
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 0
+    assert key_row(db, scope)["recovery_point"] == "finished"
+
+
+def test_recovery_point_jump_skips_phases(engine: rp.Engine, db: sa.Engine, scope: str) -> None:
+    ran: list[str] = []
+    op: rp.Operation[Any] = rp.Operation("maybe_charge")
+
+    @op.atomic_phase("checked", jumps_to=("recorded",))
+    def check(tx: rp.AtomicContext, params: Any) -> rp.RecoveryPoint | None:
+        ran.append("checked")
+        tx.state["free"] = params["free"]
+        return rp.RecoveryPoint("recorded") if params["free"] else None
+
+    @op.foreign_step("charged")
+    def charge(step: rp.StepContext, params: Any) -> None:
+        ran.append("charged")
+
+    @op.atomic_phase("recorded")
+    def record(tx: rp.AtomicContext, params: Any) -> None:
+        ran.append("recorded")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        ran.append("finished")
+        return rp.Response(200, tx.state)
+
+    engine.register(op)
+    assert engine.run(op, key="free", params={"free": True}, scope=scope).body == {"free": True}
+    assert ran == ["checked", "finished"]
+
+
+def test_undeclared_jump_is_refused_and_rolled_back(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("bad_jump")
+
+    @op.atomic_phase("one")
+    def one(tx: rp.AtomicContext, params: Any) -> rp.RecoveryPoint:
+        return rp.RecoveryPoint("finished")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(200)
+
+    engine.register(op)
+    with pytest.raises(rp.DeclarationError, match="jumps_to"):
+        engine.run(op, key="k", params={}, scope=scope)
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
+
+
+def test_last_phase_without_response_finishes_with_204(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("fire_and_forget")
+
+    @op.atomic_phase("done")
+    def done(tx: rp.AtomicContext, params: Any) -> None:
+        tx.state["x"] = 1
+
+    engine.register(op)
+    outcome = engine.run(op, key="k", params={}, scope=scope)
+    assert (outcome.status, outcome.body) == (204, None)
+    assert engine.run(op, key="k", params={}, scope=scope).status == 204
+
+
+def test_pydantic_params_are_validated_normalised_and_handed_to_phases(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    from pydantic import BaseModel
+
+    class RideParams(BaseModel):
+        origin_lat: float
+        origin_lon: float
+
+    seen: list[Any] = []
+    op = rp.Operation("typed_ride", params=RideParams)
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
+        seen.append(params)
+        return rp.Response(201, params.model_dump())
+
+    engine.register(op)
+    outcome = engine.run(op, key="k", params={"origin_lat": "1.5", "origin_lon": 2}, scope=scope)
+    # The normalised form is what is fingerprinted, so an equivalent body is a replay.
+    again = engine.run(op, key="k", params=RideParams(origin_lat=1.5, origin_lon=2.0), scope=scope)
+
+    assert isinstance(seen[0], RideParams)
+    assert outcome.body == {"origin_lat": 1.5, "origin_lon": 2.0}
+    assert again.replayed
+    assert key_row(db, scope)["request_params"] == {"origin_lat": 1.5, "origin_lon": 2.0}
+
+
+def test_session_writes_commit_with_the_phase(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("orm")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.session.execute(
+            sa.text("INSERT INTO audit_records (scope, action, key_id) VALUES (:s, 'orm', :k)"),
+            {"s": scope, "k": tx.key_id},
+        )
+        return rp.Response(200)
+
+    engine.register(op)
+    engine.run(op, key="k", params={}, scope=scope)
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
+
+
+def test_version_change_resumes_old_keys_with_their_version(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    ran: list[str] = []
+
+    def declare(version: int, fail: bool) -> rp.Operation[Any]:
+        op: rp.Operation[Any] = rp.Operation("versioned", version=version)
+
+        @op.atomic_phase("first")
+        def first(tx: rp.AtomicContext, params: Any) -> None:
+            ran.append(f"v{version}.first")
+
+        @op.foreign_step("second")
+        def second(step: rp.StepContext, params: Any) -> None:
+            ran.append(f"v{version}.second")
+            if fail:
+                raise rp.Retryable("try later")
+
+        @op.atomic_phase("finished")
+        def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+            ran.append(f"v{version}.finished")
+            return rp.Response(200, {"version": version})
+
+        return op
+
+    v1_failing = declare(1, fail=True)
+    engine.register(v1_failing)
+    with pytest.raises(rp.Retryable):
+        engine.run(v1_failing, key="k", params={}, scope=scope)
+
+    # A new deploy: v2 serves new keys, v1 (fixed) stays registered for unfinished ones.
+    later = rp.Engine(db)
+    v1, v2 = declare(1, fail=False), declare(2, fail=False)
+    later.register(v2)
+    with pytest.raises(rp.OperationNotRegistered, match="v1"):
+        later.run(v2, key="k", params={}, scope=scope)
+    assert key_row(db, scope)["recovery_point"] == "first"
+    later.register(v1)
+    assert later.run(v2, key="k", params={}, scope=scope).body == {"version": 1}
+    assert ran == ["v1.first", "v1.second", "v1.second", "v1.finished"]
+
+
+def test_unregistered_operation_is_refused_and_stores_nothing(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("never_registered")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(200)
+
+    with pytest.raises(rp.OperationNotRegistered, match="register"):
+        engine.run(op, key="k", params={}, scope=scope)
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
+
+
+def test_foreign_steps_run_outside_any_transaction_and_hold_no_connection(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    observed: dict[str, Any] = {}
+    op: rp.Operation[Any] = rp.Operation("observe")
+
+    @op.atomic_phase("created")
+    def create(tx: rp.AtomicContext, params: Any) -> None:
+        observed["in_phase"] = db.pool.checkedout()
+
+    @op.foreign_step("called")
+    def call(step: rp.StepContext, params: Any) -> None:
+        observed["in_step"] = db.pool.checkedout()
+        with db.connect() as conn:
+            observed["others_in_tx"] = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+                )
+            ).scalar_one()
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(200)
+
+    engine.register(op)
+    engine.run(op, key="k", params={}, scope=scope)
+
+    assert observed["in_phase"] >= 1
+    assert observed["in_step"] == 0
+    assert observed["others_in_tx"] == 0
+
+
+def test_downstream_key_is_stable_unique_short_and_hides_the_scope(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    keys: list[tuple[str, str, str]] = []
+    op: rp.Operation[Any] = rp.Operation("keys")
+    failures = {"n": 1}
+
+    @op.foreign_step("charged")
+    def charge(step: rp.StepContext, params: Any) -> None:
+        keys.append((params["id"], step.downstream_key(), step.downstream_key("refund")))
+        if failures["n"]:
+            failures["n"] -= 1
+            raise Boom("after the foreign call, before its commit")
+
+    @op.foreign_step("emailed")
+    def email(step: rp.StepContext, params: Any) -> None:
+        keys.append((params["id"], step.downstream_key(), ""))
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(200)
+
+    engine.register(op)
+    client_key = "client-key-" + uuid.uuid4().hex
+    with pytest.raises(Boom):
+        engine.run(op, key=client_key, params={"id": "a"}, scope=scope)
+    engine.run(op, key=client_key, params={"id": "a"}, scope=scope)
+    engine.run(op, key=client_key + "-2", params={"id": "b"}, scope=scope)
+
+    (a1, a1_refund, _), (a1_again, a1_refund_again, _), (_, a2, _), (_, b1, _), _ = keys
+    assert (a1, a1_refund) == (a1_again, a1_refund_again)  # same across retries
+    assert len({a1, a1_refund, a2, b1}) == 4  # per step, per name, per request
+    for derived in (a1, a1_refund, a2, b1):
+        assert len(derived) <= 255
+        assert scope not in derived and client_key not in derived

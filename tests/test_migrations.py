@@ -1,0 +1,244 @@
+"""The schema's delivery: ``recoverypoint migrate`` (online and ``--sql``), Alembic run from
+the checkout, and no drift between the revisions and ``recoverypoint.schema``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.pool import NullPool
+
+from recoverypoint import migrate
+from recoverypoint.database import create_engine
+from recoverypoint.schema import metadata
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
+
+
+def run_cli(*args: str, database_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m recoverypoint ARGS`` with RECOVERYPOINT_DATABASE_URL set only if given."""
+    env = {k: v for k, v in os.environ.items() if k != "RECOVERYPOINT_DATABASE_URL"}
+    if database_url is not None:
+        env["RECOVERYPOINT_DATABASE_URL"] = database_url
+    return subprocess.run(
+        [sys.executable, "-m", "recoverypoint", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def query(url: str, sql: str) -> list[Any]:
+    """The first column of ``sql``'s rows, on a connection of its own."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            return list(connection.execute(sa.text(sql)).scalars())
+    finally:
+        engine.dispose()
+
+
+def versions(url: str) -> list[str]:
+    return query(url, "SELECT version_num FROM recoverypoint_alembic_version")
+
+
+def tables(url: str) -> set[str]:
+    return set(query(url, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))
+
+
+def plain_postgresql(url: str) -> str:
+    """The URL as users write it, without SQLAlchemy's driver suffix."""
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def test_migrate_applies_0001_once_then_is_a_no_op(empty_database_url: str) -> None:
+    first = run_cli("migrate", "--database-url", plain_postgresql(empty_database_url))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "applied 0001; recoverypoint schema is at revision 0001 (head)\n"
+
+    # The second run takes its URL from the environment, as a deployment would.
+    second = run_cli("migrate", database_url=empty_database_url)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "recoverypoint schema is at revision 0001 (head)\n"
+
+    assert versions(empty_database_url) == ["0001"]
+    assert tables(empty_database_url) == {
+        "idempotency_keys",
+        "staged_jobs",
+        migrate.VERSION_TABLE,
+    }  # in particular no `alembic_version`: that name belongs to the application
+
+
+def test_migrate_leaves_the_applications_alembic_history_alone(empty_database_url: str) -> None:
+    engine = create_engine(empty_database_url, poolclass=NullPool)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)"
+        )
+        connection.exec_driver_sql("INSERT INTO alembic_version VALUES ('ae1027a6acf')")
+    engine.dispose()
+
+    result = run_cli("migrate", "--database-url", empty_database_url)
+
+    assert result.returncode == 0, result.stderr
+    assert query(empty_database_url, "SELECT version_num FROM alembic_version") == ["ae1027a6acf"]
+    assert versions(empty_database_url) == ["0001"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env_url"),
+    [([], None), (["--database-url", UNREACHABLE_URL], UNREACHABLE_URL)],
+    ids=["no-url", "unreachable-url"],
+)
+def test_sql_prints_the_ddl_without_touching_a_database(
+    args: Sequence[str], env_url: str | None
+) -> None:
+    # An unreachable URL must not matter: offline mode never connects.
+    result = run_cli("migrate", "--sql", *args, database_url=env_url)
+
+    assert result.returncode == 0, result.stderr
+    for statement in (
+        "CREATE TABLE idempotency_keys",
+        "CREATE TABLE staged_jobs",
+        "CREATE INDEX idempotency_keys_unfinished",
+        f"CREATE TABLE {migrate.VERSION_TABLE}",
+        f"INSERT INTO {migrate.VERSION_TABLE} (version_num) VALUES ('0001')",
+        "COMMIT;",
+    ):
+        assert statement in result.stdout
+    assert re.search(r"(?<!recoverypoint_)alembic_version", result.stdout) is None
+
+
+def _schema_diff(connection: sa.Connection) -> list[Any]:
+    context = MigrationContext.configure(
+        connection,
+        opts={
+            "compare_type": True,
+            "compare_server_default": True,
+            # Alembic's bookkeeping is not part of recoverypoint.schema.
+            "include_name": lambda name, type_, parents: name != migrate.VERSION_TABLE,
+        },
+    )
+    diff: list[Any] = compare_metadata(context, metadata)
+    return diff
+
+
+def test_migrated_schema_matches_the_schema_module(empty_database_url: str) -> None:
+    engine = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            # The comparison sees our tables at all: before migrating, both are missing.
+            missing = {diff[1].name for diff in _schema_diff(connection) if diff[0] == "add_table"}
+            assert missing == {"idempotency_keys", "staged_jobs"}
+
+        assert migrate.upgrade(engine).applied == ("0001",)
+        assert migrate.upgrade(engine).applied == ()
+
+        with engine.connect() as connection:
+            assert _schema_diff(connection) == []
+
+            # Alembic does not compare CHECK constraints or partial-index predicates.
+            inspector = sa.inspect(connection)
+            for table in metadata.tables.values():
+                declared_checks = {
+                    c.name for c in table.constraints if isinstance(c, sa.CheckConstraint)
+                }
+                found_checks = {c["name"] for c in inspector.get_check_constraints(table.name)}
+                assert found_checks == declared_checks, table.name
+
+                declared_where = {
+                    index.name: _normalise(index.dialect_options["postgresql"]["where"])
+                    for index in table.indexes
+                }
+                found_where = {
+                    index["name"]: _normalise(
+                        index.get("dialect_options", {}).get("postgresql_where")
+                    )
+                    for index in inspector.get_indexes(table.name)
+                    if not index.get("duplicates_constraint")
+                }
+                assert found_where == declared_where, table.name
+    finally:
+        engine.dispose()
+
+
+def _normalise(where: object) -> str | None:
+    """A predicate compared without the parentheses PostgreSQL adds when it prints one."""
+    return None if where is None else str(where).replace("(", "").replace(")", "")
+
+
+def test_concurrent_migrators_apply_the_revision_once(empty_database_url: str) -> None:
+    # Instances starting at once: separate processes, serialised by env.py's advisory lock.
+    env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": empty_database_url}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "recoverypoint", "migrate"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+
+    assert [process.returncode for process in processes] == [0] * 4, outputs
+    assert sum(stdout.startswith("applied 0001;") for stdout, _ in outputs) == 1
+    assert versions(empty_database_url) == ["0001"]
+
+
+def test_concurrent_threads_apply_the_revision_once(empty_database_url: str) -> None:
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(migrate.upgrade, [empty_database_url] * 4))
+
+    assert sorted(r.applied for r in results) == [(), (), (), ("0001",)]
+
+
+def test_session_database_is_at_head(database_url: str) -> None:
+    assert versions(database_url) == ["0001"]
+
+
+def test_alembic_upgrade_head_from_the_checkout(empty_database_url: str) -> None:
+    env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": plain_postgresql(empty_database_url)}
+    result = subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert versions(empty_database_url) == ["0001"]
+    assert {"idempotency_keys", "staged_jobs"} <= tables(empty_database_url)
+
+
+def test_migrate_without_a_url_says_what_to_pass() -> None:
+    result = run_cli("migrate")
+
+    assert result.returncode == 2
+    assert "--database-url" in result.stderr
+    assert "RECOVERYPOINT_DATABASE_URL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_migrate_on_an_unreachable_database_fails_in_one_line() -> None:
+    result = run_cli("migrate", "--database-url", UNREACHABLE_URL)
+
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "127.0.0.1" in result.stderr and "refused" in result.stderr
