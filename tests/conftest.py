@@ -169,3 +169,41 @@ def provider(db: sa.Engine, business_tables: None) -> Provider:
 @pytest.fixture
 def faults() -> Faults:
     return Faults()
+
+
+# -- worker tests ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def worker_database_url(server_url: str) -> Iterator[str]:
+    """A migrated database of this test alone, with the tables of ``workload.py``.
+
+    Workers act on every row they find, so a test that runs them must neither see other
+    tests' keys and jobs nor leave its own behind.
+    """
+    from workload import SCHEMA
+
+    with _fresh_database(server_url) as url:
+        migrate.upgrade(url)
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.begin() as connection:
+                connection.exec_driver_sql(SCHEMA)
+        finally:
+            engine.dispose()
+        yield url
+
+
+@pytest.fixture
+def worker_db(worker_database_url: str) -> Iterator[sa.Engine]:
+    """An engine on :func:`worker_database_url`."""
+    engine = create_engine(worker_database_url, pool_size=5, max_overflow=20)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def module_database_url(server_url: str) -> Iterator[str]:
+    """A database of one test module alone, with no tables, dropped after the module."""
+    with _fresh_database(server_url) as url:
+        yield url

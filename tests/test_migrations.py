@@ -24,6 +24,10 @@ from recoverypoint.schema import metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
+# Every revision, oldest first; the last one is the head.
+REVISIONS = ("0001", "0002")
+HEAD = REVISIONS[-1]
+TABLES = {"idempotency_keys", "staged_jobs", "processed_messages"}
 
 
 def run_cli(*args: str, database_url: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -63,22 +67,21 @@ def plain_postgresql(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-def test_migrate_applies_0001_once_then_is_a_no_op(empty_database_url: str) -> None:
+def test_migrate_applies_every_revision_once_then_is_a_no_op(empty_database_url: str) -> None:
     first = run_cli("migrate", "--database-url", plain_postgresql(empty_database_url))
     assert first.returncode == 0, first.stderr
-    assert first.stdout == "applied 0001; recoverypoint schema is at revision 0001 (head)\n"
+    assert first.stdout == (
+        f"applied {', '.join(REVISIONS)}; recoverypoint schema is at revision {HEAD} (head)\n"
+    )
 
     # The second run takes its URL from the environment, as a deployment would.
     second = run_cli("migrate", database_url=empty_database_url)
     assert second.returncode == 0, second.stderr
-    assert second.stdout == "recoverypoint schema is at revision 0001 (head)\n"
+    assert second.stdout == f"recoverypoint schema is at revision {HEAD} (head)\n"
 
-    assert versions(empty_database_url) == ["0001"]
-    assert tables(empty_database_url) == {
-        "idempotency_keys",
-        "staged_jobs",
-        migrate.VERSION_TABLE,
-    }  # in particular no `alembic_version`: that name belongs to the application
+    assert versions(empty_database_url) == [HEAD]
+    # in particular no `alembic_version`: that name belongs to the application
+    assert tables(empty_database_url) == {*TABLES, migrate.VERSION_TABLE}
 
 
 def test_migrate_leaves_the_applications_alembic_history_alone(empty_database_url: str) -> None:
@@ -94,7 +97,7 @@ def test_migrate_leaves_the_applications_alembic_history_alone(empty_database_ur
 
     assert result.returncode == 0, result.stderr
     assert query(empty_database_url, "SELECT version_num FROM alembic_version") == ["ae1027a6acf"]
-    assert versions(empty_database_url) == ["0001"]
+    assert versions(empty_database_url) == [HEAD]
 
 
 @pytest.mark.parametrize(
@@ -112,6 +115,7 @@ def test_sql_prints_the_ddl_without_touching_a_database(
     for statement in (
         "CREATE TABLE idempotency_keys",
         "CREATE TABLE staged_jobs",
+        "CREATE TABLE processed_messages",
         "CREATE INDEX idempotency_keys_unfinished",
         f"CREATE TABLE {migrate.VERSION_TABLE}",
         f"INSERT INTO {migrate.VERSION_TABLE} (version_num) VALUES ('0001')",
@@ -141,9 +145,9 @@ def test_migrated_schema_matches_the_schema_module(empty_database_url: str) -> N
         with engine.connect() as connection:
             # The comparison sees our tables at all: before migrating, both are missing.
             missing = {diff[1].name for diff in _schema_diff(connection) if diff[0] == "add_table"}
-            assert missing == {"idempotency_keys", "staged_jobs"}
+            assert missing == TABLES
 
-        assert migrate.upgrade(engine).applied == ("0001",)
+        assert migrate.upgrade(engine).applied == REVISIONS
         assert migrate.upgrade(engine).applied == ()
 
         with engine.connect() as connection:
@@ -195,19 +199,19 @@ def test_concurrent_migrators_apply_the_revision_once(empty_database_url: str) -
     outputs = [process.communicate(timeout=120) for process in processes]
 
     assert [process.returncode for process in processes] == [0] * 4, outputs
-    assert sum(stdout.startswith("applied 0001;") for stdout, _ in outputs) == 1
-    assert versions(empty_database_url) == ["0001"]
+    assert sum(stdout.startswith("applied ") for stdout, _ in outputs) == 1
+    assert versions(empty_database_url) == [HEAD]
 
 
 def test_concurrent_threads_apply_the_revision_once(empty_database_url: str) -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(migrate.upgrade, [empty_database_url] * 4))
 
-    assert sorted(r.applied for r in results) == [(), (), (), ("0001",)]
+    assert sorted(r.applied for r in results) == [(), (), (), REVISIONS]
 
 
 def test_session_database_is_at_head(database_url: str) -> None:
-    assert versions(database_url) == ["0001"]
+    assert versions(database_url) == [HEAD]
 
 
 def test_alembic_upgrade_head_from_the_checkout(empty_database_url: str) -> None:
@@ -222,8 +226,8 @@ def test_alembic_upgrade_head_from_the_checkout(empty_database_url: str) -> None
     )
 
     assert result.returncode == 0, result.stderr
-    assert versions(empty_database_url) == ["0001"]
-    assert {"idempotency_keys", "staged_jobs"} <= tables(empty_database_url)
+    assert versions(empty_database_url) == [HEAD]
+    assert tables(empty_database_url) >= TABLES
 
 
 def test_migrate_without_a_url_says_what_to_pass() -> None:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError
 
 from recoverypoint import migrate
 from recoverypoint.database import normalize_url
+from recoverypoint.workers.cli import add_worker
 
 DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
 
@@ -97,4 +98,4 @@ def _fail(status: int, message: str) -> int:
     return status
 
 
-_SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate,)
+_SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate, add_worker)

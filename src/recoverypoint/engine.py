@@ -27,6 +27,7 @@ from .errors import (
     OperationNotRegistered,
     ParamsMismatch,
 )
+from .jobs import JobBackend
 from .keys import (
     DEFAULT_MAX_PARAMS_BYTES,
     canonical_json,
@@ -38,6 +39,7 @@ from .keys import (
 )
 from .operation import Operation, Outcome, Phase, RecoveryPoint, Request, Response
 from .store import ClaimRequest, KeyRecord
+from .testing import faults
 
 logger = logging.getLogger("recoverypoint")
 
@@ -75,6 +77,10 @@ class Engine:
     retry_base, retry_cap:
         Seconds: the backoff after a failed attempt before the completer may retry the
         key grows from ``retry_base`` to ``retry_cap``.
+    jobs:
+        Where the enqueuer publishes staged jobs, e.g. :class:`~recoverypoint.jobs.InProcessBackend`
+        or :class:`~recoverypoint.integrations.celery.CeleryBackend`; also settable later
+        as ``engine.jobs``. The workers find everything they need on the engine.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class Engine:
         serialization_retries: int = 10,
         retry_base: float = 2.0,
         retry_cap: float = 3600.0,
+        jobs: JobBackend | None = None,
     ) -> None:
         self.db = create_engine(database)
         self._serializable = self.db.execution_options(isolation_level="SERIALIZABLE")
@@ -92,6 +99,7 @@ class Engine:
         self.serialization_retries = serialization_retries
         self.retry_base = retry_base
         self.retry_cap = retry_cap
+        self.jobs = jobs
         self._operations: dict[tuple[str, int], Operation[Any]] = {}
 
     def register(self, *operations: Operation[Any]) -> None:
@@ -117,6 +125,12 @@ class Engine:
                 "call engine.register() with it (keep old versions registered until "
                 "their keys have finished)"
             ) from None
+
+    @property
+    def operations(self) -> tuple[Operation[Any], ...]:
+        """Every registered operation, each version on its own (the completer claims only
+        keys it can resume)."""
+        return tuple(self._operations.values())
 
     def dispose(self) -> None:
         """Close the engine's pooled connections."""
@@ -168,6 +182,39 @@ class Engine:
         run, step = first
         return self._drive(run, step)
 
+    def resume(self, key_id: int, *, token: uuid.UUID | None = None) -> Outcome:
+        """Resume the unfinished key record ``key_id`` from its recovery point, in-process,
+        with the operation registered under its stored name and version; the completer
+        does this for every key it claims.
+
+        A finished key returns its stored response (``replayed=True``). Raises
+        :class:`OperationNotRegistered` before touching the key, :class:`KeyInUse` when
+        another request holds its lease, :class:`LookupError` when there is no such key,
+        and what a phase raised, once the lease is released and the attempt counted.
+        ``token`` is a lease the caller already holds on the key; without it the lease is
+        taken if it is free or expired.
+        """
+        with self.db.connect() as conn:
+            ident = store.key_operation(conn, key_id)
+        if ident is None:
+            raise LookupError(f"there is no key record {key_id}")
+        operation = self.operation(*ident)
+        token = token or uuid.uuid4()
+        lock_timeout = operation.lock_timeout.total_seconds()
+        record = self._transact(lambda conn: store.claim_by_id(conn, key_id, token, lock_timeout))
+        if record is None:
+            raise LookupError(f"key record {key_id} was deleted")
+        if record.claimed:
+            return self._drive(_Run(self, operation, record, token), None)
+        if record.response_status is not None:
+            return Outcome(
+                record.response_status,
+                record.response_body,
+                dict(record.response_headers or {}),
+                replayed=True,
+            )
+        raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, int(record.lease_left)))
+
     def _claim(
         self, conn: Connection, operation: Operation[Any], request: ClaimRequest
     ) -> Outcome | tuple[_Run, _Step | None]:
@@ -180,13 +227,15 @@ class Engine:
             operation = self.operation(operation.name, record.operation_version)
         run = _Run(self, operation, record, request.token)
         if record.inserted and operation.phases[0].atomic:
-            return run, run.atomic(conn, operation.phases[0], {})
+            return run, run.atomic(conn, operation.phases[0], {}, fence=False)
         return run, None
 
     def _drive(self, run: _Run, step: _Step | None) -> Outcome:
         point, state = run.record.recovery_point, run.record.state
         try:
             while True:
+                if step is not None and faults.active:
+                    faults.hit("after_commit", run.committed)
                 if isinstance(step, Outcome):
                     return step
                 if step is not None:
@@ -246,12 +295,18 @@ class _Run:
         self.token = token
         self.identity = KeyIdentity(operation.name, record.id, record.created_at)
         self.params = operation.load_params(canonical_json(record.request_params))
+        self.committed = record.recovery_point  # the last point this run committed
 
     def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
+        """Run ``phase`` from ``state``; a foreign step takes the atomic phase after it along."""
         if phase.atomic:
             return self.engine._transact(lambda conn: self.atomic(conn, phase, state))
         # Outside any transaction, and no pooled connection is held meanwhile.
+        if faults.active:
+            faults.hit("before_foreign", phase.point)
         result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        if faults.active:
+            faults.hit("after_foreign", phase.point)
         if isinstance(result, Response):
             new_state = state
         elif result is None or isinstance(result, Mapping):
@@ -261,11 +316,37 @@ class _Run:
                 f"foreign step {phase.point!r} returned {type(result).__name__}; "
                 "return a dict, None or a Response"
             )
-        return self.engine._transact(
-            lambda conn: self._commit(conn, phase, result, new_state, [])
-        )
 
-    def atomic(self, conn: Connection, phase: Phase, state: dict[str, Any]) -> _Step:
+        def commit_step(conn: Connection) -> _Step:
+            return self._commit(conn, phase, result, new_state, [])
+
+        following = self.operation.phases[self.operation.next_phase(phase.point)]
+        if isinstance(result, Response) or not following.atomic:
+            return self.engine._transact(commit_step)
+        # The step's result commits in the next atomic phase's transaction: one commit less
+        # per step. Should that phase fail, the result is committed on its own before the
+        # error propagates, so a retry resumes after the step all the same.
+        try:
+            return self.engine._transact(lambda conn: self.atomic(conn, following, new_state))
+        except LockLost:
+            raise
+        except BaseException:
+            try:
+                self.engine._transact(commit_step)
+            except Exception:
+                logger.exception(
+                    "could not record foreign step %r of key %s", phase.point, self.record.id
+                )
+            raise
+
+    def atomic(
+        self, conn: Connection, phase: Phase, state: dict[str, Any], *, fence: bool = True
+    ) -> _Step:
+        if fence:
+            # Check the lease and lock the key row before the phase writes anything: a
+            # request that lost its lease fails with LockLost before its writes can collide
+            # with the new owner's, and no takeover can happen while the phase runs.
+            store.fence(conn, self.record.id, self.token)
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         tx = AtomicContext(conn, json.loads(canonical_json(state)), self.identity, phase.point)
         result = phase.fn(tx, self.params)
@@ -275,7 +356,10 @@ class _Run:
                 f"atomic phase {phase.point!r} returned {type(result).__name__}; "
                 "return None, a Response or a RecoveryPoint"
             )
-        return self._commit(conn, phase, result, tx.state, tx.staged_jobs)
+        step = self._commit(conn, phase, result, tx.state, tx.staged_jobs)
+        if faults.active:
+            faults.hit("before_commit", phase.point)
+        return step
 
     def _commit(
         self,
@@ -287,7 +371,7 @@ class _Run:
     ) -> _Step:
         state_json = _state_json(phase, state)
         store.stage_jobs(conn, self.record.id, jobs)
-        point = phase.point
+        self.committed = point = phase.point
         if isinstance(result, RecoveryPoint):
             if result.name not in phase.jumps_to:
                 raise DeclarationError(

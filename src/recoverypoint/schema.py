@@ -53,6 +53,8 @@ idempotency_keys = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("last_run_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("finished_at", DateTime(timezone=True)),
+    # Set when the completer gives the key up after its last attempt (see workers.completer).
+    Column("abandoned_at", DateTime(timezone=True)),
     UniqueConstraint(
         "scope", "operation", "idempotency_key", name="idempotency_keys_scope_operation_key"
     ),
@@ -63,6 +65,11 @@ idempotency_keys = Table(
     # A finished key always has its response, so a replay never finds half a record.
     CheckConstraint(
         "(finished_at IS NULL) = (response_status IS NULL)", name="idempotency_keys_finished"
+    ),
+    # An abandoned key is finished too: it carries the error response a retry replays.
+    CheckConstraint(
+        "abandoned_at IS NULL OR finished_at IS NOT NULL",
+        name="idempotency_keys_abandoned_finished",
     ),
     # The completer's claim: unfinished keys by the time their next attempt is due.
     Index(
@@ -93,5 +100,26 @@ staged_jobs = Table(
         ForeignKey("idempotency_keys.id", ondelete="SET NULL"),
     ),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    # A job whose publish failed stays staged and waits until next_attempt_at.
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column(
+        "next_attempt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+    ),
+    Column("last_error", Text),
     Index("staged_jobs_idempotency_key_id", "idempotency_key_id"),
+    # The enqueuer's claim: due jobs, oldest first.
+    Index("staged_jobs_next_attempt_at", "next_attempt_at"),
+)
+
+# What the consume-once helper (recoverypoint.jobs.consume_once) records: one row per
+# consumer and message, written in the consumer's own transaction; the reaper prunes it.
+processed_messages = Table(
+    "processed_messages",
+    metadata,
+    Column("consumer", Text, primary_key=True),
+    Column("message_id", Text, primary_key=True),
+    Column(
+        "processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+    ),
+    Index("processed_messages_processed_at", "processed_at"),
 )

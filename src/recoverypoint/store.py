@@ -53,6 +53,44 @@ _CLAIM = text(
     """
 )
 
+# Which operation and version a key record belongs to (Engine.resume looks it up by id).
+_KEY_OPERATION = text("SELECT operation, operation_version FROM idempotency_keys WHERE id = :id")
+
+# Take an unfinished key by id when its lease is free, expired or already held under
+# :token (the completer claims keys in batches, then resumes each); otherwise return the
+# row so the caller can tell a replay from a key in use. The lease is checked in the
+# UPDATE itself, so two callers never both get it.
+_CLAIM_BY_ID = text(
+    """
+    WITH claimed AS (
+        UPDATE idempotency_keys AS k
+        SET locked_at = now(), lock_token = :token, last_run_at = now()
+        WHERE k.id = :id AND k.finished_at IS NULL
+          AND (k.lock_token = :token OR k.locked_at IS NULL
+               OR k.locked_at <= now() - make_interval(secs => :lock_timeout))
+        RETURNING k.id, k.created_at, k.operation_version, k.fingerprint, k.recovery_point,
+                  k.state, k.request_params, k.response_status, k.response_headers,
+                  k.response_body, k.attempts, true AS claimed, false AS inserted, 0 AS lease_left
+    )
+    SELECT * FROM claimed
+    UNION ALL
+    SELECT id, created_at, operation_version, fingerprint, recovery_point, state,
+           request_params, response_status, response_headers, response_body, attempts,
+           false, false,
+           ceil(extract(epoch FROM locked_at + make_interval(secs => :lock_timeout) - now()))
+    FROM idempotency_keys
+    WHERE id = :id AND NOT EXISTS (SELECT 1 FROM claimed)
+    """
+)
+
+# Renew the lease, if still ours, and lock the row for the rest of the transaction.
+_FENCE = text(
+    """
+    UPDATE idempotency_keys SET locked_at = now()
+    WHERE id = :id AND lock_token = :token
+    """
+)
+
 # Commit a phase: the new recovery point and state, renewing the lease.
 _ADVANCE = text(
     """
@@ -147,6 +185,26 @@ def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
     if row is None:
         return None
     return KeyRecord(**row._asdict())
+
+
+def key_operation(conn: Connection, key_id: int) -> tuple[str, int] | None:
+    """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
+    row = conn.execute(_KEY_OPERATION, {"id": key_id}).one_or_none()
+    return None if row is None else (row.operation, row.operation_version)
+
+
+def claim_by_id(
+    conn: Connection, key_id: int, token: UUID, lock_timeout: float
+) -> KeyRecord | None:
+    """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone."""
+    row = conn.execute(
+        _CLAIM_BY_ID, {"id": key_id, "token": token, "lock_timeout": lock_timeout}
+    ).one_or_none()
+    return None if row is None else KeyRecord(**row._asdict())
+
+
+def fence(conn: Connection, key_id: int, token: UUID) -> None:
+    _fenced(conn, _FENCE, {"id": key_id, "token": token})
 
 
 def advance(conn: Connection, key_id: int, token: UUID, point: str, state_json: str) -> None:

@@ -1,0 +1,149 @@
+"""The Rocket Rides API: ``POST /rides`` books a ride and charges for it, exactly once.
+
+Before any key is stored: ``Authorization: Bearer <email>`` must name a user (401), and
+the body must hold valid coordinates (422). Then the ``create_ride`` operation runs under
+the client's ``Idempotency-Key``, scoped to the user:
+
+1. ``ride_created`` (atomic): the ride and its audit record;
+2. ``charge_created`` (foreign): 2000 usd through the provider, with the downstream key.
+   A declined card finishes the key with 402; an unreachable or failing provider raises
+   ``Retryable`` (503), and the client's retry resumes here with the same downstream key,
+   so the provider never charges twice;
+3. ``finished`` (atomic): the charge recorded on the ride, a ``send_ride_receipt`` job
+   staged, and ``201 {ride_id, charge_id}``.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Annotated, Any
+
+import httpx
+import sqlalchemy as sa
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from pydantic import BaseModel, Field
+
+import recoverypoint as rp
+from recoverypoint.integrations.fastapi import Idempotency
+
+AMOUNT, CURRENCY = 2000, "usd"
+
+
+class RideBody(BaseModel):
+    origin_lat: float = Field(ge=-90, le=90)
+    origin_lon: float = Field(ge=-180, le=180)
+    target_lat: float = Field(ge=-90, le=90)
+    target_lon: float = Field(ge=-180, le=180)
+
+
+class RideParams(RideBody):
+    """What the operation stores and fingerprints: the body and who sent it."""
+
+    user_id: int
+
+
+# The address of the client whose request runs the phase. It is not part of the params:
+# a client that retries from another network sends the same request.
+client_ip: ContextVar[str | None] = ContextVar("client_ip", default=None)
+
+
+def ride_operation(provider: httpx.Client) -> rp.Operation[RideParams]:
+    rides = rp.Operation("create_ride", params=RideParams, lock_timeout=timedelta(seconds=90))
+
+    @rides.atomic_phase("ride_created")
+    def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
+        coordinates = params.model_dump(exclude={"user_id"})
+        tx.state["ride_id"] = tx.connection.scalar(
+            sa.text(
+                "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
+                "target_lon, user_id) VALUES (:key_id, :origin_lat, :origin_lon, "
+                ":target_lat, :target_lon, :user_id) RETURNING id"
+            ),
+            {"key_id": tx.key_id, "user_id": params.user_id, **coordinates},
+        )
+        tx.connection.execute(
+            sa.text(
+                "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
+                "resource_type, user_id) VALUES ('ride.created', CAST(:data AS jsonb), "
+                "CAST(:ip AS cidr), :ride_id, 'ride', :user_id)"
+            ),
+            {
+                "data": params.model_dump_json(),
+                "ip": client_ip.get(),
+                "ride_id": tx.state["ride_id"],
+                "user_id": params.user_id,
+            },
+        )
+        tx.state["customer"] = tx.connection.scalar(
+            sa.text("SELECT customer_id FROM users WHERE id = :id"), {"id": params.user_id}
+        )
+
+    @rides.foreign_step("charge_created")
+    def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
+        try:
+            answer = provider.post(
+                "/charges",
+                json={"amount": AMOUNT, "currency": CURRENCY, "customer": step.state["customer"]},
+                headers={"Idempotency-Key": step.downstream_key()},
+            )
+        except httpx.TransportError as exc:
+            raise rp.Retryable(f"the payment provider is unreachable: {exc!r}") from exc
+        if answer.status_code == 402:
+            return rp.Response(
+                402, {"error": "card_declined", "message": "Your card was declined."}
+            )
+        if answer.status_code in (409, 429) or answer.status_code >= 500:
+            raise rp.Retryable(f"the payment provider answered {answer.status_code}")
+        answer.raise_for_status()  # any other error is a bug of ours: a 500
+        return {"charge_id": answer.json()["id"]}
+
+    @rides.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
+        ride_id, charge_id = tx.state["ride_id"], tx.state["charge_id"]
+        tx.connection.execute(
+            sa.text("UPDATE rides SET charge_id = :charge_id WHERE id = :ride_id"),
+            {"charge_id": charge_id, "ride_id": ride_id},
+        )
+        tx.stage_job(
+            "send_ride_receipt",
+            {"ride_id": ride_id, "user_id": params.user_id, "amount": AMOUNT, "currency": CURRENCY},
+        )
+        body = {"ride_id": ride_id, "charge_id": charge_id}
+        return rp.Response(201, body, {"Location": f"/rides/{ride_id}"})
+
+    return rides
+
+
+def create_app(engine: rp.Engine, provider: httpx.Client) -> FastAPI:
+    """The API; ``provider`` is a client on the payment provider's base URL."""
+    rides = ride_operation(provider)
+    engine.register(rides)
+    idempotency = Idempotency(engine, scope=lambda request: str(request.state.user_id))
+    app = FastAPI(title="Rocket Rides")
+
+    def user_id(request: Request, authorization: Annotated[str | None, Header()] = None) -> int:
+        if not authorization:
+            raise _unauthorized("send Authorization: Bearer <email>")
+        scheme, _, email = authorization.partition(" ")
+        with engine.db.connect() as conn:
+            found = conn.scalar(
+                sa.text("SELECT id FROM users WHERE email = :email"), {"email": email.strip()}
+            )
+        if scheme.lower() != "bearer" or found is None:
+            raise _unauthorized("no user has this email")
+        request.state.user_id = found
+        return int(found)
+
+    @app.post("/rides")
+    # The dependency as a default, not in Annotated: `user_id` is local, and string
+    # annotations are resolved in the module's globals.
+    def post_ride(request: Request, body: RideBody, user: int = Depends(user_id)) -> Response:
+        client_ip.set(request.client.host if request.client else None)
+        return idempotency.run(rides, request, RideParams(user_id=user, **body.model_dump()))
+
+    return app
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})

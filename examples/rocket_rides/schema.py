@@ -1,0 +1,81 @@
+"""The example's tables, after the reference app's, and its two users.
+
+Departures from the reference: the provider is not Stripe, so ``users.stripe_customer_id``
+and ``rides.stripe_charge_id`` are ``customer_id`` and ``charge_id``; ``provider_charges``
+is the fake provider's own table. ``audit_records.origin_ip`` is NULL for a ride the
+completer created, since no client was there.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from recoverypoint.migrate import upgrade
+
+USERS = {"alice@example.com": "cus_alice", "declined@example.com": "cus_declined"}
+
+DDL = """
+CREATE TABLE IF NOT EXISTS users (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    email text NOT NULL UNIQUE,
+    customer_id text NOT NULL UNIQUE
+);
+CREATE TABLE IF NOT EXISTS rides (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    -- SET NULL: the reaper deletes old keys, the rides stay.
+    idempotency_key_id bigint UNIQUE REFERENCES idempotency_keys (id) ON DELETE SET NULL,
+    origin_lat numeric(13, 10) NOT NULL,
+    origin_lon numeric(13, 10) NOT NULL,
+    target_lat numeric(13, 10) NOT NULL,
+    target_lon numeric(13, 10) NOT NULL,
+    charge_id text UNIQUE,
+    user_id bigint NOT NULL REFERENCES users (id)
+);
+CREATE TABLE IF NOT EXISTS audit_records (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    action text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    data jsonb NOT NULL,
+    origin_ip cidr,
+    resource_id bigint NOT NULL,
+    resource_type text NOT NULL,
+    user_id bigint NOT NULL REFERENCES users (id)
+);
+CREATE TABLE IF NOT EXISTS provider_charges (
+    id text PRIMARY KEY,
+    idempotency_key text NOT NULL UNIQUE,
+    amount integer NOT NULL,
+    currency text NOT NULL,
+    customer text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+_SEED = sa.text(
+    "INSERT INTO users (email, customer_id) VALUES (:email, :customer) "
+    "ON CONFLICT (email) DO NOTHING"
+)
+
+
+def migrate(db: sa.Engine) -> None:
+    """recoverypoint's tables, then the example's (``rides`` refers to ``idempotency_keys``)."""
+    upgrade(db)
+    with db.begin() as conn:
+        # One migrator at a time: CREATE TABLE IF NOT EXISTS is not safe against itself.
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('rocket_rides schema'))"))
+        conn.exec_driver_sql(DDL)
+        conn.execute(_SEED, [{"email": e, "customer": c} for e, c in USERS.items()])
+
+
+def require(db: sa.Engine, *tables: str) -> None:
+    """Exit with a message a person can act on when ``migrate`` has not been run."""
+    with db.connect() as conn:
+        missing = [
+            t for t in tables if conn.scalar(sa.text("SELECT to_regclass(:t)"), {"t": t}) is None
+        ]
+    if missing:
+        raise SystemExit(
+            f"missing tables {', '.join(missing)}: run "
+            "python -m examples.rocket_rides migrate --database-url URL first"
+        )

@@ -1,0 +1,30 @@
+"""Integrations with other libraries, each imported on its own and the only module to import
+its library (this package imports none of them).
+
+- web frameworks: FastAPI/Starlette (:mod:`.fastapi`) and Flask (:mod:`.flask`);
+- job backends: Celery (:mod:`.celery`).
+
+What the web integrations share, and what a client can rely on:
+
+=============================================  ======  =================================
+situation                                      status  extra headers
+=============================================  ======  =================================
+a new key: the operation's own response        any
+a finished key: the stored response            any     ``Idempotent-Replayed: true``
+``Idempotency-Key`` missing, repeated, bad     400
+params too large                               413
+params unusable, or key reused with others     422
+the key is in flight (or a lease was lost)     409     ``Retry-After``
+a foreign system failed (``rp.Retryable``)     503     ``Retry-After``
+anything unexpected                            500
+=============================================  ======  =================================
+
+Errors are ``application/problem+json`` (RFC 9457); their ``type`` is
+``tag:recoverypoint,2025:<error>`` (``key-in-use``, ``params-mismatch``...). The 500 tells
+the client to retry with the same key and carries no server detail; the server logs it on
+the ``recoverypoint.http`` logger.
+"""
+
+from ._problem import IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER
+
+__all__ = ["IDEMPOTENCY_KEY", "IDEMPOTENT_REPLAYED", "RETRY_AFTER"]

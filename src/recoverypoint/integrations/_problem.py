@@ -1,0 +1,171 @@
+"""The HTTP contract every integration shares, free of I/O and of any web framework.
+
+- the header names;
+- how the ``Idempotency-Key`` header is read;
+- how an exception becomes an ``application/problem+json`` answer (RFC 9457) with the status
+  codes of the IETF draft (``draft-ietf-httpapi-idempotency-key-header``);
+- how an :class:`~recoverypoint.Outcome` becomes an answer, a replay marked as one.
+
+An answer is a :class:`Reply`: status, headers and body bytes, which each framework sends
+as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from ..errors import IdempotencyError, InvalidKey, KeyInUse
+from ..keys import validate_key
+from ..operation import Outcome
+
+IDEMPOTENCY_KEY = "Idempotency-Key"
+IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
+RETRY_AFTER = "Retry-After"
+CONTENT_TYPE = "Content-Type"
+PROBLEM_JSON = "application/problem+json"
+JSON = "application/json"
+
+# Problem types are URIs that identify a kind of problem without pretending to be a web page
+# (RFC 9457 §3.1.1 suggests the tag: scheme for that); the last part names the error class.
+PROBLEM_TYPE_PREFIX = "tag:recoverypoint,2025:"
+
+# What a 500 tells the client: enough to act on, nothing about the server's insides.
+UNEXPECTED_DETAIL = (
+    "The server failed while handling this request. Retry it with the same Idempotency-Key: "
+    "the work already done is kept and is not repeated."
+)
+
+# Statuses that carry no body (RFC 9110 §6.4.1).
+_NO_BODY = frozenset({204, 205, 304})
+
+# An sf-string (RFC 8941 §3.3.3), the form the IETF draft gives the key: printable ASCII in
+# double quotes, where only '"' and '\' are escaped.
+_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+_SF_ESCAPE = re.compile(r'\\(["\\])')
+_CAMEL_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP answer, ready to send."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def read_key(values: Sequence[str]) -> str:
+    """The idempotency key from the values of the ``Idempotency-Key`` header.
+
+    The IETF draft writes the key as an sf-string (``"8e03978e-…"``); Stripe's clients send it
+    bare (``8e03978e-…``). Both are accepted. Raises :class:`~recoverypoint.InvalidKey` (400)
+    when the header is missing, sent twice or invalid.
+
+    A bare key may not contain a comma: HTTP joins repeated header lines with commas (WSGI
+    servers always do), so ``a,b`` may be two keys; a quoted key may contain one.
+    """
+    if len(values) > 1:
+        raise InvalidKey(f"send one {IDEMPOTENCY_KEY} header, not {len(values)}")
+    value = values[0].strip() if values else ""
+    quoted = _SF_STRING.fullmatch(value)
+    if quoted is not None:
+        value = _SF_ESCAPE.sub(r"\1", quoted.group(1))
+    elif value.startswith('"'):
+        raise InvalidKey(f"the quoted {IDEMPOTENCY_KEY} is not a valid string")
+    elif "," in value:
+        raise InvalidKey(f"send one {IDEMPOTENCY_KEY}, and quote a key that has a comma")
+    if not value:
+        raise InvalidKey(
+            f"this request needs an {IDEMPOTENCY_KEY} header: send a unique key, "
+            "for example a UUID4, and the same key when you retry"
+        )
+    return validate_key(value)
+
+
+def outcome_reply(outcome: Outcome) -> Reply:
+    """The stored (or just produced) response; a replay says so in ``Idempotent-Replayed``."""
+    headers = list(outcome.headers.items())
+    if outcome.replayed:
+        headers.append((IDEMPOTENT_REPLAYED, "true"))
+    return Reply(outcome.status, *_body(outcome.status, outcome.body, headers))
+
+
+def _body(
+    status: int, body: Any, headers: list[tuple[str, str]]
+) -> tuple[list[tuple[str, str]], bytes]:
+    content_type = next((v for k, v in headers if k.lower() == "content-type"), None)
+    if status < 200 or status in _NO_BODY:
+        return [(k, v) for k, v in headers if k.lower() != "content-type"], b""
+    if content_type is None:
+        return [*headers, (CONTENT_TYPE, JSON)], _json(body)
+    if isinstance(body, str) and "json" not in content_type.lower():
+        return headers, body.encode()  # a text response, stored as text
+    return headers, _json(body)
+
+
+def problem_reply(exc: BaseException, *, retry_after: int) -> Reply:
+    """``application/problem+json`` for an exception raised while serving a request.
+
+    An :class:`~recoverypoint.IdempotencyError` gets its ``http_status``; 409 and 503 add
+    ``Retry-After: retry_after`` (a key in use: no more than the rest of its lease). Anything
+    else, and an ``IdempotencyError`` of status 500, is a 500 whose text tells the client to
+    retry with the same key; no server detail is ever sent. 5xx answers use the error's default
+    text, not its message, which phase code may have filled with internal detail.
+    """
+    if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
+        return problem(
+            500, "unexpected-error", "The request failed unexpectedly", UNEXPECTED_DETAIL
+        )
+    cls = type(exc)
+    default = _one_line(cls.__doc__ or "")
+    headers: list[tuple[str, str]] = []
+    if exc.http_status in (409, 503):
+        wait = min(exc.retry_after, retry_after) if isinstance(exc, KeyInUse) else retry_after
+        headers.append((RETRY_AFTER, str(max(1, wait))))
+    return problem(
+        exc.http_status,
+        _CAMEL_BOUNDARY.sub("-", cls.__name__).lower(),
+        re.split(r"[:;.]", default, maxsplit=1)[0],
+        _one_line(exc.message) if exc.http_status < 500 else default,
+        headers,
+    )
+
+
+def problem(
+    status: int,
+    kind: str,
+    title: str,
+    detail: str,
+    headers: Sequence[tuple[str, str]] = (),
+) -> Reply:
+    """A problem+json reply; ``kind`` becomes the last part of the problem's ``type``."""
+    body = {
+        "type": PROBLEM_TYPE_PREFIX + kind,
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    return Reply(status, [*headers, (CONTENT_TYPE, PROBLEM_JSON)], _json(body))
+
+
+def http_problem(status: int, detail: Any, headers: Sequence[tuple[str, str]] = ()) -> Reply:
+    """A problem+json reply for an HTTP error the application raised (401 from its auth...)."""
+    try:
+        title = HTTPStatus(status).phrase
+    except ValueError:
+        title = "Error"
+    text = detail if isinstance(detail, str) else json.dumps(detail)
+    return problem(status, f"http-{status}", title, text, headers)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

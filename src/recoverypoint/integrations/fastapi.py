@@ -1,0 +1,265 @@
+"""FastAPI and Starlette: idempotent endpoints that answer as the IETF draft says.
+
+Only Starlette is imported, so this serves any Starlette application, FastAPI's included.
+Install with ``pip install 'recoverypoint[fastapi]'``.
+
+A phased operation, from a sync or an async route::
+
+    idempotency = Idempotency(engine, scope=lambda request: request.state.user_id)
+
+    @app.post("/rides")
+    def post_ride(request: Request, body: RideParams) -> Response:
+        return idempotency.run(rides, request, body)
+
+    @app.post("/rides/async")
+    async def post_ride_async(request: Request, body: RideParams) -> Response:
+        return await idempotency.run_async(rides, request, body)
+
+A single-step endpoint (see ``recoverypoint.integrations._base``)::
+
+    app.add_middleware(SingleStepMiddleware)
+
+    @app.post("/orders", status_code=201)
+    @idempotency.single_step("create_order")
+    def create_order(order: Order) -> dict[str, Any]: ...
+
+The engine is synchronous; async routes and the middleware run it in a worker thread, so
+the event loop never waits on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..operation import Operation
+from ._base import BaseIdempotency, Captured, target
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem
+
+__all__ = ["Idempotency", "SingleStepMiddleware"]
+
+E = TypeVar("E", bound=Callable[..., Any])
+
+
+class Idempotency(BaseIdempotency[Request]):
+    """Runs operations for Starlette requests and answers with Starlette responses.
+
+    ``scope`` is called with the :class:`~starlette.requests.Request`. For a single-step
+    endpoint it runs in the middleware, before the route's dependencies: derive the scope
+    from headers or from what an outer middleware set (``request.user``...).
+    """
+
+    def run(self, operation: Operation[Any], request: Request, params: Any) -> Response:
+        """Run ``operation`` for ``request`` with ``params``; for sync routes.
+
+        Errors become ``application/problem+json`` answers; a replay carries
+        ``Idempotent-Replayed: true``.
+        """
+        reply = self._serve(
+            operation,
+            scope=self.scope(request),
+            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            method=request.method,
+            target=target(request.url.path, request.url.query),
+            params=params,
+        )
+        return _response(reply)
+
+    async def run_async(self, operation: Operation[Any], request: Request, params: Any) -> Response:
+        """Async version of :meth:`run`: the engine runs in a worker thread."""
+        return await run_in_threadpool(self.run, operation, request, params)
+
+    def single_step(
+        self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
+    ) -> Callable[[E], E]:
+        """Make an endpoint single-step: its whole response is stored under the key and
+        replayed. ``name`` is the operation's stable name; renaming the function keeps it.
+
+        Put it below the route decorator. It needs :class:`SingleStepMiddleware`; without
+        it the endpoint refuses to run (500) rather than run unprotected.
+        """
+        operation = self._declare_single_step(name, lock_timeout)
+
+        def decorate(endpoint: E) -> E:
+            guarded = _guarded(endpoint)
+            # Both: should this decorator be put above the route's, the route has the
+            # endpoint itself, which the middleware must recognise all the same.
+            _SINGLE_STEPS[guarded] = _SINGLE_STEPS[endpoint] = (self, operation)
+            return guarded
+
+        return decorate
+
+
+# Endpoints made single-step, as their routes will find them; endpoints live as long as
+# the process, so a plain dict is enough.
+_SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any]]] = {}
+
+# Set while SingleStepMiddleware runs an endpoint, which checks it.
+_IN_MIDDLEWARE: ContextVar[bool] = ContextVar("recoverypoint_single_step", default=False)
+
+
+class SingleStepMiddleware:
+    """Serves the endpoints made single-step with :meth:`Idempotency.single_step`.
+
+    Add it once, ``app.add_middleware(SingleStepMiddleware)``; any other request passes
+    through untouched. For a single-step endpoint it reads the whole body, claims the key
+    and calls the application inside the ``responded`` step, capturing what the route
+    answered (after FastAPI's validation, ``response_model`` and exception handlers).
+
+    ``max_threads`` bounds the engine calls in flight. They have a thread pool of their own:
+    each waits on its endpoint, and a sync endpoint needs a thread of Starlette's pool, so
+    sharing one pool could leave every thread waiting for another.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_threads: int = 40) -> None:
+        self.app = app
+        self.limiter = anyio.CapacityLimiter(max_threads)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = _single_step_of(scope) if scope["type"] == "http" else None
+        if found is None:
+            await self.app(scope, receive, send)
+            return
+        idempotency, operation = found
+        request = Request(scope)
+        try:
+            tenant = idempotency.scope(request)
+        except HTTPException as exc:  # the application's own refusal, such as a 401
+            headers = list((exc.headers or {}).items())
+            await _response(http_problem(exc.status_code, exc.detail, headers))(
+                scope, receive, send
+            )
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before sending its body: nobody to answer
+
+        async def endpoint() -> Captured:
+            _IN_MIDDLEWARE.set(True)
+            return await _capture(self.app, scope, _replaying(body, receive))
+
+        serve = functools.partial(
+            idempotency._serve_single_step,
+            operation,
+            scope=tenant,
+            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            method=request.method,
+            target=target(request.url.path, request.url.query),
+            body=body,
+            respond=lambda: anyio.from_thread.run(endpoint),
+        )
+        reply = await anyio.to_thread.run_sync(serve, limiter=self.limiter)
+        await _response(reply)(scope, receive, send)
+
+
+def _response(reply: Reply) -> Response:
+    response = Response(reply.body, reply.status)
+    response.raw_headers.extend(
+        (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in reply.headers
+    )
+    return response
+
+
+def _guarded(endpoint: E) -> E:
+    """``endpoint``, refusing to run outside :class:`SingleStepMiddleware`.
+
+    The wrapper keeps the endpoint's signature (FastAPI reads it through ``__wrapped__``)
+    and its kind, sync or async, so FastAPI calls it the same way.
+    """
+
+    def check() -> None:
+        if not _IN_MIDDLEWARE.get():
+            raise RuntimeError(
+                f"{endpoint.__qualname__} is single-step: add "
+                "app.add_middleware(SingleStepMiddleware) so that its key is claimed"
+            )
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+            check()
+            return await endpoint(*args, **kwargs)
+
+        return guarded_async  # type: ignore[return-value]
+
+    @functools.wraps(endpoint)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        check()
+        return endpoint(*args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
+
+
+def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any]] | None:
+    endpoint = _endpoint(getattr(scope.get("app"), "routes", ()), scope)
+    return _SINGLE_STEPS.get(endpoint) if endpoint is not None else None
+
+
+def _endpoint(routes: Iterable[BaseRoute], scope: Scope) -> Any:
+    """The endpoint Starlette's router will pick for ``scope``: the first full match,
+    looking inside mounts as the router does."""
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            nested = getattr(route, "routes", None)
+            if nested:
+                return _endpoint(nested, {**scope, **child})
+            return child.get("endpoint")
+    return None
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the application: the body already read, then the client's events."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _capture(app: ASGIApp, scope: Scope, receive: Receive) -> Captured:
+    start: Message = {}
+    chunks: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    if not start:
+        raise RuntimeError("the application returned without starting a response")
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", [])]
+    return Captured(start["status"], headers, b"".join(chunks))

@@ -1,0 +1,109 @@
+"""Flask: idempotent views that answer as the IETF draft says.
+
+Install with ``pip install 'recoverypoint[flask]'``.
+
+A phased operation::
+
+    idempotency = Idempotency(engine, scope=lambda request: str(g.user.id))
+
+    @app.post("/rides")
+    def post_ride() -> Response:
+        return idempotency.run(rides, request.get_json())
+
+A single-step view (see ``recoverypoint.integrations._base``)::
+
+    @app.post("/orders")
+    @idempotency.single_step("create_order")
+    def create_order() -> tuple[dict[str, Any], int]: ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import flask
+
+from ..operation import Operation
+from ._base import BaseIdempotency, Captured, target
+from ._problem import IDEMPOTENCY_KEY, Reply
+
+__all__ = ["Idempotency"]
+
+V = TypeVar("V", bound=Callable[..., Any])
+
+
+class Idempotency(BaseIdempotency[flask.Request]):
+    """Runs operations for the current Flask request and answers with Flask responses.
+
+    ``scope`` is called with :data:`flask.request`, inside the request context (``g`` is
+    there too); ``abort(401)`` in it refuses the request before any key is looked at.
+    """
+
+    def run(self, operation: Operation[Any], params: Any) -> flask.Response:
+        """Run ``operation`` for the current request with ``params``.
+
+        Errors become ``application/problem+json`` answers; a replay carries
+        ``Idempotent-Replayed: true``.
+        """
+        request = flask.request
+        reply = self._serve(
+            operation,
+            scope=self.scope(request),
+            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            method=request.method,
+            target=_target(request),
+            params=params,
+        )
+        return _response(reply)
+
+    def single_step(
+        self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
+    ) -> Callable[[V], V]:
+        """Make a view single-step: its whole response is stored under the key and
+        replayed. ``name`` is the operation's stable name; renaming the function keeps it.
+        Put it below ``@app.post(...)``, so that the route gets the decorated view."""
+        operation = self._declare_single_step(name, lock_timeout)
+
+        def decorate(view: V) -> V:
+            @functools.wraps(view)
+            def single_step_view(*args: Any, **kwargs: Any) -> flask.Response:
+                request = flask.request
+
+                def respond() -> Captured:
+                    # ensure_sync: an async view runs as Flask would run it.
+                    rv = flask.current_app.ensure_sync(view)(*args, **kwargs)
+                    response = flask.make_response(rv)
+                    return Captured(
+                        response.status_code, list(response.headers.items()), response.get_data()
+                    )
+
+                reply = self._serve_single_step(
+                    operation,
+                    scope=self.scope(request),
+                    key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+                    method=request.method,
+                    target=_target(request),
+                    body=request.get_data(),
+                    respond=respond,
+                )
+                return _response(reply)
+
+            return single_step_view  # type: ignore[return-value]
+
+        return decorate
+
+
+def _target(request: flask.Request) -> str:
+    return target(request.path, request.query_string.decode("latin-1"))
+
+
+def _response(reply: Reply) -> flask.Response:
+    response = flask.Response(reply.body, reply.status)
+    # Flask gives every response a text/html Content-Type; ours come with their own, or
+    # have no body.
+    del response.headers["Content-Type"]
+    response.headers.extend(reply.headers)
+    return response

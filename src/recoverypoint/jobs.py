@@ -1,0 +1,102 @@
+"""Jobs after staging: the backends the enqueuer publishes to, and consume-once for consumers.
+
+An atomic phase stages a job (:meth:`AtomicContext.stage_job`) in its own transaction; the
+enqueuer (:mod:`recoverypoint.workers.enqueuer`) later hands it to the engine's
+:class:`JobBackend`. Delivery is at least once: a job is published again when the
+enqueuer stops between publishing it and committing its removal, or when a publish
+reported failure after the broker had taken the message. Every message carries the job's
+``job_key``, stable across all of that, so a consumer wraps its work in
+:func:`consume_once` and runs it at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from sqlalchemy import Connection, text
+
+F = TypeVar("F", bound=Callable[["Job"], object])
+
+
+@dataclass(frozen=True)
+class Job:
+    """A staged job as a backend receives it."""
+
+    name: str
+    args: dict[str, Any]
+    job_key: str
+    """Stable across retries and re-publishes: the message id consumers dedupe on."""
+
+
+class JobBackend(Protocol):
+    """Where the enqueuer publishes jobs. ``publish`` returns once the job is handed over,
+    and raises if it was not; the job then stays staged and is retried with backoff."""
+
+    def publish(self, job: Job) -> None: ...
+
+
+class InProcessBackend:
+    """Runs each job right away, in the enqueuer's process, by the handler registered for
+    its name. For tests, scripts and small deployments without a broker.
+
+    A handler that raises counts as a failed publish: the job stays staged and is tried
+    again later.
+    """
+
+    def __init__(self, handlers: Mapping[str, Callable[[Job], object]] | None = None) -> None:
+        self._handlers: dict[str, Callable[[Job], object]] = dict(handlers or {})
+
+    def handler(self, name: str) -> Callable[[F], F]:
+        """Decorator: run the decorated ``fn(job)`` for jobs named ``name``."""
+
+        def register(fn: F) -> F:
+            self._handlers[name] = fn
+            return fn
+
+        return register
+
+    def publish(self, job: Job) -> None:
+        try:
+            handler = self._handlers[job.name]
+        except KeyError:
+            raise LookupError(
+                f"no handler for job {job.name!r}; register one with @backend.handler({job.name!r})"
+            ) from None
+        handler(job)
+
+
+# Inserted first in the consumer's transaction: a second delivery either finds the row
+# (committed) or waits for the first delivery's transaction to end, then finds it or not.
+_MARK_PROCESSED = text(
+    """
+    INSERT INTO processed_messages (consumer, message_id) VALUES (:consumer, :message_id)
+    ON CONFLICT (consumer, message_id) DO NOTHING
+    RETURNING true
+    """
+)
+
+
+def consume_once(connection: Connection, consumer: str, message_id: str) -> bool:
+    """Record that ``consumer`` processes ``message_id``; ``False`` if it already did.
+
+    Call it first inside the transaction that does the message's work, and do the work
+    only when it returns ``True``. The record commits with the work, or rolls back with it
+    so that a redelivery can try again::
+
+        with db.begin() as conn:
+            if consume_once(conn, "send_receipt", job.job_key):
+                send_receipt(conn, job.args)
+
+    ``consumer`` names the piece of work: two consumers of one message each run once. The
+    reaper deletes records older than its ``processed_retention``.
+    """
+    if not consumer or not message_id:
+        raise ValueError("consume_once needs a consumer name and a message id")
+    return (
+        connection.execute(
+            _MARK_PROCESSED, {"consumer": consumer, "message_id": message_id}
+        ).first()
+        is not None
+    )

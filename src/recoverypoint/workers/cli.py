@@ -1,0 +1,292 @@
+"""``recoverypoint worker completer|reaper|enqueuer|all --app module:attr``.
+
+``--app`` names your :class:`~recoverypoint.Engine`, with its operations registered and its
+job backend set, as ``uvicorn`` and ``celery -A`` name an application. The command checks
+the database and its schema first and exits with status 1, in one line, when either is
+not usable. ``all`` runs the three workers in threads of one process; should one of them
+crash, the others stop too and the command fails. SIGTERM or SIGINT stops the workers
+after their current batch, and the command exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from alembic.script import ScriptDirectory
+from sqlalchemy.exc import DBAPIError
+
+from ..engine import Engine
+from ..migrate import VERSION_TABLE, migrations_dir
+from .completer import Completer
+from .enqueuer import Enqueuer
+from .loop import STRUCTURED, Worker, log_event, logfmt, on_stop
+from .reaper import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION, Reaper
+
+if TYPE_CHECKING:
+    from ..cli import _Subparsers
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # the shells' 128 + SIGINT
+# `all` runs them in this order with --once: keys the completer finishes stage jobs for
+# the enqueuer; the reaper goes last.
+KINDS = ("completer", "enqueuer", "reaper")
+
+
+_CURRENT_REVISION = sa.text(f"SELECT version_num FROM {VERSION_TABLE}")
+
+
+class UsageError(Exception):
+    """Bad arguments or a bad ``--app``: exit status 2."""
+
+
+class StartError(Exception):
+    """The database cannot be used: exit status 1."""
+
+
+def add_worker(subparsers: _Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "worker",
+        help="run the completer, reaper or enqueuer (or all three)",
+        description=(
+            "Run recoverypoint's workers against your engine. Any number of instances may "
+            "run side by side. Durations are seconds, or a number with s, m, h or d."
+        ),
+    )
+    parser.add_argument("kind", choices=(*KINDS, "all"), help="which worker to run")
+    parser.add_argument(
+        "--app",
+        required=True,
+        metavar="MODULE:ATTR",
+        help="your recoverypoint Engine, e.g. myapp.jobs:engine (MODULE is imported from "
+        "the current directory too)",
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="run one pass (until nothing is left), then exit"
+    )
+    parser.add_argument(
+        "--interval",
+        type=_duration,
+        metavar="DURATION",
+        help="pause between passes when idle (default: completer 5s, enqueuer 1s, reaper 60s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="N",
+        help="rows per transaction (default: completer 10, enqueuer 100, reaper 1000)",
+    )
+    parser.add_argument(
+        "--min-age",
+        type=_duration,
+        default=60.0,
+        metavar="DURATION",
+        help="completer: how long an unfinished key waits for its own client after its last "
+        "attempt before the completer takes it (default 60s; 0 takes it when due)",
+    )
+    parser.add_argument(
+        "--retention",
+        type=_duration,
+        default=DEFAULT_RETENTION.total_seconds(),
+        metavar="DURATION",
+        help="reaper: delete finished keys this old (default 72h)",
+    )
+    parser.add_argument(
+        "--abandoned-retention",
+        type=_duration,
+        default=DEFAULT_ABANDONED_RETENTION.total_seconds(),
+        metavar="DURATION",
+        help="reaper: delete abandoned keys this old (default 30d)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="default INFO",
+    )
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level)
+    try:
+        engine = load_engine(args.app)
+        _check_database(engine)
+        stop = threading.Event()
+        workers = _workers(engine, args, stop)
+    except UsageError as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    except StartError as exc:
+        return _fail(EXIT_FAILED, str(exc))
+    try:
+        with on_stop(stop.set):
+            if args.once:
+                for worker in workers:
+                    if not worker.stopping:
+                        worker.log_pass(worker.run_once())
+                return EXIT_OK
+            if len(workers) == 1:
+                workers[0].run_forever(args.interval)
+                return EXIT_OK
+            return _run_threads(workers, args.interval, stop)
+    except KeyboardInterrupt:
+        # A second signal: the batch in progress was abandoned and rolls back.
+        log_event(logging.WARNING, "interrupted", {"workers": args.kind})
+        return EXIT_INTERRUPTED
+    finally:
+        engine.dispose()
+
+
+def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threading.Event) -> int:
+    """Each worker in a thread of its own; the first to crash stops all of them."""
+    crashed: list[str] = []
+
+    def run(worker: Worker[Any]) -> None:
+        try:
+            worker.run_forever(interval)
+        except BaseException as exc:
+            crashed.append(worker.name)
+            fields = {"worker": worker.name, "error": repr(exc)}
+            log_event(logging.CRITICAL, "crashed", fields, exc_info=True)
+            stop.set()
+
+    threads = [
+        # daemon: after a second signal the process exits without waiting for them; their
+        # open transactions die with the connections and roll back.
+        threading.Thread(target=run, args=(worker,), name=worker.name, daemon=True)
+        for worker in workers
+    ]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        # Short joins keep the main thread responsive to signals.
+        for thread in threads:
+            thread.join(0.2)
+    return EXIT_FAILED if crashed else EXIT_OK
+
+
+def load_engine(spec: str) -> Engine:
+    """The :class:`Engine` named by ``module:attr`` (``attr`` may be dotted)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"--app must be MODULE:ATTR, e.g. myapp.jobs:engine; got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"--app {spec}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise UsageError(f"--app {spec}: {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(target, Engine):
+        raise UsageError(
+            f"--app {spec}: expected a recoverypoint.Engine, got {type(target).__name__}"
+        )
+    return target
+
+
+def _check_database(engine: Engine) -> None:
+    """Connect once and check that the schema is at (or past) this version's head."""
+    url = engine.db.url.render_as_string(hide_password=True)
+    try:
+        with engine.db.connect() as conn:
+            migrated = sa.inspect(conn).has_table(VERSION_TABLE)
+            current = conn.execute(_CURRENT_REVISION).scalar() if migrated else None
+    except DBAPIError as exc:
+        # The driver's message, joined into one line: refused, unknown database, password.
+        raise StartError(f"{url}: {' '.join(str(exc.orig or exc).split())}") from exc
+    script = ScriptDirectory(str(migrations_dir()))
+    head = script.get_current_head()
+    known = {revision.revision for revision in script.walk_revisions()}
+    # A revision we do not know is a newer recoverypoint's: its schema still has ours.
+    if current != head and (current is None or current in known):
+        raise StartError(
+            f"{url}: recoverypoint's schema is at revision {current or 'none'}, the workers "
+            f"need {head}: run `recoverypoint migrate` first"
+        )
+
+
+def _workers(engine: Engine, args: argparse.Namespace, stop: threading.Event) -> list[Worker[Any]]:
+    factories: dict[str, Callable[[], Worker[Any]]] = {
+        "completer": lambda: Completer(
+            engine, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
+        ),
+        "enqueuer": lambda: Enqueuer(engine, batch_size=args.batch_size, stop_event=stop),
+        "reaper": lambda: Reaper(
+            engine,
+            batch_size=args.batch_size,
+            retention=timedelta(seconds=args.retention),
+            abandoned_retention=timedelta(seconds=args.abandoned_retention),
+            stop_event=stop,
+        ),
+    }
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    try:
+        return [factories[kind]() for kind in kinds]
+    except ValueError as exc:  # a worker refused its settings, or no job backend
+        raise UsageError(str(exc)) from exc
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 0, 30, 90s, 72h, 30d)")
+    return float(match[1]) * _UNIT_SECONDS[match[2]]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
+class _LogfmtFormatter(logging.Formatter):
+    """``ts=… level=… logger=…`` then the event's own pairs; other libraries' messages
+    (and tracebacks) become quoted ``msg=`` and ``exc=`` values, so every line parses."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        head = logfmt(
+            ts=f"{ts}.{int(record.msecs):03d}Z",
+            level=record.levelname.lower(),
+            logger=record.name,
+        )
+        message = record.getMessage()
+        body = message if getattr(record, STRUCTURED, False) else logfmt(msg=message)
+        if record.exc_info:
+            body += " " + logfmt(exc=self.formatException(record.exc_info))
+        return f"{head} {body}"
+
+
+def _configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _fail(status: int, message: str) -> int:
+    print(f"recoverypoint worker: error: {message}", file=sys.stderr)
+    return status

@@ -1,0 +1,273 @@
+"""The completer: finishes keys their clients left unfinished.
+
+It claims due keys in small batches (``FOR UPDATE SKIP LOCKED``, so completers never wait
+for or collide with one another) by taking their leases under one fencing token, then
+resumes each through :meth:`Engine.resume` with that token. A failed attempt is counted by
+the engine, which schedules the key's next attempt with exponential backoff and jitter
+(``Engine(retry_base=…, retry_cap=…)``). Once a key has failed ``max_attempts`` times
+(the operation's), it is abandoned: finished with :data:`ABANDONED_RESPONSE`, which a
+retrying client gets replayed, and reported in one log line.
+
+Only keys of operations registered with the engine, at the stored version, are claimed;
+others are counted and reported, never locked or written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection, text
+
+from ..engine import Engine
+from ..errors import KeyInUse, LockLost
+from ..keys import canonical_json
+from ..operation import Operation, Response
+from .loop import Result, Worker
+
+ABANDONED_RESPONSE = Response(
+    500,
+    {
+        "error": "request_abandoned",
+        "message": "This request failed too many times and will not be retried.",
+    },
+)
+"""What an abandoned key replays to a client that retries it."""
+
+# The operations this completer can resume, as a table: an unnest of three arrays.
+_REGISTERED = """
+    registered AS (
+        SELECT * FROM unnest(
+            CAST(:operations AS text[]), CAST(:versions AS integer[]),
+            CAST(:lock_timeouts AS double precision[])
+        ) AS r(operation, version, lock_timeout)
+    )
+"""
+
+# An unfinished key whose next attempt is due and whose client has had :min_age seconds
+# since its last run to come back on its own.
+_DUE = """
+    k.finished_at IS NULL
+    AND k.next_attempt_at <= now()
+    AND k.last_run_at <= now() - make_interval(secs => :min_age)
+"""
+
+# Take the leases of a batch of due keys with a free or expired lease, under one token.
+# SKIP LOCKED: rows another completer (or a client's claim) holds are passed over.
+_CLAIM_DUE = text(
+    f"""
+    WITH {_REGISTERED},
+    due AS (
+        SELECT k.id
+        FROM idempotency_keys AS k
+        JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+        WHERE {_DUE}
+          AND (k.locked_at IS NULL
+               OR k.locked_at <= now() - make_interval(secs => r.lock_timeout))
+        ORDER BY k.next_attempt_at
+        LIMIT :batch_size
+        FOR UPDATE OF k SKIP LOCKED
+    )
+    UPDATE idempotency_keys AS k
+    SET locked_at = now(), lock_token = :token
+    FROM due
+    WHERE k.id = due.id
+    RETURNING k.id, k.operation, k.operation_version, k.attempts
+    """
+)
+
+# Due keys no registered operation can resume, per operation and version: read only.
+_UNREGISTERED = text(
+    f"""
+    WITH {_REGISTERED}
+    SELECT k.operation, k.operation_version, count(*) AS keys
+    FROM idempotency_keys AS k
+    WHERE {_DUE}
+      AND NOT EXISTS (SELECT 1 FROM registered AS r
+                      WHERE r.operation = k.operation AND r.version = k.operation_version)
+    GROUP BY k.operation, k.operation_version
+    ORDER BY k.operation, k.operation_version
+    """
+)
+
+# Give a key up for good: finish it with the abandonment response. Only while it is
+# unfinished, out of attempts, and its lease is ours or free (a client may have taken it
+# since our attempt failed; then the client's attempt decides).
+_ABANDON = text(
+    """
+    UPDATE idempotency_keys
+    SET finished_at = now(), abandoned_at = now(), response_status = :status,
+        response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
+        locked_at = NULL, lock_token = NULL
+    WHERE id = :id AND finished_at IS NULL AND attempts >= :max_attempts
+      AND (lock_token IS NULL OR lock_token = :token)
+    RETURNING idempotency_key, recovery_point, attempts, last_error
+    """
+)
+
+# Hand back leases taken but not used (the completer is stopping); no attempt is counted.
+_RELEASE_UNSTARTED = text(
+    """
+    UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL
+    WHERE id = ANY(CAST(:ids AS bigint[])) AND lock_token = :token
+    """
+)
+
+
+@dataclass
+class CompleterResult(Result):
+    finished: int = 0
+    """Keys resumed to a stored response."""
+    failed: int = 0
+    """Attempts a phase failed; the key backs off (or is abandoned)."""
+    abandoned: int = 0
+    """Keys given up after ``max_attempts``."""
+    skipped: int = 0
+    """Keys a client took over between the claim and the resume."""
+    unregistered: int = 0
+    """Due keys of operations (or versions) this engine does not have; left alone."""
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    id: int
+    operation: str
+    operation_version: int
+    attempts: int
+
+
+class Completer(Worker[CompleterResult]):
+    """Resumes unfinished keys in-process and abandons those out of attempts.
+
+    Parameters
+    ----------
+    min_age:
+        Seconds an unfinished key waits after its last run for its own client to retry
+        before the completer takes it; 0 takes keys as soon as they are due.
+    """
+
+    name: ClassVar[str] = "completer"
+    default_batch_size: ClassVar[int] = 10
+    default_interval: ClassVar[float] = 5.0
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        batch_size: int | None = None,
+        min_age: float = 60.0,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
+        if min_age < 0:
+            raise ValueError(f"completer: min_age must be >= 0, got {min_age}")
+        self.min_age = min_age
+        self._reported: dict[tuple[str, int], int] = {}
+
+    def run_once(self) -> CompleterResult:
+        result = CompleterResult()
+        registered = self._registered()
+        with self.db.connect() as conn:
+            result.unregistered = self._report_unregistered(conn, registered)
+        while not self.stopping:
+            token = uuid.uuid4()
+            with self.db.begin() as conn:
+                batch = [
+                    _Claimed(*row)
+                    for row in conn.execute(
+                        _CLAIM_DUE,
+                        {**registered, "batch_size": self.batch_size, "token": token},
+                    )
+                ]
+            result.batches += 1
+            for index, key in enumerate(batch):
+                if self.stopping:
+                    self._release([k.id for k in batch[index:]], token)
+                    break
+                self._complete(key, token, result)
+            if len(batch) < self.batch_size:
+                break
+        return result
+
+    def _registered(self) -> dict[str, Any]:
+        operations = self.engine.operations
+        return {
+            "operations": [op.name for op in operations],
+            "versions": [op.version for op in operations],
+            "lock_timeouts": [op.lock_timeout.total_seconds() for op in operations],
+            "min_age": self.min_age,
+        }
+
+    def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
+        operation = self.engine.operation(key.operation, key.operation_version)
+        if key.attempts >= operation.max_attempts:
+            # Out of attempts already (its client's): abandon it without another run.
+            result.abandoned += self._abandon(key.id, operation, token)
+            return
+        try:
+            outcome = self.engine.resume(key.id, token=token)
+        except (KeyInUse, LockLost):
+            result.skipped += 1
+        except Exception:
+            # The engine released the lease, counted the attempt and logged the error.
+            result.failed += 1
+            result.abandoned += self._abandon(key.id, operation, token)
+        else:
+            if outcome.replayed:
+                result.skipped += 1
+            else:
+                result.finished += 1
+
+    def _abandon(self, key_id: int, operation: Operation[Any], token: uuid.UUID) -> int:
+        """Abandon the key if it is out of attempts; 1 if it was, else 0."""
+        with self.db.begin() as conn:
+            row = conn.execute(
+                _ABANDON,
+                {
+                    "id": key_id,
+                    "token": token,
+                    "max_attempts": operation.max_attempts,
+                    "status": ABANDONED_RESPONSE.status,
+                    "body": canonical_json(ABANDONED_RESPONSE.body),
+                },
+            ).one_or_none()
+        if row is None:
+            return 0
+        self.log(
+            logging.ERROR,
+            "abandoned",
+            key_id=key_id,
+            operation=operation.name,
+            version=operation.version,
+            idempotency_key=row.idempotency_key,
+            recovery_point=row.recovery_point,
+            attempts=row.attempts,
+            last_error=row.last_error,
+        )
+        return 1
+
+    def _release(self, ids: list[int], token: uuid.UUID) -> None:
+        with self.db.begin() as conn:
+            conn.execute(_RELEASE_UNSTARTED, {"ids": ids, "token": token})
+
+    def _report_unregistered(self, conn: Connection, registered: dict[str, Any]) -> int:
+        """Count due keys no registered operation can resume; log when the picture changes."""
+        found = {
+            (row.operation, row.operation_version): row.keys
+            for row in conn.execute(_UNREGISTERED, registered)
+        }
+        if found != self._reported:
+            for (name, version), keys in found.items():
+                self.log(
+                    logging.WARNING,
+                    "unregistered",
+                    operation=name,
+                    version=version,
+                    keys=keys,
+                    hint="register this operation version with the engine to complete them",
+                )
+            self._reported = found
+        return sum(found.values())

@@ -1,0 +1,181 @@
+"""The shape every worker shares: ``run_once()`` returns counts, ``run_forever()`` repeats it
+until stopped, and SIGTERM/SIGINT become a stop in one place (:func:`on_stop`).
+
+A pass (``run_once``) works in batches, one transaction each, until a batch comes back
+short or a stop is requested; a stop is only looked at between batches, so a batch always
+commits or rolls back whole. Log lines are ``key=value`` pairs (logfmt), one event each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import signal
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import ClassVar, Generic, TypeVar
+
+import sqlalchemy as sa
+
+from ..engine import Engine
+
+logger = logging.getLogger("recoverypoint.workers")
+
+
+@dataclass
+class Result:
+    """What one pass did; true when it did anything. Subclasses add their counts."""
+
+    batches: int = 0
+
+    def __bool__(self) -> bool:
+        return any(value for name, value in self.counts().items() if name != "batches")
+
+    def counts(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+R = TypeVar("R", bound=Result)
+
+
+def logfmt(**fields: object) -> str:
+    """``key=value`` pairs on one line; values with spaces, quotes, ``=`` or line breaks
+    are quoted and escaped."""
+    parts = []
+    for name, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\n\r\\'):
+            text = '"' + text.translate(_ESCAPES) + '"'
+        parts.append(f"{name}={text}")
+    return " ".join(parts)
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r"})
+
+STRUCTURED = "recoverypoint_logfmt"
+"""Set on log records whose message is already logfmt (see :func:`log_event`)."""
+
+
+def log_event(
+    level: int, event: str, fields: Mapping[str, object], *, exc_info: bool = False
+) -> None:
+    """Log one event as a logfmt line on the ``recoverypoint.workers`` logger."""
+    message = logfmt(event=event, **fields)
+    logger.log(level, message, exc_info=exc_info, extra={STRUCTURED: True})
+
+
+class Worker(ABC, Generic[R]):
+    """A worker: ``run_once()`` for one pass, ``run_forever()`` for the loop, ``stop()``
+    from anywhere (a signal handler, another thread), as often as you like.
+
+    Parameters
+    ----------
+    engine:
+        The :class:`~recoverypoint.Engine` whose database, operations and job backend the
+        worker uses.
+    batch_size:
+        Rows claimed per transaction; small batches keep locks short and let many
+        instances share the work.
+    stop_event:
+        Share one event between workers to stop them together (``worker all``).
+    """
+
+    name: ClassVar[str]
+    default_batch_size: ClassVar[int]
+    default_interval: ClassVar[float]
+    """Seconds between passes when there is nothing to do."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        batch_size: int | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.engine = engine
+        self.batch_size = self.default_batch_size if batch_size is None else batch_size
+        if self.batch_size < 1:
+            raise ValueError(f"{self.name}: batch_size must be >= 1, got {self.batch_size}")
+        self.stop_event = stop_event or threading.Event()
+        # Workers claim with SKIP LOCKED and must see each other's commits at once,
+        # whatever isolation the application's engine defaults to.
+        self.db: sa.Engine = engine.db.execution_options(isolation_level="READ COMMITTED")
+
+    @abstractmethod
+    def run_once(self) -> R:
+        """One pass: batches until a short one or a stop; returns what it did."""
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def run_forever(self, interval: float | None = None, jitter: float | None = None) -> None:
+        """Run passes until :meth:`stop`, waiting ``interval`` plus up to ``jitter`` seconds
+        (default a tenth of the interval) between them. An error in a pass (the database
+        went away, say) is logged and the next pass tries again."""
+        interval = self.default_interval if interval is None else interval
+        jitter = interval / 10 if jitter is None else jitter
+        if interval < 0 or jitter < 0:
+            raise ValueError(f"{self.name}: interval and jitter must be >= 0")
+        self.log(logging.INFO, "started", interval=interval, batch_size=self.batch_size)
+        while not self.stopping:
+            began = time.monotonic()
+            try:
+                result = self.run_once()
+            except Exception as exc:
+                fields = {"worker": self.name, "error": describe(exc)}
+                log_event(logging.ERROR, "error", fields, exc_info=True)
+            else:
+                if result:
+                    self.log_pass(result, seconds=round(time.monotonic() - began, 3))
+            self.stop_event.wait(interval + random.uniform(0, jitter))
+        self.log(logging.INFO, "stopped")
+
+    def log(self, level: int, event: str, **fields: object) -> None:
+        log_event(level, event, {"worker": self.name, **fields})
+
+    def log_pass(self, result: Result, **fields: object) -> None:
+        log_event(logging.INFO, "pass", {"worker": self.name, **result.counts(), **fields})
+
+
+def describe(exc: BaseException) -> str:
+    """An error in one line: its type and its first line."""
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+
+
+@contextmanager
+def on_stop(stop: Callable[[], None]) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT call ``stop`` (workers finish their batch and
+    return); a second signal raises :class:`KeyboardInterrupt` to stop at once, rolling
+    the batch back. The previous handlers come back on exit. Off the main thread, where
+    Python cannot install handlers, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        log_event(
+            logging.INFO, "signal", {"signal": signal.Signals(signum).name, "count": len(received)}
+        )
+        if len(received) > 1:
+            raise KeyboardInterrupt
+        stop()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,132 @@
+"""The reaper: deletes keys once no client can still retry them, and old consume-once records.
+
+Only finished keys are ever deleted, by the age of ``finished_at``: after ``retention``
+(72 hours, the retry window clients and the completer have) or, for keys the completer
+abandoned, after the longer ``abandoned_retention`` (30 days), so a human has time to look
+at them. An unfinished key is never deleted, however old: the completer finishes or
+abandons it first. Staged jobs of a deleted key keep their row (``ON DELETE SET NULL``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from sqlalchemy import TextClause, text
+
+from ..engine import Engine
+from .loop import Result, Worker
+
+DEFAULT_RETENTION = timedelta(hours=72)
+DEFAULT_ABANDONED_RETENTION = timedelta(days=30)
+# A duplicate delivery can come late (a broker outage, a consumer down for a weekend), and
+# a record is small: keep them longer than the keys.
+DEFAULT_PROCESSED_RETENTION = timedelta(days=7)
+
+# One batch of finished keys past their retention; the partial index on finished_at finds
+# them. Rows locked elsewhere are skipped, so reapers never wait for each other.
+_REAP_KEYS = text(
+    """
+    WITH doomed AS (
+        SELECT id FROM idempotency_keys
+        WHERE finished_at < now() - make_interval(secs => :retention)
+          AND (abandoned_at IS NULL
+               OR abandoned_at < now() - make_interval(secs => :abandoned_retention))
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM idempotency_keys AS k USING doomed
+    WHERE k.id = doomed.id
+    RETURNING k.abandoned_at IS NOT NULL AS abandoned
+    """
+)
+
+# One batch of consume-once records past their retention.
+_REAP_MESSAGES = text(
+    """
+    WITH doomed AS (
+        SELECT consumer, message_id FROM processed_messages
+        WHERE processed_at < now() - make_interval(secs => :retention)
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM processed_messages AS p USING doomed
+    WHERE p.consumer = doomed.consumer AND p.message_id = doomed.message_id
+    RETURNING 1
+    """
+)
+
+
+@dataclass
+class ReaperResult(Result):
+    finished: int = 0
+    """Finished keys deleted."""
+    abandoned: int = 0
+    """Abandoned keys deleted."""
+    messages: int = 0
+    """Consume-once records deleted."""
+
+
+class Reaper(Worker[ReaperResult]):
+    """Deletes finished keys past ``retention``, abandoned ones past
+    ``abandoned_retention`` (which may not be shorter) and consume-once records past
+    ``processed_retention``, one transaction per batch."""
+
+    name: ClassVar[str] = "reaper"
+    default_batch_size: ClassVar[int] = 1000
+    default_interval: ClassVar[float] = 60.0
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        batch_size: int | None = None,
+        retention: timedelta = DEFAULT_RETENTION,
+        abandoned_retention: timedelta = DEFAULT_ABANDONED_RETENTION,
+        processed_retention: timedelta = DEFAULT_PROCESSED_RETENTION,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
+        if min(retention, abandoned_retention, processed_retention) < timedelta(0):
+            raise ValueError("reaper: retentions must be >= 0")
+        if abandoned_retention < retention:
+            raise ValueError(
+                f"reaper: abandoned_retention ({abandoned_retention}) may not be shorter "
+                f"than retention ({retention}): abandoned keys are kept for a human to see"
+            )
+        self.retention = retention
+        self.abandoned_retention = abandoned_retention
+        self.processed_retention = processed_retention
+
+    def run_once(self) -> ReaperResult:
+        result = ReaperResult()
+        keys = {
+            "retention": self.retention.total_seconds(),
+            "abandoned_retention": self.abandoned_retention.total_seconds(),
+        }
+        while not self.stopping:
+            abandoned = self._batch(_REAP_KEYS, keys, result)
+            result.abandoned += sum(abandoned)
+            result.finished += len(abandoned) - sum(abandoned)
+            if len(abandoned) < self.batch_size:
+                break
+        messages = {"retention": self.processed_retention.total_seconds()}
+        while not self.stopping:
+            deleted = len(self._batch(_REAP_MESSAGES, messages, result))
+            result.messages += deleted
+            if deleted < self.batch_size:
+                break
+        return result
+
+    def _batch(
+        self, statement: TextClause, params: dict[str, float], result: ReaperResult
+    ) -> Sequence[Any]:
+        """Delete one batch in its own transaction; what the statement returned per row."""
+        with self.db.begin() as conn:
+            returned = conn.execute(statement, {**params, "batch_size": self.batch_size})
+            rows = returned.scalars().all()
+        result.batches += 1
+        return rows

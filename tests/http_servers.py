@@ -1,0 +1,50 @@
+"""Real HTTP servers on loopback, each in a thread of the test process: uvicorn for ASGI
+applications, werkzeug's threaded server for WSGI ones. Ports are picked by the kernel."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from werkzeug.serving import make_server
+
+
+@contextmanager
+def serve_asgi(app: Any) -> Iterator[str]:
+    """Serve ``app`` with uvicorn; yield its base URL; stop it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, lifespan="off", ws="none", http="h11", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@contextmanager
+def serve_wsgi(app: Any) -> Iterator[str]:
+    """Serve ``app`` with werkzeug's threaded server; yield its base URL; stop it."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(30)
+        server.server_close()

@@ -1,0 +1,278 @@
+"""The completer on real PostgreSQL: what it claims, backoff, abandonment, keys it must not
+touch, and three completer processes sharing 1,000 keys."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from workload import PHASES, Recorder, plant_keys, rows, steps_operation
+
+import recoverypoint as rp
+from recoverypoint.workers import ABANDONED_RESPONSE, Completer
+
+TESTS = Path(__file__).resolve().parent
+ACCEPTED = rp.Request("POST", "/test")
+
+
+def make_engine(db: sa.Engine, *, retry_base: float = 2.0, **options: Any) -> rp.Engine:
+    engine = rp.Engine(db, retry_base=retry_base)
+    engine.register(steps_operation("steps", Recorder(db), **options))
+    return engine
+
+
+def key(db: sa.Engine, key_id: int) -> Any:
+    return rows(
+        db,
+        "SELECT *, next_attempt_at - now() AS due_in FROM idempotency_keys WHERE id = :i",
+        i=key_id,
+    )[0]
+
+
+def make_due(db: sa.Engine, key_id: int) -> None:
+    """Move a key's next attempt into the past, as waiting out its backoff would."""
+    with db.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET next_attempt_at = now() WHERE id = :i"),
+            {"i": key_id},
+        )
+
+
+def test_resumes_a_key_its_client_left_and_it_replays_after(worker_db: sa.Engine) -> None:
+    engine = make_engine(worker_db)
+    [key_id] = plant_keys(worker_db, "steps", 1, point="reserved")
+
+    result = Completer(engine, min_age=0).run_once()
+
+    assert (result.finished, result.failed, result.abandoned) == (1, 0, 0)
+    row = key(worker_db, key_id)
+    assert (row.recovery_point, row.response_status, row.lock_token) == ("finished", 201, None)
+    # It resumed after "reserved": that phase did not run again.
+    assert [r.phase for r in rows(worker_db, "SELECT phase FROM phase_runs")] == ["finished"]
+    assert Completer(engine, min_age=0).run_once().finished == 0
+
+
+def test_engine_resume_says_why_it_cannot_resume_a_key(worker_db: sa.Engine) -> None:
+    engine = make_engine(worker_db)
+    [finished] = plant_keys(
+        worker_db, "steps", 1, point="finished", response_status="202", finished_at="now()"
+    )
+    [leased] = plant_keys(worker_db, "steps", 1, locked_at="now()", lock_token="gen_random_uuid()")
+    [ghost] = plant_keys(worker_db, "ghost", 1)
+
+    assert engine.resume(finished) == rp.Outcome(202, None, {}, replayed=True)
+    with pytest.raises(rp.KeyInUse) as in_use:
+        engine.resume(leased)
+    assert 85 <= in_use.value.retry_after <= 90  # what is left of the 90 s lease
+    with pytest.raises(rp.OperationNotRegistered, match="'ghost' v1"):
+        engine.resume(ghost)
+    with pytest.raises(LookupError):
+        engine.resume(10**12)
+    assert rows(worker_db, "SELECT * FROM phase_runs") == []
+
+
+def test_claims_only_due_keys_whose_client_had_time_and_whose_lease_is_free(
+    worker_db: sa.Engine,
+) -> None:
+    engine = make_engine(worker_db)
+    old = "now() - interval '1 hour'"
+    [recent] = plant_keys(worker_db, "steps", 1)  # last_run_at: now
+    [backing_off] = plant_keys(
+        worker_db, "steps", 1, last_run_at=old, next_attempt_at="now() + interval '1 hour'"
+    )
+    [leased] = plant_keys(
+        worker_db, "steps", 1, last_run_at=old, locked_at="now()", lock_token="gen_random_uuid()"
+    )
+    [expired] = plant_keys(
+        worker_db, "steps", 1, last_run_at=old, locked_at=old, lock_token="gen_random_uuid()"
+    )
+    [idle] = plant_keys(worker_db, "steps", 1, last_run_at=old)
+
+    assert Completer(engine, min_age=60).run_once().finished == 2
+    assert {
+        k for k in (recent, backing_off, leased, expired, idle) if key(worker_db, k).finished_at
+    } == {
+        expired,
+        idle,
+    }
+    # --min-age 0: a key is taken as soon as it is due, however recent its last run.
+    assert Completer(engine, min_age=0).run_once().finished == 1
+    assert key(worker_db, recent).response_status == 201
+    assert key(worker_db, backing_off).finished_at is None
+    assert key(worker_db, leased).finished_at is None
+
+
+def test_backs_off_per_key_then_abandons_with_a_replayed_error_and_one_log_line(
+    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(worker_db, retry_base=10.0, max_attempts=3)
+    op = engine.operation("steps", 1)
+    params = {"fail": "charged"}
+
+    # The client's own attempt fails at the foreign step and backs off 5 to 10 s.
+    with pytest.raises(RuntimeError):
+        engine.run(op, key="k1", params=params, request=ACCEPTED)
+    [key_id] = [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys")]
+    first = key(worker_db, key_id)
+    assert first.attempts == 1
+    assert timedelta(seconds=4) < first.due_in <= timedelta(seconds=10)
+
+    completer = Completer(engine, min_age=0)
+    assert not completer.run_once()  # not due yet: left alone
+    assert key(worker_db, key_id).attempts == 1
+
+    make_due(worker_db, key_id)
+    assert completer.run_once().failed == 1
+    second = key(worker_db, key_id)
+    assert second.attempts == 2
+    assert second.lock_token is None
+    assert timedelta(seconds=9) < second.due_in <= timedelta(seconds=20)  # doubled
+
+    make_due(worker_db, key_id)
+    with caplog.at_level(logging.INFO, logger="recoverypoint.workers"):
+        result = completer.run_once()
+
+    assert (result.failed, result.abandoned) == (1, 1)
+    row = key(worker_db, key_id)
+    assert row.attempts == 3
+    assert row.finished_at is not None and row.abandoned_at is not None
+    assert row.recovery_point == "reserved"  # where it stopped, for whoever looks into it
+    assert (row.response_status, row.response_body) == (
+        ABANDONED_RESPONSE.status,
+        ABANDONED_RESPONSE.body,
+    )
+    [line] = [r.getMessage() for r in caplog.records if "event=abandoned" in r.getMessage()]
+    assert f"key_id={key_id} " in line
+    assert "operation=steps version=1 " in line
+    assert "idempotency_key=k1 " in line
+    assert 'last_error="RuntimeError: card network down"' in line
+
+    # A client that retries gets the stored error; nothing runs again.
+    calls = len(rows(worker_db, "SELECT * FROM step_calls"))
+    outcome = engine.run(op, key="k1", params=params, request=ACCEPTED)
+    assert (outcome.status, outcome.replayed) == (ABANDONED_RESPONSE.status, True)
+    assert len(rows(worker_db, "SELECT * FROM step_calls")) == calls == 3
+    make_due(worker_db, key_id)
+    assert not completer.run_once()
+
+
+def test_a_key_out_of_attempts_is_abandoned_without_another_run(worker_db: sa.Engine) -> None:
+    engine = make_engine(worker_db, max_attempts=2)
+    [key_id] = plant_keys(worker_db, "steps", 1, attempts="2", last_error="'Boom'")
+
+    result = Completer(engine, min_age=0).run_once()
+
+    assert (result.abandoned, result.failed, result.finished) == (1, 0, 0)
+    assert key(worker_db, key_id).abandoned_at is not None
+    assert rows(worker_db, "SELECT * FROM step_calls") == []
+
+
+def test_keys_of_unregistered_operations_or_versions_are_reported_and_never_touched(
+    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(worker_db)  # registers "steps" v1 only
+    old = {"last_run_at": "now() - interval '1 day'"}
+    planted = [
+        *plant_keys(worker_db, "ghost", 2, **old),
+        *plant_keys(worker_db, "steps", 1, version=2, **old),
+        *plant_keys(worker_db, "ghost", 1, locked_at="now() - interval '1 day'", **old),
+    ]
+    # xmin changes with any update, xmax with any row lock: together they catch a touch.
+    snapshot = "SELECT xmin::text, xmax::text, k.* FROM idempotency_keys k ORDER BY id"
+    before = rows(worker_db, snapshot)
+
+    with caplog.at_level(logging.WARNING, logger="recoverypoint.workers"):
+        completer = Completer(engine, min_age=0)
+        result = completer.run_once()
+        completer.run_once()
+
+    assert result.unregistered == len(planted) == 4
+    assert (result.finished, result.failed, result.abandoned, result.skipped) == (0, 0, 0, 0)
+    assert rows(worker_db, snapshot) == before
+    warnings = sorted(
+        r.getMessage() for r in caplog.records if "event=unregistered" in r.getMessage()
+    )
+    # Reported once, not on every pass, per operation and version.
+    assert len(warnings) == 2
+    assert "operation=ghost version=1 keys=3" in warnings[0]
+    assert "operation=steps version=2 keys=1" in warnings[1]
+
+
+def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(
+    worker_db: sa.Engine,
+) -> None:
+    engine = rp.Engine(worker_db)
+    completer = Completer(engine, min_age=0, batch_size=5)
+    # The first key's foreign step asks the completer to stop, as SIGTERM would.
+    engine.register(steps_operation("steps", Recorder(worker_db, on_step=completer.stop)))
+    ids = plant_keys(worker_db, "steps", 5)
+
+    result = completer.run_once()
+
+    assert (result.finished, result.batches) == (1, 1)
+    states = rows(
+        worker_db,
+        "SELECT count(*) FILTER (WHERE finished_at IS NOT NULL) AS finished, "
+        "count(*) FILTER (WHERE lock_token IS NOT NULL) AS leased, sum(attempts) AS attempts "
+        "FROM idempotency_keys WHERE id = ANY(:ids)",
+        ids=ids,
+    )[0]
+    assert (states.finished, states.leased, states.attempts) == (1, 0, 0)
+
+
+def test_three_completer_processes_finish_1000_keys_each_once(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    # Keys as crashed or gone clients leave them: never started, halfway, lease expired.
+    old = "now() - interval '1 hour'"
+    plant_keys(worker_db, "steps", 400, last_run_at=old)
+    plant_keys(worker_db, "steps", 300, point="reserved", last_run_at=old)
+    plant_keys(
+        worker_db, "steps", 300, last_run_at=old, locked_at=old, lock_token="gen_random_uuid()"
+    )
+    env = {**os.environ, "RP_WORKER_TEST_DATABASE_URL": worker_database_url}
+    command = [
+        sys.executable, "-m", "recoverypoint", "worker", "completer", "--app", "worker_app:engine",
+        "--once", "--min-age", "0", "--batch-size", "10",
+    ]  # fmt: skip
+    processes = [
+        subprocess.Popen(command, cwd=TESTS, env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    errors = [process.communicate(timeout=120)[1] for process in processes]
+
+    assert [p.returncode for p in processes] == [0, 0, 0], errors
+    finished = rows(
+        worker_db,
+        "SELECT count(*) FILTER (WHERE response_status = 201) AS ok, count(*) AS all "
+        "FROM idempotency_keys",
+    )[0]
+    assert (finished.ok, finished.all) == (1000, 1000)
+    # Every phase body ran once per key: the atomic ones committed once, and the foreign
+    # step was called once, by whichever process took the key.
+    per_phase = {
+        r.phase: (r.keys, r.runs)
+        for r in rows(
+            worker_db,
+            "SELECT phase, count(DISTINCT key_id) AS keys, count(*) AS runs FROM phase_runs "
+            "GROUP BY phase UNION ALL SELECT 'charged', count(DISTINCT key_id), count(*) "
+            "FROM step_calls",
+        )
+    }
+    assert per_phase == {"reserved": (700, 700), "charged": (1000, 1000), "finished": (1000, 1000)}
+    assert set(per_phase) == set(PHASES)
+    # The processes' own counts add up, and no process found a key another one had claimed.
+    totals = {"finished": 0, "skipped": 0}
+    for line in (line for error in errors for line in error.splitlines()):
+        if "event=pass" in line:
+            fields = dict(pair.split("=", 1) for pair in line.split() if "=" in pair)
+            for name in totals:
+                totals[name] += int(fields[name])
+    assert totals == {"finished": 1000, "skipped": 0}, errors

@@ -1,0 +1,111 @@
+"""The enqueuer: every staged job published, exactly the published ones deleted, failed
+publishes kept and retried, and three enqueuer processes, one of them killed mid-batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from workload import JOB, Recorder, rows, stage_jobs, wait_for
+
+import recoverypoint as rp
+from recoverypoint.jobs import InProcessBackend, Job
+from recoverypoint.workers import Enqueuer
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_a_failed_publish_stays_staged_backs_off_and_is_retried(worker_db: sa.Engine) -> None:
+    keys = stage_jobs(worker_db, 10)
+    recorder = Recorder(worker_db)
+    broker_down = [True]
+
+    def publish(job: Job) -> None:
+        if job.args["n"] == 5 and broker_down:  # the 5th job, mid-batch
+            raise ConnectionError("broker went away")
+        recorder.published(job)
+
+    engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: publish}))
+    enqueuer = Enqueuer(engine, batch_size=4, retry_base=10.0)
+
+    result = enqueuer.run_once()
+
+    assert (result.published, result.failed, result.batches) == (9, 1, 3)
+    [left] = rows(
+        worker_db,
+        "SELECT job_args, attempts, last_error, next_attempt_at - now() AS due_in FROM staged_jobs",
+    )
+    assert left.job_args == {"n": 5}
+    assert (left.attempts, left.last_error) == (1, "ConnectionError: broker went away")
+    assert timedelta(seconds=4) < left.due_in <= timedelta(seconds=10)
+    assert not enqueuer.run_once()  # backing off
+
+    broker_down.clear()
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("UPDATE staged_jobs SET next_attempt_at = now()"))
+    assert enqueuer.run_once().published == 1
+    assert rows(worker_db, "SELECT * FROM staged_jobs") == []
+    published = [r.job_key for r in rows(worker_db, "SELECT job_key FROM published")]
+    assert sorted(published) == keys
+
+
+def test_an_enqueuer_needs_a_job_backend(worker_db: sa.Engine) -> None:
+    with pytest.raises(ValueError, match="no job backend"):
+        Enqueuer(rp.Engine(worker_db))
+
+
+def test_three_enqueuer_processes_publish_10000_jobs_and_a_sigkill_loses_none(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    keys = stage_jobs(worker_db, 10_000)
+    env = {**os.environ, "RP_WORKER_TEST_DATABASE_URL": worker_database_url}
+    command = [
+        sys.executable, "-m", "recoverypoint", "worker", "enqueuer", "--app", "worker_app:engine",
+        "--interval", "0.2", "--batch-size", "100",
+    ]  # fmt: skip
+
+    def start(**extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            command, cwd=TESTS, env={**env, **extra}, stderr=subprocess.PIPE, text=True
+        )
+
+    # The victim publishes slowly (100 jobs take 2 s), so it is surely caught mid-batch.
+    victim = start(RP_WORKER_TEST_PUBLISH_DELAY="0.02")
+    survivors = [start(), start()]
+    try:
+        # Mid-batch: jobs it published whose rows its open transaction has not deleted.
+        in_flight = (
+            "SELECT count(*) FROM published JOIN staged_jobs USING (job_key) WHERE pid = :pid"
+        )
+        wait_for(lambda: rows(worker_db, in_flight, pid=victim.pid)[0][0] >= 5)
+        victim.kill()
+        victim.wait(timeout=30)
+        wait_for(lambda: rows(worker_db, "SELECT count(*) FROM staged_jobs")[0][0] == 0)
+    finally:
+        for process in survivors:
+            process.send_signal(signal.SIGTERM)
+        errors = [process.communicate(timeout=60)[1] for process in survivors]
+        if victim.poll() is None:
+            victim.kill()
+        victim.communicate(timeout=30)
+
+    assert victim.returncode == -signal.SIGKILL
+    assert [p.returncode for p in survivors] == [0, 0], errors  # SIGTERM: a clean exit
+    counts = rows(
+        worker_db,
+        "SELECT job_key, count(*) AS times, count(*) FILTER (WHERE pid = :victim) AS by_victim "
+        "FROM published GROUP BY job_key",
+        victim=victim.pid,
+    )
+    assert sorted(c.job_key for c in counts) == keys  # every job, none lost
+    again = [c for c in counts if c.times > 1]
+    # Only jobs of the batch the kill rolled back went out twice (at least once delivery),
+    # once by the victim and once by a survivor; the survivors never repeated a job.
+    assert 5 <= len(again) <= 100
+    assert all((c.times, c.by_victim) == (2, 1) for c in again)

@@ -1,0 +1,388 @@
+"""The FastAPI and Flask integrations over real HTTP on loopback: uvicorn serves the FastAPI
+app, werkzeug's threaded server the Flask one, both on the session's PostgreSQL.
+
+Most tests run once per route: the phased operation from a sync FastAPI route, an async one
+and a Flask view, and the single-step endpoint in the same three forms.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from fastapi import FastAPI
+from http_apps import SCHEMA, SECRET, Gates, fastapi_app, flask_app, order_operation
+from http_servers import serve_asgi, serve_wsgi
+from rides import count
+
+import recoverypoint as rp
+from recoverypoint.integrations import fastapi as rp_fastapi
+
+PHASED = ["fastapi/sync/orders", "fastapi/async/orders", "flask/sync/orders"]
+SINGLE = ["fastapi/sync/single", "fastapi/async/single", "flask/sync/single"]
+ALL = PHASED + SINGLE
+PROBLEM = "application/problem+json"
+RETRY_TEXT = "Retry it with the same Idempotency-Key"
+
+
+@pytest.fixture(scope="module")
+def gates() -> Gates:
+    return Gates()
+
+
+@pytest.fixture(scope="module")
+def http_engine(db: sa.Engine) -> rp.Engine:
+    with db.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    return rp.Engine(db)
+
+
+@pytest.fixture(scope="module")
+def servers(http_engine: rp.Engine, gates: Gates) -> Iterator[dict[str, str]]:
+    op = order_operation(gates)
+    http_engine.register(op)
+    with (
+        serve_asgi(fastapi_app(http_engine, op, gates)) as fastapi_url,
+        serve_wsgi(flask_app(http_engine, op, gates)) as flask_url,
+    ):
+        yield {"fastapi": fastapi_url, "flask": flask_url}
+
+
+def url(servers: dict[str, str], route: str) -> str:
+    framework, path = route.split("/", 1)
+    return f"{servers[framework]}/{path}"
+
+
+def post(
+    target: str,
+    key: str | None,
+    item: str,
+    tenant: str | None,
+    *,
+    note: str = "",
+) -> httpx.Response:
+    sent: dict[str, str] = {}
+    if key is not None:
+        sent["Idempotency-Key"] = key
+    if tenant is not None:
+        sent["X-Tenant"] = tenant
+    return httpx.post(target, json={"item": item, "note": note}, headers=sent, timeout=60)
+
+
+def new_item(prefix: str = "item") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def runs(db: sa.Engine, item: str) -> int:
+    return count(db, "SELECT count(*) FROM http_orders WHERE item = :i", i=item)
+
+
+def keys_of(db: sa.Engine, scope: str) -> int:
+    return count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope)
+
+
+def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    body: dict[str, Any] = response.json()
+    assert body["status"] == status
+    assert body["type"].startswith("tag:recoverypoint,2025:")
+    assert body["title"] and body["detail"]
+    return body
+
+
+# -- phased operations, and what every route shares -------------------------------------
+
+
+@pytest.mark.parametrize("route", PHASED)
+def test_a_new_key_answers_and_its_replay_is_marked_with_safe_headers_only(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item()
+    first = post(url(servers, route), "key-1", item, scope)
+    again = post(url(servers, route), "key-1", item, scope)
+
+    assert first.status_code == 201
+    assert "idempotent-replayed" not in first.headers
+    assert first.json() == {"order_id": first.json()["order_id"], "item": item}
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert again.headers["x-order"] == str(first.json()["order_id"])
+    assert again.headers["location"] == f"/orders/{first.json()['order_id']}"
+    assert again.headers["content-type"] == "application/json"
+    for response in (first, again):
+        assert "set-cookie" not in response.headers
+        assert "keep-alive" not in response.headers
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("route", ALL)
+@pytest.mark.parametrize(
+    "key",
+    [None, "", "k" * 256, "clé-non-ascii", '"unterminated', "two,keys"],
+    ids=["missing", "empty", "too-long", "non-ascii", "bad-sf-string", "comma"],
+)
+def test_a_missing_or_invalid_key_is_a_400_and_stores_nothing(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str, key: str | None
+) -> None:
+    item = new_item()
+    if key is not None and not key.isascii():
+        # httpx refuses to send non-ASCII header text; send its UTF-8 bytes as a client could.
+        response = httpx.post(
+            url(servers, route),
+            json={"item": item},
+            headers=[(b"Idempotency-Key", key.encode()), (b"X-Tenant", scope.encode())],
+        )
+    else:
+        response = post(url(servers, route), key, item, scope)
+
+    body = assert_problem(response, 400)
+    assert "Idempotency-Key" in body["detail"] or "idempotency key" in body["detail"]
+    assert keys_of(db, scope) == 0
+    assert runs(db, item) == 0
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_two_key_headers_are_a_400(servers: dict[str, str], scope: str, route: str) -> None:
+    response = httpx.post(
+        url(servers, route),
+        json={"item": new_item()},
+        headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b"), ("X-Tenant", scope)],
+    )
+    assert_problem(response, 400)
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_a_key_sent_as_an_sf_string_is_the_same_key(
+    servers: dict[str, str], scope: str, route: str
+) -> None:
+    item = new_item()
+    bare = post(url(servers, route), "8e03978e-40d5", item, scope)
+    quoted = post(url(servers, route), '"8e03978e-40d5"', item, scope)
+    assert bare.status_code == quoted.status_code == 201
+    assert quoted.headers["idempotent-replayed"] == "true"
+    assert quoted.json() == bare.json()
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_a_key_in_flight_is_a_409_with_retry_after_and_then_replays(
+    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item("hold")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, url(servers, route), "key-1", item, scope)
+        assert gates.wait_entered(item)
+        duplicate = post(url(servers, route), "key-1", item, scope)
+        gates.release(item)
+        assert first.result().status_code == 201
+
+    body = assert_problem(duplicate, 409)
+    assert body["type"].endswith(":key-in-use")
+    assert int(duplicate.headers["retry-after"]) >= 1
+    later = post(url(servers, route), "key-1", item, scope)
+    assert later.status_code == 201 and later.headers["idempotent-replayed"] == "true"
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_a_key_reused_with_other_params_is_a_422(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item()
+    assert post(url(servers, route), "key-1", item, scope).status_code == 201
+    other = post(url(servers, route), "key-1", item, scope, note="changed")
+    body = assert_problem(other, 422)
+    assert body["type"].endswith(":params-mismatch")
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_params_over_the_size_limit_are_a_413_and_store_nothing(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    response = post(url(servers, route), "key-1", new_item(), scope, note="x" * 70_000)
+    assert_problem(response, 413)
+    assert keys_of(db, scope) == 0
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_a_retryable_failure_is_a_503_with_retry_after_and_no_internal_detail(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item("transient")
+    response = post(url(servers, route), "key-1", item, scope)
+
+    body = assert_problem(response, 503)
+    assert int(response.headers["retry-after"]) >= 1
+    assert "retry with the same key" in body["detail"]
+    assert "10.1.2.3" not in response.text and SECRET not in response.text
+    # The key kept its recovery point and gave its lease up: a retry runs at once.
+    with db.connect() as conn:
+        point, locked = conn.execute(
+            sa.text("SELECT recovery_point, locked_at FROM idempotency_keys WHERE scope = :s"),
+            {"s": scope},
+        ).one()
+    assert locked is None
+    assert_problem(post(url(servers, route), "key-1", item, scope), 503)
+    if route in PHASED:
+        assert point == "ordered"
+        assert runs(db, item) == 1  # the committed phase did not run again
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_an_unexpected_error_is_a_500_that_says_retry_with_the_same_key(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item("fail")
+    response = post(url(servers, route), "key-1", item, scope)
+
+    body = assert_problem(response, 500)
+    assert RETRY_TEXT in body["detail"]
+    assert SECRET not in response.text and "Traceback" not in response.text
+    # Not stuck in flight: the retry runs again (and fails again) rather than getting 409.
+    assert_problem(post(url(servers, route), "key-1", item, scope), 500)
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_keys_never_collide_across_scopes(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item()
+    mine = post(url(servers, route), "shared-key", item, scope)
+    theirs = post(url(servers, route), "shared-key", item, f"{scope}-other")
+
+    assert mine.status_code == theirs.status_code == 201
+    assert "idempotent-replayed" not in theirs.headers
+    assert mine.json()["order_id"] != theirs.json()["order_id"]
+    assert runs(db, item) == 2
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_the_application_refuses_before_any_key_is_stored(
+    servers: dict[str, str], db: sa.Engine, route: str
+) -> None:
+    key, item = str(uuid.uuid4()), new_item()
+    response = post(url(servers, route), key, item, tenant=None)
+    assert response.status_code == 401
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = :k", k=key) == 0
+    assert runs(db, item) == 0
+
+
+@pytest.mark.parametrize("route", ALL)
+def test_concurrent_duplicates_get_one_201_and_409s_or_replays(
+    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item("hold")
+    target = url(servers, route)
+    with ThreadPoolExecutor(8) as pool:
+        sent = [pool.submit(post, target, "key-1", item, scope) for _ in range(8)]
+        assert gates.wait_entered(item)
+        # Hold the winner until every other request has been answered, so they overlap.
+        deadline = time.monotonic() + 30
+        while sum(f.done() for f in sent) < len(sent) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held = [f for f in sent if not f.done()]
+        gates.release(item)
+        answers = [f.result() for f in sent]
+    answers += [post(target, "key-1", item, scope) for _ in range(2)]
+
+    fresh = [a for a in answers if a.status_code == 201 and "idempotent-replayed" not in a.headers]
+    assert len(fresh) == 1
+    assert len(held) == 1 and held[0].result() is fresh[0]
+    for answer in answers:
+        if answer is fresh[0]:
+            continue
+        if answer.status_code == 409:
+            assert "retry-after" in answer.headers
+        else:
+            assert answer.status_code == 201
+            assert answer.headers["idempotent-replayed"] == "true"
+            assert answer.json() == fresh[0].json()
+    assert runs(db, item) == 1
+
+
+# -- single-step endpoints ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", SINGLE)
+def test_a_single_step_endpoint_answers_itself_first_and_replays_without_cookies(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item()
+    first = post(url(servers, route), "key-1", item, scope)
+    again = post(url(servers, route), "key-1", item, scope)
+
+    assert first.status_code == 201
+    assert "idempotent-replayed" not in first.headers
+    assert first.headers["set-cookie"].startswith("session=secret")
+    assert first.json() == {"order_id": first.json()["order_id"], "item": item}
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert again.headers["x-order"] == first.headers["x-order"]
+    assert again.headers["content-type"] == "application/json"
+    assert "set-cookie" not in again.headers
+    assert runs(db, item) == 1
+    with db.connect() as conn:  # the cookie is not kept at rest either
+        stored = conn.scalar(
+            sa.text(
+                "SELECT state::text || response_headers::text FROM idempotency_keys "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    assert "x-order" in stored.lower() and "secret" not in stored
+
+
+@pytest.mark.parametrize("route", SINGLE)
+def test_a_single_step_fingerprint_covers_the_body_and_the_query(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item()
+    assert post(url(servers, route), "key-1", item, scope).status_code == 201
+
+    other_body = post(url(servers, route), "key-1", item, scope, note="changed")
+    other_query = post(url(servers, route) + "?page=2", "key-1", item, scope)
+
+    assert assert_problem(other_body, 422)["type"].endswith(":params-mismatch")
+    assert assert_problem(other_query, 422)["type"].endswith(":params-mismatch")
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("route", SINGLE)
+def test_a_failed_single_step_endpoint_runs_again_when_the_client_retries(
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
+) -> None:
+    item = new_item("flaky")
+    failed = post(url(servers, route), "key-1", item, scope)
+    retried = post(url(servers, route), "key-1", item, scope)
+
+    assert RETRY_TEXT in assert_problem(failed, 500)["detail"]
+    assert retried.status_code == 201 and "idempotent-replayed" not in retried.headers
+    assert runs(db, item) == 1
+
+
+def test_a_single_step_endpoint_refuses_to_run_without_the_middleware(
+    http_engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    idempotency = rp_fastapi.Idempotency(http_engine, scope=lambda request: scope)
+    app = FastAPI()
+
+    @app.post("/unprotected")
+    @idempotency.single_step("http_single_without_middleware")
+    def unprotected() -> dict[str, str]:
+        with db.begin() as conn:
+            conn.execute(sa.text("INSERT INTO http_orders (item) VALUES (:s)"), {"s": scope})
+        return {}
+
+    with serve_asgi(app) as base_url:
+        response = httpx.post(f"{base_url}/unprotected", headers={"Idempotency-Key": "k"})
+    assert response.status_code == 500
+    assert runs(db, scope) == 0

@@ -1,0 +1,90 @@
+"""The reaper deletes exactly what is past its retention, in batches, and nothing live."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+from workload import plant_keys, rows
+
+import recoverypoint as rp
+from recoverypoint.workers import Reaper
+
+FINISHED = {"point": "finished", "response_status": "200"}
+
+
+def finished(age: str, *, abandoned: bool = False) -> dict[str, str]:
+    """Columns of a key finished (or abandoned) ``age`` ago, e.g. ``'73 hours'``."""
+    at = f"now() - interval '{age}'"
+    columns = {**FINISHED, "finished_at": at, "created_at": at, "last_run_at": at}
+    return {**columns, "abandoned_at": at} if abandoned else columns
+
+
+def test_deletes_exactly_the_eligible_keys_in_batches(worker_db: sa.Engine) -> None:
+    doomed = [
+        *plant_keys(worker_db, "op", 23, **finished("73 hours")),
+        *plant_keys(worker_db, "op", 4, **finished("31 days", abandoned=True)),
+    ]
+    kept = [
+        *plant_keys(worker_db, "op", 5, **finished("71 hours")),
+        *plant_keys(worker_db, "op", 3, **finished("10 days", abandoned=True)),
+        # Live keys, however old: never started again, halfway, or leased right now.
+        *plant_keys(worker_db, "op", 3, created_at="now() - interval '400 days'"),
+        *plant_keys(
+            worker_db,
+            "op",
+            2,
+            point="charged",
+            created_at="now() - interval '100 days'",
+            last_run_at="now() - interval '100 days'",
+        ),
+        *plant_keys(worker_db, "op", 2, locked_at="now()", lock_token="gen_random_uuid()"),
+    ]
+    with worker_db.begin() as conn:
+        # A job of a key about to be reaped, and consume-once records old and new.
+        conn.execute(
+            sa.text(
+                "INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id) "
+                "VALUES ('notify', '{}', 'job-of-a-reaped-key', :k)"
+            ),
+            {"k": doomed[0]},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO processed_messages (consumer, message_id, processed_at) "
+                "SELECT 'c', 'old-' || n, now() - interval '8 days' FROM generate_series(1, 9) n "
+                "UNION ALL SELECT 'c', 'new-' || n, now() - interval '6 days' "
+                "FROM generate_series(1, 2) n"
+            )
+        )
+
+    result = Reaper(rp.Engine(worker_db), batch_size=4).run_once()
+
+    assert (result.finished, result.abandoned, result.messages) == (23, 4, 9)
+    # 27 keys in batches of 4 (the 7th one short), 9 records (the 3rd one short).
+    assert result.batches == 7 + 3
+    remaining = [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys ORDER BY id")]
+    assert remaining == sorted(kept)
+    [job] = rows(worker_db, "SELECT idempotency_key_id FROM staged_jobs")
+    assert job.idempotency_key_id is None  # the job survives its key
+    messages = rows(worker_db, "SELECT message_id FROM processed_messages ORDER BY 1")
+    assert [m.message_id for m in messages] == ["new-1", "new-2"]
+
+    assert not Reaper(rp.Engine(worker_db), batch_size=4).run_once()
+
+
+def test_retentions_are_settable_and_abandoned_keys_are_kept_at_least_as_long(
+    worker_db: sa.Engine,
+) -> None:
+    engine = rp.Engine(worker_db)
+    [hour_old] = plant_keys(worker_db, "op", 1, **finished("2 hours"))
+    [abandoned] = plant_keys(worker_db, "op", 1, **finished("2 hours", abandoned=True))
+
+    result = Reaper(engine, retention=timedelta(hours=1)).run_once()
+
+    assert (result.finished, result.abandoned) == (1, 0)
+    assert [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys")] == [abandoned]
+    assert hour_old != abandoned
+    with pytest.raises(ValueError, match="abandoned_retention"):
+        Reaper(engine, retention=timedelta(days=40))
