@@ -92,11 +92,8 @@ def upgrade() -> None:
         sa.Column("job_name", sa.Text(), nullable=False),
         sa.Column("job_args", postgresql.JSONB(), nullable=False),
         sa.Column("job_key", sa.Text(), nullable=False, unique=True),
-        sa.Column(
-            "idempotency_key_id",
-            sa.BigInteger(),
-            sa.ForeignKey("idempotency_keys.id", ondelete="SET NULL"),
-        ),
+        # Not a foreign key, on purpose: see recoverypoint.schema.
+        sa.Column("idempotency_key_id", sa.BigInteger()),
         sa.Column(
             "created_at",
             sa.DateTime(timezone=True),

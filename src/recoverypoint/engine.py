@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
@@ -253,7 +254,7 @@ class Engine:
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
             with self.db.begin() as conn:
-                released = store.release(conn, run.record.id, run.token, error, retry_in)
+                released = store.release(conn, run.key, error, retry_in)
         except Exception:
             # The lease then simply expires; the original error matters more.
             logger.exception("could not release key %s after: %s", run.record.id, error)
@@ -274,8 +275,8 @@ class Engine:
             try:
                 with self._serializable.begin() as conn:
                     return work(conn)
-            except DBAPIError as exc:
-                if getattr(exc.orig, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
+            except (DBAPIError, psycopg.Error) as exc:
+                if _sqlstate(exc) not in _RETRYABLE_SQLSTATES:
                     raise
                 if attempt == self.serialization_retries:
                     raise ConcurrentUpdate() from exc
@@ -292,7 +293,7 @@ class _Run:
         self.engine = engine
         self.operation = operation
         self.record = record
-        self.token = token
+        self.key = store.KeyRef(record.id, token, record.ctid)
         self.identity = KeyIdentity(operation.name, record.id, record.created_at)
         self.params = operation.load_params(canonical_json(record.request_params))
         self.committed = record.recovery_point  # the last point this run committed
@@ -346,7 +347,7 @@ class _Run:
             # Check the lease and lock the key row before the phase writes anything: a
             # request that lost its lease fails with LockLost before its writes can collide
             # with the new owner's, and no takeover can happen while the phase runs.
-            store.fence(conn, self.record.id, self.token)
+            store.fence(conn, self.key)
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         tx = AtomicContext(conn, json.loads(canonical_json(state)), self.identity, phase.point)
         result = phase.fn(tx, self.params)
@@ -370,7 +371,6 @@ class _Run:
         jobs: list[StagedJob],
     ) -> _Step:
         state_json = _state_json(phase, state)
-        store.stage_jobs(conn, self.record.id, jobs)
         self.committed = point = phase.point
         if isinstance(result, RecoveryPoint):
             if result.name not in phase.jumps_to:
@@ -381,7 +381,7 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                store.advance(conn, self.record.id, self.token, point, state_json)
+                store.advance(conn, self.key, jobs, point, state_json)
                 return _Advanced(point, json.loads(state_json))
             result = _NO_CONTENT
         headers = safe_headers(result.headers)
@@ -391,14 +391,20 @@ class _Run:
             raise TypeError(f"the Response of phase {phase.point!r} is {exc}") from exc
         store.finish(
             conn,
-            self.record.id,
-            self.token,
+            self.key,
+            jobs,
             state_json=state_json,
             status=result.status,
             headers_json=canonical_json(headers),
             body_json=body_json,
         )
         return Outcome(result.status, json.loads(body_json), headers, replayed=False)
+
+
+def _sqlstate(exc: DBAPIError | psycopg.Error) -> str | None:
+    """The SQLSTATE of a driver error, raised through SQLAlchemy (phase code) or not (ours)."""
+    error = exc.orig if isinstance(exc, DBAPIError) else exc
+    return getattr(error, "sqlstate", None)
 
 
 def _state_json(phase: Phase, state: dict[str, Any]) -> str:

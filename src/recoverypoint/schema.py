@@ -11,7 +11,6 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
-    ForeignKey,
     Identity,
     Index,
     Integer,
@@ -94,11 +93,11 @@ staged_jobs = Table(
     # Derived from the key record and the job's position in it: stable across retries,
     # so a consumer can dedupe on it.
     Column("job_key", Text, nullable=False, unique=True),
-    Column(
-        "idempotency_key_id",
-        BigInteger,
-        ForeignKey("idempotency_keys.id", ondelete="SET NULL"),
-    ),
+    # The key record that staged the job. Deliberately not a foreign key: under
+    # SERIALIZABLE, the check of one would lock the primary-key index page that every new
+    # key is inserted into, and concurrent requests would abort each other (40001). The
+    # reaper sets it to NULL when it deletes the key, as ON DELETE SET NULL would.
+    Column("idempotency_key_id", BigInteger),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     # A job whose publish failed stays staged and waits until next_attempt_at.
     Column("attempts", Integer, nullable=False, server_default=text("0")),

@@ -3,6 +3,19 @@
 Each statement is named after its intent; every write after the claim is fenced by the
 lease's ``lock_token`` and checked by row count, so a request that lost its lease can
 never commit.
+
+The statements run on the psycopg connection under the SQLAlchemy one, in the same
+transaction as the phase's own writes: they are on every request's path, and psycopg on
+its own costs a fraction of the Python time. Two more things keep them cheap:
+
+- after the claim, the key row is addressed by its ``ctid`` (the row version's physical
+  address, which each statement returns anew). Under SERIALIZABLE that takes a predicate
+  lock on the row alone, where a lookup through the primary key would lock the index page
+  that every new key is inserted into, and concurrent requests would keep aborting each
+  other with 40001. When the address is stale (a rolled-back attempt, a takeover) the
+  statement runs again by ``id``;
+- statements that need not wait for each other are pipelined: a transaction's BEGIN goes
+  out with its first statement, staged jobs with the commit of their phase.
 """
 
 from __future__ import annotations
@@ -10,125 +23,112 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
-from sqlalchemy import Connection, text
+import psycopg
+from psycopg.rows import class_row
+from sqlalchemy import Connection
 
 from .context import StagedJob
 from .errors import LockLost
+
+_RECORD_COLUMNS = """
+    id, created_at, operation_version, fingerprint, recovery_point, state, request_params,
+    response_status, response_headers, response_body, attempts, ctid::text AS ctid
+"""
 
 # One round trip: take the key (new, free or with an expired lease) or, when it cannot be
 # taken, return the existing row so the caller can tell a replay, a mismatch and a key in
 # use apart. Under SERIALIZABLE a conflicting row this snapshot cannot see raises 40001
 # instead, and the claim is retried with a fresh snapshot.
-_CLAIM = text(
-    """
+_CLAIM = f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys AS k (
             scope, operation, idempotency_key, operation_version, request_method,
             request_path, request_params, fingerprint, locked_at, lock_token)
-        VALUES (:scope, :operation, :key, :version, :method,
-            :path, CAST(:params AS jsonb), :fingerprint, now(), :token)
+        VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
         ON CONFLICT (scope, operation, idempotency_key) DO UPDATE
             SET locked_at = now(), lock_token = EXCLUDED.lock_token, last_run_at = now()
             WHERE k.fingerprint = EXCLUDED.fingerprint
               AND k.finished_at IS NULL
               AND (k.locked_at IS NULL
-                   OR k.locked_at <= now() - make_interval(secs => :lock_timeout))
-        RETURNING k.id, k.created_at, k.operation_version, k.fingerprint, k.recovery_point,
-                  k.state, k.request_params, k.response_status, k.response_headers,
-                  k.response_body, k.attempts,
-                  true AS claimed, k.xmax = 0 AS inserted, 0 AS lease_left
+                   OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, xmax = 0 AS inserted, 0 AS lease_left
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT id, created_at, operation_version, fingerprint, recovery_point, state,
-           request_params, response_status, response_headers, response_body, attempts,
-           false, false,
-           ceil(extract(epoch FROM locked_at + make_interval(secs => :lock_timeout) - now()))
+    SELECT {_RECORD_COLUMNS}, false, false,
+           ceil(extract(epoch FROM
+                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int
     FROM idempotency_keys
-    WHERE scope = :scope AND operation = :operation AND idempotency_key = :key
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND NOT EXISTS (SELECT 1 FROM claimed)
-    """
-)
-
-# Which operation and version a key record belongs to (Engine.resume looks it up by id).
-_KEY_OPERATION = text("SELECT operation, operation_version FROM idempotency_keys WHERE id = :id")
+"""
 
 # Take an unfinished key by id when its lease is free, expired or already held under
 # :token (the completer claims keys in batches, then resumes each); otherwise return the
 # row so the caller can tell a replay from a key in use. The lease is checked in the
 # UPDATE itself, so two callers never both get it.
-_CLAIM_BY_ID = text(
-    """
+_CLAIM_BY_ID = f"""
     WITH claimed AS (
         UPDATE idempotency_keys AS k
-        SET locked_at = now(), lock_token = :token, last_run_at = now()
-        WHERE k.id = :id AND k.finished_at IS NULL
-          AND (k.lock_token = :token OR k.locked_at IS NULL
-               OR k.locked_at <= now() - make_interval(secs => :lock_timeout))
-        RETURNING k.id, k.created_at, k.operation_version, k.fingerprint, k.recovery_point,
-                  k.state, k.request_params, k.response_status, k.response_headers,
-                  k.response_body, k.attempts, true AS claimed, false AS inserted, 0 AS lease_left
+        SET locked_at = now(), lock_token = %(token)s, last_run_at = now()
+        WHERE k.id = %(id)s AND k.finished_at IS NULL
+          AND (k.lock_token = %(token)s OR k.locked_at IS NULL
+               OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, 0 AS lease_left
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT id, created_at, operation_version, fingerprint, recovery_point, state,
-           request_params, response_status, response_headers, response_body, attempts,
-           false, false,
-           ceil(extract(epoch FROM locked_at + make_interval(secs => :lock_timeout) - now()))
+    SELECT {_RECORD_COLUMNS}, false, false,
+           ceil(extract(epoch FROM
+                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int
     FROM idempotency_keys
-    WHERE id = :id AND NOT EXISTS (SELECT 1 FROM claimed)
-    """
-)
+    WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
+"""
+
+# Which operation and version a key record belongs to (Engine.resume looks it up by id).
+_KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
+
+# The fenced statements below end with {where}: by address first, by id when it is stale.
+_BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
+_BY_ID = "id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
 
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
-_FENCE = text(
-    """
-    UPDATE idempotency_keys SET locked_at = now()
-    WHERE id = :id AND lock_token = :token
-    """
-)
+_FENCE = "UPDATE idempotency_keys SET locked_at = now() WHERE {where}"
 
 # Commit a phase: the new recovery point and state, renewing the lease.
-_ADVANCE = text(
-    """
+_ADVANCE = """
     UPDATE idempotency_keys
-    SET recovery_point = :point, state = CAST(:state AS jsonb),
+    SET recovery_point = %(point)s, state = %(state)s::jsonb,
         locked_at = now(), last_run_at = now()
-    WHERE id = :id AND lock_token = :token
-    """
-)
+    WHERE {where}
+"""
 
 # Finish the key with its response and give the lease up.
-_FINISH = text(
-    """
+_FINISH = """
     UPDATE idempotency_keys
-    SET recovery_point = 'finished', state = CAST(:state AS jsonb),
-        response_status = :status, response_headers = CAST(:headers AS jsonb),
-        response_body = CAST(:body AS jsonb), finished_at = now(),
+    SET recovery_point = 'finished', state = %(state)s::jsonb,
+        response_status = %(status)s, response_headers = %(headers)s::jsonb,
+        response_body = %(body)s::jsonb, finished_at = now(),
         locked_at = NULL, lock_token = NULL, last_run_at = now()
-    WHERE id = :id AND lock_token = :token
-    """
-)
+    WHERE {where}
+"""
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
-_RELEASE = text(
-    """
+_RELEASE = """
     UPDATE idempotency_keys
-    SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = :error,
-        next_attempt_at = now() + make_interval(secs => :retry_in)
-    WHERE id = :id AND lock_token = :token
-    """
-)
+    SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
+        next_attempt_at = now() + make_interval(secs => %(retry_in)s)
+    WHERE {where}
+"""
 
-_STAGE_JOB = text(
-    """
+_STAGE_JOB = """
     INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id)
-    VALUES (:name, CAST(:args AS jsonb), :job_key, :key_id)
-    """
-)
+    VALUES (%(name)s, %(args)s::jsonb, %(job_key)s, %(key_id)s)
+"""
 
 
 @dataclass(frozen=True)
@@ -160,100 +160,127 @@ class KeyRecord:
     response_headers: dict[str, str] | None
     response_body: Any
     attempts: int
+    ctid: str
     claimed: bool
     inserted: bool
     lease_left: int
 
 
+@dataclass
+class KeyRef:
+    """Where a claimed key is, and the lease it is held under."""
+
+    id: int
+    token: UUID
+    ctid: str
+
+
 def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
     """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile."""
-    row = conn.execute(
-        _CLAIM,
-        {
-            "scope": request.scope,
-            "operation": request.operation,
-            "key": request.key,
-            "version": request.version,
-            "method": request.method,
-            "path": request.path,
-            "params": request.params_json,
-            "fingerprint": request.fingerprint,
-            "token": request.token,
-            "lock_timeout": request.lock_timeout,
-        },
-    ).one_or_none()
-    if row is None:
-        return None
-    return KeyRecord(**row._asdict())
-
-
-def key_operation(conn: Connection, key_id: int) -> tuple[str, int] | None:
-    """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
-    row = conn.execute(_KEY_OPERATION, {"id": key_id}).one_or_none()
-    return None if row is None else (row.operation, row.operation_version)
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "version": request.version,
+        "method": request.method,
+        "path": request.path,
+        "params": request.params_json,
+        "fingerprint": request.fingerprint,
+        "token": request.token,
+        "lock_timeout": request.lock_timeout,
+    }
+    return _fetch_record(conn, _CLAIM, params)
 
 
 def claim_by_id(
     conn: Connection, key_id: int, token: UUID, lock_timeout: float
 ) -> KeyRecord | None:
     """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone."""
-    row = conn.execute(
-        _CLAIM_BY_ID, {"id": key_id, "token": token, "lock_timeout": lock_timeout}
-    ).one_or_none()
-    return None if row is None else KeyRecord(**row._asdict())
+    params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
+    return _fetch_record(conn, _CLAIM_BY_ID, params)
 
 
-def fence(conn: Connection, key_id: int, token: UUID) -> None:
-    _fenced(conn, _FENCE, {"id": key_id, "token": token})
+def key_operation(conn: Connection, key_id: int) -> tuple[str, int] | None:
+    """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
+    row = _driver(conn).execute(_KEY_OPERATION, {"id": key_id}).fetchone()
+    return None if row is None else (row[0], row[1])
 
 
-def advance(conn: Connection, key_id: int, token: UUID, point: str, state_json: str) -> None:
-    _fenced(conn, _ADVANCE, {"id": key_id, "token": token, "point": point, "state": state_json})
+def fence(conn: Connection, key: KeyRef) -> None:
+    _fenced(conn, key, _FENCE, {})
+
+
+def advance(
+    conn: Connection, key: KeyRef, jobs: Sequence[StagedJob], point: str, state_json: str
+) -> None:
+    _fenced(conn, key, _ADVANCE, {"point": point, "state": state_json}, jobs)
 
 
 def finish(
     conn: Connection,
-    key_id: int,
-    token: UUID,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
     *,
     state_json: str,
     status: int,
     headers_json: str,
     body_json: str,
 ) -> None:
-    _fenced(
-        conn,
-        _FINISH,
-        {
-            "id": key_id,
-            "token": token,
-            "state": state_json,
-            "status": status,
-            "headers": headers_json,
-            "body": body_json,
-        },
-    )
+    params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
+    _fenced(conn, key, _FINISH, params, jobs)
 
 
-def release(conn: Connection, key_id: int, token: UUID, error: str, retry_in: float) -> bool:
+def release(conn: Connection, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
-    result = conn.execute(
-        _RELEASE, {"id": key_id, "token": token, "error": error, "retry_in": retry_in}
-    )
-    return result.rowcount == 1
+    try:
+        _fenced(conn, key, _RELEASE, {"error": error, "retry_in": retry_in})
+    except LockLost:
+        return False
+    return True
 
 
-def stage_jobs(conn: Connection, key_id: int, jobs: Sequence[StagedJob]) -> None:
-    if jobs:
-        conn.execute(
-            _STAGE_JOB,
-            [
-                {"name": j.name, "args": j.args_json, "job_key": j.job_key, "key_id": key_id}
-                for j in jobs
-            ],
-        )
+def _driver(conn: Connection) -> psycopg.Connection[Any]:
+    return cast("psycopg.Connection[Any]", conn.connection.driver_connection)
 
 
-def _fenced(conn: Connection, statement: Any, params: dict[str, Any]) -> None:
-    if conn.execute(statement, params).rowcount != 1:
+def _fetch_record(conn: Connection, sql: str, params: dict[str, Any]) -> KeyRecord | None:
+    raw = _driver(conn)
+    with raw.cursor(row_factory=class_row(KeyRecord)) as cursor:
+        with raw.pipeline():  # BEGIN and the claim in one round trip
+            cursor.execute(sql, params)
+        return cursor.fetchone()
+
+
+def _fenced(
+    conn: Connection,
+    key: KeyRef,
+    sql: str,
+    params: dict[str, Any],
+    jobs: Sequence[StagedJob] = (),
+) -> None:
+    """Run ``sql`` on the key row if the lease is still ours (after the jobs' inserts, in
+    one round trip); record the row's new address, or raise :class:`LockLost`."""
+    raw = _driver(conn)
+    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
+    with raw.cursor() as cursor:
+        with raw.pipeline():
+            if jobs:
+                raw.cursor().executemany(
+                    _STAGE_JOB,
+                    [
+                        {
+                            "name": j.name,
+                            "args": j.args_json,
+                            "job_key": j.job_key,
+                            "key_id": key.id,
+                        }
+                        for j in jobs
+                    ],
+                )
+            cursor.execute(sql.format(where=_BY_CTID), params)
+        row = cursor.fetchone()
+    if row is None:
+        row = raw.execute(sql.format(where=_BY_ID), params).fetchone()
+    if row is None:
         raise LockLost()
+    key.ctid = row[0]

@@ -4,7 +4,8 @@ Only finished keys are ever deleted, by the age of ``finished_at``: after ``rete
 (72 hours, the retry window clients and the completer have) or, for keys the completer
 abandoned, after the longer ``abandoned_retention`` (30 days), so a human has time to look
 at them. An unfinished key is never deleted, however old: the completer finishes or
-abandons it first. Staged jobs of a deleted key keep their row (``ON DELETE SET NULL``).
+abandons it first. Staged jobs of a deleted key keep their row, unlinked from it
+(``idempotency_key_id`` set to NULL in the same statement).
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ _REAP_KEYS = text(
                OR abandoned_at < now() - make_interval(secs => :abandoned_retention))
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
+    ), deleted AS (
+        DELETE FROM idempotency_keys AS k USING doomed
+        WHERE k.id = doomed.id
+        RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned
+    ), unlinked AS (
+        -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET NULL
+        UPDATE staged_jobs SET idempotency_key_id = NULL
+        WHERE idempotency_key_id IN (SELECT id FROM deleted)
     )
-    DELETE FROM idempotency_keys AS k USING doomed
-    WHERE k.id = doomed.id
-    RETURNING k.abandoned_at IS NOT NULL AS abandoned
+    SELECT abandoned FROM deleted
     """
 )
 
