@@ -208,12 +208,7 @@ class Engine:
         if record.claimed:
             return self._drive(_Run(self, operation, record, token), None)
         if record.response_status is not None:
-            return Outcome(
-                record.response_status,
-                record.response_body,
-                dict(record.response_headers or {}),
-                replayed=True,
-            )
+            return _replay(record)
         raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, int(record.lease_left)))
 
     def _claim(
@@ -414,6 +409,14 @@ def _state_json(phase: Phase, state: dict[str, Any]) -> str:
         raise TypeError(f"the state after phase {phase.point!r} is {exc}") from exc
 
 
+def _replay(record: KeyRecord) -> Outcome:
+    """The stored response; its body in the same key order as the first answer gave it
+    (jsonb keeps keys in an order of its own)."""
+    assert record.response_status is not None
+    body = json.loads(canonical_json(record.response_body))
+    return Outcome(record.response_status, body, dict(record.response_headers or {}), True)
+
+
 def _refuse(record: KeyRecord | None, request: ClaimRequest) -> Outcome:
     """Why a key could not be claimed: a replay, a mismatch or a key in use."""
     if record is None:
@@ -422,10 +425,5 @@ def _refuse(record: KeyRecord | None, request: ClaimRequest) -> Outcome:
     if record.fingerprint != request.fingerprint:
         raise ParamsMismatch(key=request.key)
     if record.response_status is not None:
-        return Outcome(
-            record.response_status,
-            record.response_body,
-            dict(record.response_headers or {}),
-            replayed=True,
-        )
+        return _replay(record)
     raise KeyInUse(key=request.key, retry_after=max(1, int(record.lease_left)))
