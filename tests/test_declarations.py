@@ -96,3 +96,10 @@ def test_non_postgres_url_is_refused() -> None:
 )
 def test_every_postgres_url_form_runs_on_psycopg3(url: str) -> None:
     assert rp.Engine(url).db.dialect.driver == "psycopg"
+
+
+def test_an_engine_on_another_driver_is_refused_up_front() -> None:
+    import sqlalchemy as sa
+
+    with pytest.raises(ValueError, match="psycopg 3"):
+        rp.Engine(sa.create_engine("sqlite://"))

@@ -452,3 +452,38 @@ def test_downstream_key_is_stable_unique_short_and_hides_the_scope(
     for derived in (a1, a1_refund, a2, b1):
         assert len(derived) <= 255
         assert scope not in derived and client_key not in derived
+
+
+def test_downstream_key_does_not_depend_on_the_session_time_zone(
+    database_url: str, db: sa.Engine, business_tables: None, scope: str
+) -> None:
+    """A completer or API process whose sessions run in another TimeZone must hand the
+    foreign system the same key."""
+    keys: list[str] = []
+
+    def declare() -> rp.Operation[Any]:
+        op: rp.Operation[Any] = rp.Operation("tz")
+
+        @op.foreign_step("charged")
+        def charge(step: rp.StepContext, params: Any) -> None:
+            keys.append(step.downstream_key())
+            if len(keys) == 1:
+                raise rp.Retryable("first attempt fails after the call")
+
+        @op.atomic_phase("finished")
+        def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+            return rp.Response(200)
+
+        return op
+
+    for zone in ("UTC", "Pacific/Kiritimati"):
+        zoned = sa.create_engine(database_url, connect_args={"options": f"-c TimeZone={zone}"})
+        engine = rp.Engine(zoned)
+        op = declare()
+        engine.register(op)
+        try:
+            engine.run(op, key="k", params={}, scope=scope)
+        except rp.Retryable:
+            pass
+        zoned.dispose()
+    assert len(keys) == 2 and keys[0] == keys[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -95,6 +96,12 @@ class Engine:
         jobs: JobBackend | None = None,
     ) -> None:
         self.db = create_engine(database)
+        if self.db.dialect.driver != "psycopg":
+            raise ValueError(
+                f"recoverypoint runs on psycopg 3, and this engine uses {self.db.dialect.driver}: "
+                "create it from a postgresql+psycopg:// URL"
+            )
+        self._owns_db = not isinstance(database, sa.Engine)
         self._serializable = self.db.execution_options(isolation_level="SERIALIZABLE")
         self.max_params_bytes = max_params_bytes
         self.serialization_retries = serialization_retries
@@ -134,8 +141,10 @@ class Engine:
         return tuple(self._operations.values())
 
     def dispose(self) -> None:
-        """Close the engine's pooled connections."""
-        self.db.dispose()
+        """Close the pooled connections of the engine made from a URL; an engine you passed
+        in is yours to dispose."""
+        if self._owns_db:
+            self.db.dispose()
 
     # -- the request path ----------------------------------------------------------------
 
@@ -235,7 +244,8 @@ class Engine:
                 if isinstance(step, Outcome):
                     return step
                 if step is not None:
-                    point, state = step.point, step.state
+                    run.at = point = step.point
+                    state = step.state
                 phase = run.operation.phases[run.operation.next_phase(point)]
                 step = run.next(phase, state)
         except LockLost:
@@ -290,8 +300,14 @@ class _Run:
         self.record = record
         self.key = store.KeyRef(record.id, token, record.ctid)
         self.identity = KeyIdentity(operation.name, record.id, record.created_at)
-        self.params = operation.load_params(canonical_json(record.request_params))
+        self.at = record.recovery_point  # the point the key row holds, as far as we know
         self.committed = record.recovery_point  # the last point this run committed
+
+    @functools.cached_property
+    def params(self) -> Any:
+        """The params as phases see them; built on first use, so that stored params the
+        operation no longer accepts fail inside the run (lease released, attempt counted)."""
+        return self.operation.load_params(canonical_json(self.record.request_params))
 
     def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
         """Run ``phase`` from ``state``; a foreign step takes the atomic phase after it along."""
@@ -376,7 +392,7 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                store.advance(conn, self.key, jobs, point, state_json)
+                store.advance(conn, self.key, jobs, self.at, point, state_json)
                 return _Advanced(point, json.loads(state_json))
             result = _NO_CONTENT
         headers = safe_headers(result.headers)

@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from .errors import InvalidKey, RequestTooLarge
@@ -93,7 +93,9 @@ def derived_key(
     even when several databases share one foreign account; hashing hides the scope and the
     client's key. 67 characters at most.
     """
-    material = "\x00".join((kind, operation, str(key_id), created_at.isoformat(), *names))
+    # The instant, not its rendering: the session's TimeZone must not change the key.
+    created = created_at.astimezone(timezone.utc).isoformat()
+    material = "\x00".join((kind, operation, str(key_id), created, *names))
     return f"rp_{hashlib.sha256(material.encode()).hexdigest()}"
 
 

@@ -99,12 +99,15 @@ _BY_ID = "id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
 _FENCE = "UPDATE idempotency_keys SET locked_at = now() WHERE {where}"
 
-# Commit a phase: the new recovery point and state, renewing the lease.
+# Commit a phase: the new recovery point and state, renewing the lease. Only from the
+# point the run started the phase at: a recovery point never moves backwards, even when a
+# run records a step's result after the phase that followed it did commit (an ambiguous
+# COMMIT failure).
 _ADVANCE = """
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
         locked_at = now(), last_run_at = now()
-    WHERE {where}
+    WHERE recovery_point = %(from_point)s AND {where}
 """
 
 # Finish the key with its response and give the lease up.
@@ -211,9 +214,15 @@ def fence(conn: Connection, key: KeyRef) -> None:
 
 
 def advance(
-    conn: Connection, key: KeyRef, jobs: Sequence[StagedJob], point: str, state_json: str
+    conn: Connection,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
+    from_point: str,
+    point: str,
+    state_json: str,
 ) -> None:
-    _fenced(conn, key, _ADVANCE, {"point": point, "state": state_json}, jobs)
+    params = {"from_point": from_point, "point": point, "state": state_json}
+    _fenced(conn, key, _ADVANCE, params, jobs)
 
 
 def finish(

@@ -43,9 +43,15 @@ _REAP_KEYS = text(
         WHERE k.id = doomed.id
         RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned
     ), unlinked AS (
-        -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET NULL
+        -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
+        -- NULL. A job an enqueuer is publishing right now is skipped, not waited for: it is
+        -- about to be deleted, and a stale id there harms nobody.
         UPDATE staged_jobs SET idempotency_key_id = NULL
-        WHERE idempotency_key_id IN (SELECT id FROM deleted)
+        WHERE id IN (
+            SELECT id FROM staged_jobs
+            WHERE idempotency_key_id IN (SELECT id FROM deleted)
+            FOR UPDATE SKIP LOCKED
+        )
     )
     SELECT abandoned FROM deleted
     """
