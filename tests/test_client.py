@@ -218,5 +218,7 @@ def test_what_is_never_retried() -> None:
     state.begin()
     assert state.after_response(200, None) is None
     assert state.after_response(422, None) is None
+    assert state.after_response(500, None, replayed=True) is None  # a stored, final answer
+    assert state.after_response(500, None) is not None
     assert state.after_error(httpx.UnsupportedProtocol("ftp://")) is None
     assert state.after_error(httpx.ReadTimeout("slow")) is not None

@@ -13,7 +13,8 @@ attempts:
   have passed since the first began (or would pass during the wait).
 
 Then the last answer is returned, or the last connection error raised. Other answers are
-returned at once: a 4xx other than 409 and 429 needs a changed request, hence a new key.
+returned at once: a 4xx other than 409 and 429 needs a changed request, hence a new key;
+a replayed answer (``Idempotent-Replayed: true``) is final, even a stored 5xx.
 
 The policy (:class:`RetryPolicy`, :class:`Attempts`) does no I/O; :class:`Client` and
 :class:`AsyncClient` are thin shells that send, sleep and ask it what to do next.
@@ -34,7 +35,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .integrations import IDEMPOTENCY_KEY, RETRY_AFTER
+from .integrations import IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER
 
 __all__ = ["AsyncClient", "Attempts", "Client", "Retry", "RetryPolicy"]
 
@@ -102,9 +103,12 @@ class Attempts:
             self.started = self.clock()
         self.made += 1
 
-    def after_response(self, status: int, retry_after: str | None) -> Retry | None:
-        """The retry to make after an answer, or ``None`` to return it."""
-        if not retriable_status(status):
+    def after_response(
+        self, status: int, retry_after: str | None, replayed: bool = False
+    ) -> Retry | None:
+        """The retry to make after an answer, or ``None`` to return it. A replayed answer
+        (``Idempotent-Replayed: true``) is the request's final one, 5xx or not."""
+        if replayed or not retriable_status(status):
             return None
         return self._retry(status, None, _parse_retry_after(retry_after))
 
@@ -181,7 +185,9 @@ class Client:
                     raise
             else:
                 retry = attempts.after_response(
-                    response.status_code, response.headers.get(RETRY_AFTER)
+                    response.status_code,
+                    response.headers.get(RETRY_AFTER),
+                    response.headers.get(IDEMPOTENT_REPLAYED) == "true",
                 )
                 if retry is None:
                     return response
@@ -238,7 +244,9 @@ class AsyncClient:
                     raise
             else:
                 retry = attempts.after_response(
-                    response.status_code, response.headers.get(RETRY_AFTER)
+                    response.status_code,
+                    response.headers.get(RETRY_AFTER),
+                    response.headers.get(IDEMPOTENT_REPLAYED) == "true",
                 )
                 if retry is None:
                     return response
