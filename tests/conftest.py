@@ -16,21 +16,19 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import secrets
 import uuid
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.embedded import embedded_database
+from recoverypoint.testing import temporary_database
 
 from rides import Faults, Provider  # noqa: E402  (tests/ is on sys.path)
 
@@ -82,25 +80,6 @@ def _url_string(url: str) -> str:
     return normalize_url(url).render_as_string(hide_password=False)
 
 
-@contextmanager
-def _fresh_database(server_url: str) -> Iterator[str]:
-    """Create an empty database ``rp_test_<hex>`` on the server, yield its URL, drop it."""
-    name = f"rp_test_{secrets.token_hex(8)}"
-    # CREATE/DROP DATABASE cannot run inside a transaction.
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-        try:
-            yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
-        finally:
-            with admin.connect() as connection:
-                # FORCE: a test that leaked a connection must not leave the database behind.
-                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        admin.dispose()
-
-
 @pytest.fixture(scope="session")
 def server_url() -> Iterator[str]:
     """Admin URL of the test server, for tests that create databases of their own."""
@@ -120,7 +99,7 @@ def server_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def database_url(server_url: str) -> Iterator[str]:
     """A database of this session alone, at the newest schema (``postgresql+psycopg://``)."""
-    with _fresh_database(server_url) as url:
+    with temporary_database(server_url) as url:
         migrate.upgrade(url)
         yield url
 
@@ -136,7 +115,7 @@ def db(database_url: str) -> Iterator[sa.Engine]:
 @pytest.fixture
 def empty_database_url(server_url: str) -> Iterator[str]:
     """A brand-new database with no tables, dropped after the test."""
-    with _fresh_database(server_url) as url:
+    with temporary_database(server_url) as url:
         yield url
 
 
@@ -183,7 +162,7 @@ def worker_database_url(server_url: str) -> Iterator[str]:
     """
     from workload import SCHEMA
 
-    with _fresh_database(server_url) as url:
+    with temporary_database(server_url) as url:
         migrate.upgrade(url)
         engine = create_engine(url, poolclass=NullPool)
         try:
@@ -205,5 +184,5 @@ def worker_db(worker_database_url: str) -> Iterator[sa.Engine]:
 @pytest.fixture(scope="module")
 def module_database_url(server_url: str) -> Iterator[str]:
     """A database of one test module alone, with no tables, dropped after the module."""
-    with _fresh_database(server_url) as url:
+    with temporary_database(server_url) as url:
         yield url

@@ -16,6 +16,7 @@ from workload import JOB, Recorder, rows, stage_jobs, wait_for
 
 import recoverypoint as rp
 from recoverypoint.jobs import InProcessBackend, Job
+from recoverypoint.testing import InjectedFault, faults
 from recoverypoint.workers import Enqueuer
 
 TESTS = Path(__file__).resolve().parent
@@ -109,3 +110,22 @@ def test_three_enqueuer_processes_publish_10000_jobs_and_a_sigkill_loses_none(
     # once by the victim and once by a survivor; the survivors never repeated a job.
     assert 5 <= len(again) <= 100
     assert all((c.times, c.by_victim) == (2, 1) for c in again)
+
+
+def test_a_fault_between_publish_and_delete_republishes_the_batch(worker_db: sa.Engine) -> None:
+    """The after_publish fault point: the batch rolls back, so the jobs it had published
+    stay staged and go out again; consumers see them twice, with the same job keys."""
+    keys = stage_jobs(worker_db, 3)
+    recorder = Recorder(worker_db)
+    engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: recorder.published}))
+    enqueuer = Enqueuer(engine, batch_size=10)
+
+    with faults.injected(f"after_publish:{JOB}"), pytest.raises(InjectedFault):
+        enqueuer.run_once()
+    assert len(rows(worker_db, "SELECT * FROM staged_jobs")) == 3
+    assert enqueuer.run_once().published == 3
+
+    assert rows(worker_db, "SELECT * FROM staged_jobs") == []
+    published = [r.job_key for r in rows(worker_db, "SELECT job_key FROM published")]
+    assert len(published) == 4  # the first job, once before the fault and once after
+    assert sorted(set(published)) == keys

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     provider.add_argument(
         "--latency-ms", type=int, default=0, metavar="MS", help="wait before answering (default 0)"
     )
+    provider.add_argument("--seed", type=int, default=None, help="for repeatable faults")
     provider.set_defaults(handler=_provider)
 
     api = commands.add_parser("api", help="run the Rocket Rides API")
@@ -52,6 +53,22 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         metavar="URL",
         help="the payment provider, e.g. http://127.0.0.1:8001",
+    )
+    api.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=90.0,
+        metavar="SECONDS",
+        help="how long a request holds its key before a retry may take it over (default 90); "
+        "the completer must run with the same (ROCKET_RIDES_LOCK_TIMEOUT)",
+    )
+    api.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited listening socket instead of --host/--port, as "
+        "several processes (and restarts) can share one",
     )
     api.set_defaults(handler=_api)
 
@@ -109,13 +126,16 @@ def _provider(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     db = create_engine(args.database_url)
     require(db, "provider_charges")
-    faults = Faults(args.fail_rate, args.fail_after_charge_rate, args.latency_ms)
+    faults = Faults(args.fail_rate, args.fail_after_charge_rate, args.latency_ms, args.seed)
     uvicorn.run(create_app(db, faults), host=args.host, port=args.port)
     db.dispose()
     return 0
 
 
 def _api(args: argparse.Namespace) -> int:
+    import socket
+    from datetime import timedelta
+
     import httpx
     import uvicorn
 
@@ -128,8 +148,14 @@ def _api(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per provider call is noise
     engine = rp.Engine(args.database_url)
     require(engine.db, "users", "rides", "audit_records", "idempotency_keys")
+    lock_timeout = timedelta(seconds=args.lock_timeout)
     with httpx.Client(base_url=args.provider_url, timeout=10.0) as provider:
-        uvicorn.run(create_app(engine, provider), host=args.host, port=args.port)
+        app = create_app(engine, provider, lock_timeout)
+        if args.fd is None:
+            uvicorn.run(app, host=args.host, port=args.port)
+        else:
+            server = uvicorn.Server(uvicorn.Config(app))
+            server.run(sockets=[socket.socket(fileno=args.fd)])
     engine.dispose()
     return 0
 

@@ -5,7 +5,8 @@ the body must hold valid coordinates (422). Then the ``create_ride`` operation r
 the client's ``Idempotency-Key``, scoped to the user:
 
 1. ``ride_created`` (atomic): the ride and its audit record;
-2. ``charge_created`` (foreign): 2000 usd through the provider, with the downstream key.
+2. ``charge_created`` (foreign): 2000 usd through the provider, with the downstream key
+   and the ride's id in the charge's metadata.
    A declined card finishes the key with 402; an unreachable or failing provider raises
    ``Retryable`` (503), and the client's retry resumes here with the same downstream key,
    so the provider never charges twice;
@@ -48,8 +49,11 @@ class RideParams(RideBody):
 client_ip: ContextVar[str | None] = ContextVar("client_ip", default=None)
 
 
-def ride_operation(provider: httpx.Client) -> rp.Operation[RideParams]:
-    rides = rp.Operation("create_ride", params=RideParams, lock_timeout=timedelta(seconds=90))
+def ride_operation(
+    provider: httpx.Client, lock_timeout: timedelta = timedelta(seconds=90)
+) -> rp.Operation[RideParams]:
+    """``lock_timeout`` must be the same wherever the operation runs (API and completer)."""
+    rides = rp.Operation("create_ride", params=RideParams, lock_timeout=lock_timeout)
 
     @rides.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
@@ -84,7 +88,12 @@ def ride_operation(provider: httpx.Client) -> rp.Operation[RideParams]:
         try:
             answer = provider.post(
                 "/charges",
-                json={"amount": AMOUNT, "currency": CURRENCY, "customer": step.state["customer"]},
+                json={
+                    "amount": AMOUNT,
+                    "currency": CURRENCY,
+                    "customer": step.state["customer"],
+                    "metadata": {"ride_id": str(step.state["ride_id"])},
+                },
                 headers={"Idempotency-Key": step.downstream_key()},
             )
         except httpx.TransportError as exc:
@@ -115,9 +124,11 @@ def ride_operation(provider: httpx.Client) -> rp.Operation[RideParams]:
     return rides
 
 
-def create_app(engine: rp.Engine, provider: httpx.Client) -> FastAPI:
+def create_app(
+    engine: rp.Engine, provider: httpx.Client, lock_timeout: timedelta = timedelta(seconds=90)
+) -> FastAPI:
     """The API; ``provider`` is a client on the payment provider's base URL."""
-    rides = ride_operation(provider)
+    rides = ride_operation(provider, lock_timeout)
     engine.register(rides)
     idempotency = Idempotency(engine, scope=lambda request: str(request.state.user_id))
     app = FastAPI(title="Rocket Rides")

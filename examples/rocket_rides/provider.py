@@ -1,6 +1,7 @@
 """A fake payment provider over HTTP, idempotent the way Stripe is.
 
 ``POST /charges`` with an ``Idempotency-Key`` header and ``{amount, currency, customer}``
+(and optionally ``metadata``, string pairs kept with the charge, as Stripe keeps them)
 answers ``200 {"id": "ch_…"}``. A key it has seen returns the charge it made for it, never a
 second one: charges live in ``provider_charges``, whose ``idempotency_key`` is unique. The
 same key with other params is refused (400), as Stripe refuses it. Customer
@@ -14,11 +15,13 @@ Fault knobs, to watch the API and its clients recover:
 - ``fail_after_charge_rate``: store a new charge, then fail to answer, alternately with a
   500 and by dropping the connection before the body. Only the request that created the
   charge fails: a retry with the same key gets the charge, as from Stripe;
-- ``latency_ms``: wait before answering.
+- ``latency_ms``: wait before answering;
+- ``seed``: for a repeatable sequence of faults.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import secrets
@@ -44,6 +47,7 @@ class ChargeRequest(BaseModel):
     amount: int = Field(gt=0)
     currency: str = Field(min_length=3, max_length=3)
     customer: str = Field(min_length=1)
+    metadata: dict[str, str] = Field(default_factory=dict)
 
 
 @dataclass
@@ -51,14 +55,20 @@ class Faults:
     fail_rate: float = 0.0
     fail_after_charge_rate: float = 0.0
     latency_ms: int = 0
+    seed: int | None = None
     _after_charge: cycle[str] = field(default_factory=lambda: cycle(("error", "drop")))
+    _random: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
 
     def before_charge(self) -> bool:
-        return random.random() < self.fail_rate
+        return self._random.random() < self.fail_rate
 
     def after_charge(self) -> str | None:
         """``"error"``, ``"drop"`` or ``None``: how to fail after creating a charge."""
-        return next(self._after_charge) if random.random() < self.fail_after_charge_rate else None
+        failing = self._random.random() < self.fail_after_charge_rate
+        return next(self._after_charge) if failing else None
 
 
 class DroppedConnection(Response):
@@ -113,25 +123,32 @@ def store_charge(db: sa.Engine, key: str, charge: ChargeRequest) -> tuple[str | 
     with db.connect() as conn:
         created = conn.scalar(
             sa.text(
-                "INSERT INTO provider_charges (id, idempotency_key, amount, currency, customer) "
-                "VALUES (:id, :key, :amount, :currency, :customer) "
+                "INSERT INTO provider_charges "
+                "(id, idempotency_key, amount, currency, customer, metadata) "
+                "VALUES (:id, :key, :amount, :currency, :customer, CAST(:metadata AS jsonb)) "
                 "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
             ),
-            {"id": f"ch_{secrets.token_hex(12)}", "key": key, **charge.model_dump()},
+            {
+                "id": f"ch_{secrets.token_hex(12)}",
+                "key": key,
+                **charge.model_dump(exclude={"metadata"}),
+                "metadata": json.dumps(charge.metadata),
+            },
         )
         if created is not None:
             return created, True
         # A separate statement: its snapshot sees the charge a concurrent request committed.
         row = conn.execute(
             sa.text(
-                "SELECT id, amount, currency, customer FROM provider_charges "
+                "SELECT id, amount, currency, customer, metadata FROM provider_charges "
                 "WHERE idempotency_key = :key"
             ),
             {"key": key},
         ).one()
-    same = (row.amount, row.currency, row.customer) == (
+    same = (row.amount, row.currency, row.customer, row.metadata) == (
         charge.amount,
         charge.currency,
         charge.customer,
+        charge.metadata,
     )
     return (row.id if same else None), False

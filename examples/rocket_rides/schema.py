@@ -3,7 +3,9 @@
 Departures from the reference: the provider is not Stripe, so ``users.stripe_customer_id``
 and ``rides.stripe_charge_id`` are ``customer_id`` and ``charge_id``; ``provider_charges``
 is the fake provider's own table. ``audit_records.origin_ip`` is NULL for a ride the
-completer created, since no client was there.
+completer created, since no client was there. ``receipts`` and ``receipt_deliveries`` are
+the receipt consumer's (:mod:`.workers`): each delivery of a receipt job is logged, and
+each receipt is sent once.
 """
 
 from __future__ import annotations
@@ -49,6 +51,24 @@ CREATE TABLE IF NOT EXISTS provider_charges (
     currency text NOT NULL,
     customer text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
+);
+-- Like Stripe's: what the caller attached to the charge (the API puts the ride's id).
+ALTER TABLE provider_charges ADD COLUMN IF NOT EXISTS metadata jsonb NOT NULL DEFAULT '{}';
+-- No unique job_key in either table: a receipt sent twice must be countable, not an error.
+CREATE TABLE IF NOT EXISTS receipt_deliveries (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_key text NOT NULL,
+    enqueuer_pid integer NOT NULL,
+    delivered_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS receipts (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_key text NOT NULL,
+    ride_id bigint NOT NULL,
+    user_id bigint NOT NULL REFERENCES users (id),
+    amount integer NOT NULL,
+    currency text NOT NULL,
+    sent_at timestamptz NOT NULL DEFAULT now()
 );
 """
 

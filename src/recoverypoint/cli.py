@@ -16,10 +16,9 @@ from alembic.util import CommandError
 from sqlalchemy.exc import DBAPIError
 
 from recoverypoint import migrate
-from recoverypoint.database import normalize_url
+from recoverypoint.database import DATABASE_URL_ENV, normalize_url
+from recoverypoint.demo.cli import add_demo
 from recoverypoint.workers.cli import add_worker
-
-DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
 
 # Exit statuses: 2 is argparse's own for a usage error.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -98,4 +97,4 @@ def _fail(status: int, message: str) -> int:
     return status
 
 
-_SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate, add_worker)
+_SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate, add_worker, add_demo)

@@ -7,6 +7,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
+DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
+"""Where the commands look for a database URL when none is passed."""
+
 _POSTGRES_SCHEMES = ("postgres", "postgresql", "postgresql+psycopg")
 
 

@@ -27,12 +27,16 @@ or for a whole process through the environment::
     RECOVERYPOINT_FAULT_SEED=42          # repeatable runs
 
 Faults are off by default; when off, each boundary costs one attribute read.
+
+:func:`temporary_database` gives a test (or a demo run) an empty database of its own on a
+server you run, and drops it afterwards.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import secrets
 import sys
 import threading
 from collections import Counter
@@ -40,6 +44,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
+
+from sqlalchemy.pool import NullPool
+
+from .database import create_engine, normalize_url
 
 Effect = Literal["raise", "exit"]
 BOUNDARIES = ("before_commit", "after_commit", "before_foreign", "after_foreign", "after_publish")
@@ -142,3 +150,28 @@ def _from_environment() -> Faults:
 
 faults = _from_environment()
 """The process-wide registry the engine and the enqueuer consult."""
+
+
+@contextmanager
+def temporary_database(server_url: str, prefix: str = "rp_test") -> Iterator[str]:
+    """Create an empty database ``<prefix>_<hex>`` on the server of ``server_url``, yield
+    its URL (``postgresql+psycopg://``, password included), and drop it at the end.
+
+    The database named in ``server_url`` is only used to create and drop the new one, so
+    ``…/postgres`` will do; the role needs the CREATEDB privilege.
+    """
+    url = normalize_url(server_url)
+    name = f"{prefix}_{secrets.token_hex(8)}"
+    # CREATE/DROP DATABASE cannot run inside a transaction.
+    admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        try:
+            yield url.set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as connection:
+                # FORCE: connections left behind (a killed process's) must not keep it.
+                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()

@@ -82,7 +82,7 @@ def add_worker(subparsers: _Subparsers) -> None:
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="rows per transaction (default: completer 10, enqueuer 100, reaper 1000)",
     )
@@ -251,7 +251,7 @@ def _duration(text: str) -> float:
     return float(match[1]) * _UNIT_SECONDS[match[2]]
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -26,6 +26,7 @@ from sqlalchemy import text
 from ..backoff import backoff_delay
 from ..engine import Engine
 from ..jobs import Job, JobBackend
+from ..testing import faults
 from .loop import Result, Worker, describe
 
 # Due jobs, oldest first; jobs another enqueuer holds are skipped, not waited for.
@@ -128,6 +129,9 @@ class Enqueuer(Worker[EnqueuerResult]):
                     }
                 else:
                     published.append(row.id)
+                    if faults.active:
+                        # Published, not yet deleted: a crash here re-publishes the batch.
+                        faults.hit("after_publish", row.job_name)
             if published:
                 conn.execute(_DELETE_PUBLISHED, {"ids": published})
             if failures:

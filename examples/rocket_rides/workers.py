@@ -1,0 +1,68 @@
+"""The engine Rocket Rides' workers run, with the receipt consumer as its job backend.
+
+From the repository root, with the same settings as the API::
+
+    export RECOVERYPOINT_DATABASE_URL=postgresql://…   ROCKET_RIDES_PROVIDER_URL=http://127.0.0.1:8001
+    recoverypoint worker completer --app examples.rocket_rides.workers:engine
+    recoverypoint worker enqueuer --app examples.rocket_rides.workers:engine
+
+``ROCKET_RIDES_LOCK_TIMEOUT`` (seconds, default 90) must equal the API's ``--lock-timeout``:
+the completer takes over a key once that lease has expired.
+
+Receipts are sent in the enqueuer's process (:class:`~recoverypoint.jobs.InProcessBackend`).
+Delivery is at least once, so every delivery is logged in ``receipt_deliveries`` with the
+enqueuer's pid, and :func:`~recoverypoint.jobs.consume_once` makes sure each receipt is
+sent (a row in ``receipts``, standing for an email) once, in the same transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import httpx
+import sqlalchemy as sa
+
+import recoverypoint as rp
+from recoverypoint.jobs import InProcessBackend, Job, consume_once
+
+from .api import ride_operation
+
+DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
+PROVIDER_URL_ENV = "ROCKET_RIDES_PROVIDER_URL"
+LOCK_TIMEOUT_ENV = "ROCKET_RIDES_LOCK_TIMEOUT"
+RECEIPT_JOB = "send_ride_receipt"
+
+_DELIVERED = sa.text(
+    "INSERT INTO receipt_deliveries (job_key, enqueuer_pid) VALUES (:job_key, :pid)"
+)
+_SEND = sa.text(
+    "INSERT INTO receipts (job_key, ride_id, user_id, amount, currency) "
+    "VALUES (:job_key, :ride_id, :user_id, :amount, :currency)"
+)
+
+missing = [name for name in (DATABASE_URL_ENV, PROVIDER_URL_ENV) if not os.environ.get(name)]
+if missing:
+    # An ImportError, so that `recoverypoint worker --app` reports it in one line.
+    raise ImportError(f"set {' and '.join(missing)} to run Rocket Rides' workers")
+
+receipts = InProcessBackend()
+engine = rp.Engine(
+    os.environ[DATABASE_URL_ENV],
+    jobs=receipts,
+    # A ride is short-lived: its completer retries come within seconds, not hours.
+    retry_base=1.0,
+    retry_cap=30.0,
+)
+provider = httpx.Client(base_url=os.environ[PROVIDER_URL_ENV], timeout=10.0)
+engine.register(
+    ride_operation(provider, timedelta(seconds=float(os.environ.get(LOCK_TIMEOUT_ENV, "90"))))
+)
+
+
+@receipts.handler(RECEIPT_JOB)
+def send_ride_receipt(job: Job) -> None:
+    with engine.db.begin() as conn:
+        conn.execute(_DELIVERED, {"job_key": job.job_key, "pid": os.getpid()})
+        if consume_once(conn, RECEIPT_JOB, job.job_key):
+            conn.execute(_SEND, {"job_key": job.job_key, **job.args})

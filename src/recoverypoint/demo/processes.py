@@ -1,0 +1,170 @@
+"""The demo's processes: where the Rocket Rides example is, and a supervisor that restarts
+whatever an injected fault (or anything else) kills."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+import recoverypoint
+
+from ..testing import FAULT_EXIT_STATUS
+
+# How long a process that exited for another reason than a fault waits before it is
+# started again: it may be failing at start (its database is restarting), and a hot loop
+# of restarts would only burn the CPU the rest of the demo needs.
+_RESTART_DELAY = 0.5
+_POLL = 0.05
+
+
+class NotACheckout(Exception):
+    """The demo needs examples/rocket_rides, which only a source checkout has."""
+
+
+def find_checkout() -> Path:
+    """The repository checkout recoverypoint was installed from (``pip install -e``)."""
+    root = Path(recoverypoint.__file__).resolve().parents[2]
+    if not (root / "examples" / "rocket_rides" / "__main__.py").is_file():
+        raise NotACheckout(
+            "the demo runs the Rocket Rides example, which is not part of the installed "
+            "package: clone the repository and install it with `pip install -e '.[demo]'`, "
+            "then run `recoverypoint demo` from there"
+        )
+    return root
+
+
+@dataclass
+class Exits:
+    """How a supervised group's processes ended while the demo ran."""
+
+    faults: int = 0
+    """Exits by an injected fault (status :data:`FAULT_EXIT_STATUS`)."""
+    other: list[int] = field(default_factory=list)
+    """Statuses of every other exit, e.g. a start that failed while the database was down."""
+    fault_pids: set[int] = field(default_factory=set)
+    """The pids that died by a fault: what they had not committed was rolled back."""
+
+
+class Supervised:
+    """``count`` instances of one command, each started again whenever it exits, until
+    :meth:`stop`. Their output goes to ``log``.
+
+    ``command(start)`` and ``env(start)`` give the argv and extra environment of the
+    ``start``-th start (from 0), so that each start can have a seed of its own.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        command: Callable[[int], Sequence[str]],
+        *,
+        cwd: Path,
+        log: Path,
+        env: Callable[[int], dict[str, str]] = lambda start: {},
+        count: int = 1,
+        pass_fds: Sequence[int] = (),
+    ) -> None:
+        self.name = name
+        self.log = log
+        self.exits = Exits()
+        self._command = command
+        self._env = env
+        self._cwd = cwd
+        self._pass_fds = tuple(pass_fds)
+        self._starts = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._out: IO[bytes] = log.open("ab")
+        self._procs = [self._spawn() for _ in range(count)]
+        self._watcher = threading.Thread(target=self._watch, name=f"supervise-{name}", daemon=True)
+        self._watcher.start()
+
+    @property
+    def restarts(self) -> int:
+        return self._starts - len(self._procs)
+
+    def alive(self) -> bool:
+        return any(proc.poll() is None for proc in self._procs)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        start, self._starts = self._starts, self._starts + 1
+        return subprocess.Popen(
+            [*self._command(start)],
+            cwd=self._cwd,
+            env={**os.environ, **self._env(start)},
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=self._out,
+            pass_fds=self._pass_fds,
+        )
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(_POLL):
+            for index, proc in enumerate(self._procs):
+                status = proc.poll()
+                if status is None:
+                    continue
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    if status == FAULT_EXIT_STATUS:
+                        self.exits.faults += 1
+                        self.exits.fault_pids.add(proc.pid)
+                    else:
+                        self.exits.other.append(status)
+                        time.sleep(_RESTART_DELAY)
+                    self._procs[index] = self._spawn()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every instance (workers finish their batch), SIGKILL the late ones."""
+        with self._lock:
+            self._stopping.set()
+        self._watcher.join()
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._out.close()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def wait_until_serving(url: str, group: Supervised, timeout: float = 60.0) -> None:
+    """Wait until ``url`` answers HTTP (any status) or fail with the group's log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(
+        f"the {group.name} did not start within {timeout:.0f}s; its log ({group.log}) ends:\n"
+        + tail(group.log)
+    )
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
