@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 
-DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
+from recoverypoint.database import DATABASE_URL_ENV
 
 
 def main(argv: list[str] | None = None) -> int:

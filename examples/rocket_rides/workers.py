@@ -24,11 +24,11 @@ import httpx
 import sqlalchemy as sa
 
 import recoverypoint as rp
+from recoverypoint.database import DATABASE_URL_ENV
 from recoverypoint.jobs import InProcessBackend, Job, consume_once
 
 from .api import ride_operation
 
-DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
 PROVIDER_URL_ENV = "ROCKET_RIDES_PROVIDER_URL"
 LOCK_TIMEOUT_ENV = "ROCKET_RIDES_LOCK_TIMEOUT"
 RECEIPT_JOB = "send_ride_receipt"

@@ -18,10 +18,8 @@ from sqlalchemy.exc import DBAPIError
 from recoverypoint import migrate
 from recoverypoint.database import DATABASE_URL_ENV, normalize_url
 from recoverypoint.demo.cli import add_demo
+from recoverypoint.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
 from recoverypoint.workers.cli import add_worker
-
-# Exit statuses: 2 is argparse's own for a usage error.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -68,7 +66,8 @@ def _migrate(args: argparse.Namespace) -> int:
         migrate.upgrade_sql(sys.stdout)
         return EXIT_OK
     if not args.database_url:
-        return _fail(
+        return fail(
+            "migrate",
             EXIT_USAGE,
             f"no database to migrate: pass --database-url postgresql://user:password@host/db "
             f"or set {DATABASE_URL_ENV} (or use --sql to print the SQL instead)",
@@ -76,25 +75,20 @@ def _migrate(args: argparse.Namespace) -> int:
     try:
         url = normalize_url(args.database_url)
     except ValueError as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return fail("migrate", EXIT_USAGE, str(exc))
     try:
         result = migrate.upgrade(url)
     except DBAPIError as exc:
         # The driver's message says what went wrong (refused, no such database, bad
         # password); a traceback would only bury it. Its lines are joined into one.
         detail = " ".join(str(exc.orig or exc).split())
-        return _fail(EXIT_FAILED, f"{url.render_as_string(hide_password=True)}: {detail}")
+        return fail("migrate", EXIT_FAILED, f"{url.render_as_string(hide_password=True)}: {detail}")
     except CommandError as exc:  # e.g. the database is at a revision this version lacks
-        return _fail(EXIT_FAILED, str(exc))
+        return fail("migrate", EXIT_FAILED, str(exc))
     if result.applied:
         print(f"applied {', '.join(result.applied)}; ", end="")
     print(f"recoverypoint schema is at revision {result.revision} (head)")
     return EXIT_OK
-
-
-def _fail(status: int, message: str) -> int:
-    print(f"recoverypoint migrate: error: {message}", file=sys.stderr)
-    return status
 
 
 _SUBCOMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_migrate, add_worker, add_demo)

@@ -229,4 +229,3 @@ class Operation(Generic[P]):
             return self._adapter.validate_json(params_json)
         value: P = json.loads(params_json)
         return value
-

@@ -117,8 +117,6 @@ processed_messages = Table(
     metadata,
     Column("consumer", Text, primary_key=True),
     Column("message_id", Text, primary_key=True),
-    Column(
-        "processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
-    ),
+    Column("processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Index("processed_messages_processed_at", "processed_at"),
 )

@@ -17,14 +17,13 @@ from sqlalchemy.exc import DBAPIError
 
 from ..database import DATABASE_URL_ENV, normalize_url
 from ..embedded import embedded_database
+from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
 from ..testing import temporary_database
 from ..workers.cli import positive_int
 from .faults import FaultMix
 
 if TYPE_CHECKING:
     from ..cli import _Subparsers
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_demo(subparsers: _Subparsers) -> None:
@@ -78,13 +77,15 @@ def _demo(args: argparse.Namespace) -> int:
         from .processes import NotACheckout, find_checkout
         from .progress import ProgressBar
     except ImportError as exc:
-        return _fail(EXIT_USAGE, f"{exc}: install the demo's extra: pip install -e '.[demo]'")
+        return fail(
+            "demo", EXIT_USAGE, f"{exc}: install the demo's extra: pip install -e '.[demo]'"
+        )
     try:
         find_checkout()
         faults = FaultMix.from_percent(args.faults)
         url = normalize_url(args.database_url) if args.database_url else None
     except (NotACheckout, ValueError) as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return fail("demo", EXIT_USAGE, str(exc))
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     config = DemoConfig(
         requests=args.requests, concurrency=args.concurrency, faults=faults, seed=seed
@@ -104,10 +105,10 @@ def _demo(args: argparse.Namespace) -> int:
     except (DBAPIError, RuntimeError) as exc:
         bar.close()
         detail = " ".join(str(getattr(exc, "orig", None) or exc).split())
-        return _fail(EXIT_FAILED, f"{detail} (logs in {workdir})")
+        return fail("demo", EXIT_FAILED, f"{detail} (logs in {workdir})")
     except KeyboardInterrupt:
         bar.close()
-        return _fail(EXIT_FAILED, f"interrupted (logs in {workdir})")
+        return fail("demo", EXIT_FAILED, f"interrupted (logs in {workdir})")
     bar.close()
     print(report.table())
     if args.json:
@@ -129,8 +130,3 @@ def _database(server_url: str | None) -> Iterator[str]:
     else:
         with temporary_database(server_url, prefix="rp_demo") as url:
             yield url
-
-
-def _fail(status: int, message: str) -> int:
-    print(f"recoverypoint demo: error: {message}", file=sys.stderr)
-    return status

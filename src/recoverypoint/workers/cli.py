@@ -27,6 +27,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..engine import Engine
+from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from ..migrate import VERSION_TABLE, migrations_dir
 from .completer import Completer
 from .enqueuer import Enqueuer
@@ -36,8 +37,6 @@ from .reaper import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION, Reaper
 if TYPE_CHECKING:
     from ..cli import _Subparsers
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130  # the shells' 128 + SIGINT
 # `all` runs them in this order with --once: keys the completer finishes stage jobs for
 # the enqueuer; the reaper goes last.
 KINDS = ("completer", "enqueuer", "reaper")
@@ -125,9 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         stop = threading.Event()
         workers = _workers(engine, args, stop)
     except UsageError as exc:
-        return _fail(EXIT_USAGE, str(exc))
+        return fail("worker", EXIT_USAGE, str(exc))
     except StartError as exc:
-        return _fail(EXIT_FAILED, str(exc))
+        return fail("worker", EXIT_FAILED, str(exc))
     try:
         with on_stop(stop.set):
             if args.once:
@@ -285,8 +284,3 @@ def _configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-
-
-def _fail(status: int, message: str) -> int:
-    print(f"recoverypoint worker: error: {message}", file=sys.stderr)
-    return status
