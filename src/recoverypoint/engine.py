@@ -226,6 +226,15 @@ class Engine:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails."""
         record = store.claim(conn, request)
+        if (
+            record is not None
+            and not record.claimed
+            and record.fingerprint == request.fingerprint
+            and record.response_status is None
+            and record.lease_left <= 0
+        ):
+            # An unfinished key whose lease is free or expired: take it over.
+            record = store.claim_by_id(conn, record.id, request.token, request.lock_timeout)
         if record is None or not record.claimed:
             return _refuse(record, request)
         if record.operation_version != operation.version:

@@ -38,30 +38,26 @@ _RECORD_COLUMNS = """
     response_status, response_headers, response_body, attempts, ctid::text AS ctid
 """
 
-# One round trip: take the key (new, free or with an expired lease) or, when it cannot be
-# taken, return the existing row so the caller can tell a replay, a mismatch and a key in
-# use apart. Under SERIALIZABLE a conflicting row this snapshot cannot see raises 40001
-# instead, and the claim is retried with a fresh snapshot.
+# One round trip: insert the key, or, when it exists, return its row so the caller can tell
+# a replay, a mismatch, a key in use and a key to resume apart. An existing row is read,
+# not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
+# key to resume is then taken with _CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
 _CLAIM = f"""
     WITH claimed AS (
-        INSERT INTO idempotency_keys AS k (
+        INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
             request_path, request_params, fingerprint, locked_at, lock_token)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
             %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
-        ON CONFLICT (scope, operation, idempotency_key) DO UPDATE
-            SET locked_at = now(), lock_token = EXCLUDED.lock_token, last_run_at = now()
-            WHERE k.fingerprint = EXCLUDED.fingerprint
-              AND k.finished_at IS NULL
-              AND (k.locked_at IS NULL
-                   OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
-        RETURNING {_RECORD_COLUMNS}, true AS claimed, xmax = 0 AS inserted, 0 AS lease_left
+        ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, true AS inserted, 0 AS lease_left
     )
     SELECT * FROM claimed
     UNION ALL
     SELECT {_RECORD_COLUMNS}, false, false,
-           ceil(extract(epoch FROM
-                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int
+           coalesce(ceil(extract(epoch FROM
+                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int, 0)
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND NOT EXISTS (SELECT 1 FROM claimed)
