@@ -6,7 +6,8 @@
 Every system runs the same Rocket Rides flow (see flows.py) with a fresh key per request,
 on one PostgreSQL, interleaved (A B C, then B C A, …) so drift of this shared machine
 cancels out. Also measured: replaying a finished key, the claim alone, and the claim with
-1,000,000 keys stored. Results go to benchmarks/results/ as Markdown, JSON and a PNG plot.
+1,000,000 keys stored. Results go to benchmarks/results/ as Markdown, JSON and a PNG plot;
+then workers.py measures the workers' rates (results/workers.md) unless --no-workers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import secrets
+import subprocess
 import sys
 import threading
 import time
@@ -230,6 +232,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per system, per round")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--keys", type=int, default=1_000_000, help="for the claim-scaling run")
+    parser.add_argument(
+        "--no-workers", action="store_true", help="skip the workers' rates (workers.py)"
+    )
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
 
@@ -260,6 +265,12 @@ def main() -> None:
     report.plot(RESULTS / "results.png")
     print(report.markdown())
     print(f"written: {RESULTS / 'results.md'}, results.json, results.png")
+    if not args.no_workers:
+        # The enqueuer's drain rate, the reaper's delete rate, the completer's resume rate.
+        command = [sys.executable, str(Path(__file__).with_name("workers.py"))]
+        if args.database_url:
+            command += ["--database-url", args.database_url]
+        subprocess.run(command, check=True)
 
 
 @dataclass
@@ -308,8 +319,8 @@ class Report:
             f"| {self.replay.percentile(0.99):.3f} |",
             f"| claim alone, near-empty table | {self.claim_empty.percentile(0.5):.3f} "
             f"| {self.claim_empty.percentile(0.99):.3f} |",
-            f"| claim alone, {self.args.keys:,} keys stored | {self.claim_full.percentile(0.5):.3f} "
-            f"| {self.claim_full.percentile(0.99):.3f} |",
+            f"| claim alone, {self.args.keys:,} keys stored "
+            f"| {self.claim_full.percentile(0.5):.3f} | {self.claim_full.percentile(0.99):.3f} |",
             "",
             f"Claim p50 with {self.args.keys:,} keys vs near-empty: {growth:+.1%}.",
             "",

@@ -294,7 +294,8 @@ class Engine:
                     raise
                 if attempt == self.serialization_retries:
                     raise ConcurrentUpdate() from exc
-                time.sleep(backoff_delay(attempt, base=0.005, cap=0.25))
+                if attempt:  # the first retry at once: most conflicts are false positives
+                    time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
         raise AssertionError("unreachable")
 
 
