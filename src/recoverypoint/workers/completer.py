@@ -183,12 +183,19 @@ class Completer(Worker[CompleterResult]):
                     )
                 ]
             result.batches += 1
-            for index, key in enumerate(batch):
-                if self.stopping:
-                    self._release([k.id for k in batch[index:]], token)
-                    break
-                self._complete(key, token, result)
-            if len(batch) < self.batch_size:
+            done = 0
+            try:
+                for key in batch:
+                    if self.stopping:
+                        break
+                    self._complete(key, token, result)
+                    done += 1
+            finally:
+                # Stopping, or an error out of the loop: keys not started go back at once
+                # instead of waiting out their leases.
+                if done < len(batch):
+                    self._release([k.id for k in batch[done:]], token)
+            if self.stopping or len(batch) < self.batch_size:
                 break
         return result
 
