@@ -245,7 +245,7 @@ class Engine:
         return run, None
 
     def _drive(self, run: _Run, step: _Step | None) -> Outcome:
-        point, state = run.record.recovery_point, run.record.state
+        state = run.record.state
         try:
             while True:
                 if step is not None and faults.active:
@@ -253,17 +253,16 @@ class Engine:
                 if isinstance(step, Outcome):
                     return step
                 if step is not None:
-                    run.at = point = step.point
-                    state = step.state
-                phase = run.operation.phases[run.operation.next_phase(point)]
+                    run.at, state = step.point, step.state
+                phase = run.operation.phases[run.operation.next_phase(run.at)]
                 step = run.next(phase, state)
         except LockLost:
             raise
         except BaseException as exc:
-            self._release(run, point, exc)
+            self._release(run, exc)
             raise
 
-    def _release(self, run: _Run, point: str, exc: BaseException) -> None:
+    def _release(self, run: _Run, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
@@ -277,7 +276,7 @@ class Engine:
             "key %s of %s failed at %s (lease %s): %s",
             run.record.id,
             run.operation.name,
-            point,
+            run.at,
             "released" if released else "already taken over",
             error,
         )

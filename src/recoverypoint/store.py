@@ -88,26 +88,35 @@ _CLAIM_BY_ID = f"""
 # Which operation and version a key record belongs to (Engine.resume looks it up by id).
 _KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
 
-# The fenced statements below end with {where}: by address first, by id when it is stale.
+# The fenced statements below end with {where}, written out twice when the module loads:
+# by address first, by id when the address is stale.
 _BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
 _BY_ID = "id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
 
+
+def _by_ctid_and_by_id(sql: str) -> tuple[str, str]:
+    return sql.format(where=_BY_CTID), sql.format(where=_BY_ID)
+
+
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
-_FENCE = "UPDATE idempotency_keys SET locked_at = now() WHERE {where}"
+_FENCE = _by_ctid_and_by_id("UPDATE idempotency_keys SET locked_at = now() WHERE {where}")
 
 # Commit a phase: the new recovery point and state, renewing the lease. Only from the
 # point the run started the phase at: a recovery point never moves backwards, even when a
 # run records a step's result after the phase that followed it did commit (an ambiguous
 # COMMIT failure).
-_ADVANCE = """
+_ADVANCE = _by_ctid_and_by_id(
+    """
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
         locked_at = now(), last_run_at = now()
     WHERE recovery_point = %(from_point)s AND {where}
 """
+)
 
 # Finish the key with its response and give the lease up.
-_FINISH = """
+_FINISH = _by_ctid_and_by_id(
+    """
     UPDATE idempotency_keys
     SET recovery_point = 'finished', state = %(state)s::jsonb,
         response_status = %(status)s, response_headers = %(headers)s::jsonb,
@@ -115,14 +124,17 @@ _FINISH = """
         locked_at = NULL, lock_token = NULL, last_run_at = now()
     WHERE {where}
 """
+)
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
-_RELEASE = """
+_RELEASE = _by_ctid_and_by_id(
+    """
     UPDATE idempotency_keys
     SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
         next_attempt_at = now() + make_interval(secs => %(retry_in)s)
     WHERE {where}
 """
+)
 
 _STAGE_JOB = """
     INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id)
@@ -259,7 +271,7 @@ def _fetch_record(conn: Connection, sql: str, params: dict[str, Any]) -> KeyReco
 def _fenced(
     conn: Connection,
     key: KeyRef,
-    sql: str,
+    sql: tuple[str, str],
     params: dict[str, Any],
     jobs: Sequence[StagedJob] = (),
 ) -> None:
@@ -267,10 +279,11 @@ def _fenced(
     one round trip); record the row's new address, or raise :class:`LockLost`."""
     raw = _driver(conn)
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
-    with raw.cursor() as cursor:
+    by_ctid, by_id = sql
+    with raw.cursor() as cursor, raw.cursor() as jobs_cursor:
         with raw.pipeline():
             if jobs:
-                raw.cursor().executemany(
+                jobs_cursor.executemany(
                     _STAGE_JOB,
                     [
                         {
@@ -282,10 +295,10 @@ def _fenced(
                         for j in jobs
                     ],
                 )
-            cursor.execute(sql.format(where=_BY_CTID), params)
+            cursor.execute(by_ctid, params)
         row = cursor.fetchone()
     if row is None:
-        row = raw.execute(sql.format(where=_BY_ID), params).fetchone()
+        row = raw.execute(by_id, params).fetchone()
     if row is None:
         raise LockLost()
     key.ctid = row[0]
