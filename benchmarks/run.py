@@ -177,7 +177,6 @@ def claim_alone(engine: rp.Engine, n: int) -> Sample:
             params_json="{}",
             fingerprint="f",
             token=uuid.uuid4(),
-            lock_timeout=90.0,
         )
         engine._transact(lambda conn: store.claim(conn, request))
 

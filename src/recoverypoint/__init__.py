@@ -18,6 +18,7 @@ from .errors import (
     ParamsMismatch,
     RequestTooLarge,
     Retryable,
+    TransactionEnded,
 )
 from .operation import Operation, Outcome, RecoveryPoint, Request, Response
 
@@ -41,4 +42,5 @@ __all__ = [
     "Response",
     "Retryable",
     "StepContext",
+    "TransactionEnded",
 ]

@@ -17,13 +17,14 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from . import store
+from . import phase_guard, store
 from .backoff import backoff_delay
 from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine
 from .errors import (
     ConcurrentUpdate,
     DeclarationError,
+    InvalidParams,
     KeyInUse,
     LockLost,
     OperationNotRegistered,
@@ -37,9 +38,19 @@ from .keys import (
     fingerprint,
     safe_headers,
     validate_key,
+    validate_request,
     validate_scope,
 )
-from .operation import Operation, Outcome, Phase, RecoveryPoint, Request, Response
+from .operation import (
+    STARTED,
+    Operation,
+    Outcome,
+    Phase,
+    RecoveryPoint,
+    Request,
+    Response,
+    Withdrawn,
+)
 from .store import ClaimRequest, KeyRecord
 from .testing import faults
 
@@ -102,6 +113,7 @@ class Engine:
                 "create it from a postgresql+psycopg:// URL"
             )
         self._owns_db = not isinstance(database, sa.Engine)
+        phase_guard.install(self.db)
         self._serializable = self.db.execution_options(isolation_level="SERIALIZABLE")
         self.max_params_bytes = max_params_bytes
         self.serialization_retries = serialization_retries
@@ -172,6 +184,7 @@ class Engine:
         request = request or Request()
         key = validate_key(key)
         scope = validate_scope(scope)
+        method, path = validate_request(request.method, request.path)
         params_json = operation.dump_params(params)
         check_size(params_json, self.max_params_bytes)
         claim_request = ClaimRequest(
@@ -179,14 +192,13 @@ class Engine:
             operation=operation.name,
             key=key,
             version=operation.version,
-            method=request.method.upper(),
-            path=request.path,
+            method=method,
+            path=path,
             params_json=params_json,
-            fingerprint=fingerprint(request.method, request.path, params_json),
+            fingerprint=fingerprint(method, path, params_json),
             token=uuid.uuid4(),
-            lock_timeout=operation.lock_timeout.total_seconds(),
         )
-        first = self._transact(lambda conn: self._claim(conn, operation, claim_request))
+        first = self._transact(lambda conn: self._claim(conn, operation, claim_request, params))
         if isinstance(first, Outcome):
             return first
         run, step = first
@@ -210,7 +222,7 @@ class Engine:
             raise LookupError(f"there is no key record {key_id}")
         operation = self.operation(*ident)
         token = token or uuid.uuid4()
-        lock_timeout = operation.lock_timeout.total_seconds()
+        lock_timeout = operation.lock_timeout.total_seconds()  # of the key's own version
         record = self._transact(lambda conn: store.claim_by_id(conn, key_id, token, lock_timeout))
         if record is None:
             raise LookupError(f"key record {key_id} was deleted")
@@ -218,31 +230,48 @@ class Engine:
             return self._drive(_Run(self, operation, record, token), None)
         if record.response_status is not None:
             return _replay(record)
-        raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, int(record.lease_left)))
+        lease_left = record.lease_left(lock_timeout)
+        raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
     def _claim(
-        self, conn: Connection, operation: Operation[Any], request: ClaimRequest
+        self, conn: Connection, operation: Operation[Any], request: ClaimRequest, params: Any
     ) -> Outcome | tuple[_Run, _Step | None]:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails."""
         record = store.claim(conn, request)
-        if (
-            record is not None
-            and not record.claimed
-            and record.fingerprint == request.fingerprint
-            and record.response_status is None
-            and record.lease_left <= 0
-        ):
+        if record is None:
+            # The row was deleted between the conflict and the read: a reaper raced us.
+            raise KeyInUse(key=request.key, retry_after=1)
+        if not record.inserted:
+            # A key is judged by the version that started it: its params rules, its lease.
+            operation = self._started_by(operation, record)
+            if _fingerprint_as(operation, request, params) != record.fingerprint:
+                raise ParamsMismatch(key=request.key)
+            if record.response_status is not None:
+                return _replay(record)
+            lock_timeout = operation.lock_timeout.total_seconds()
+            lease_left = record.lease_left(lock_timeout)
+            if lease_left > 0:
+                raise KeyInUse(key=request.key, retry_after=lease_left)
             # An unfinished key whose lease is free or expired: take it over.
-            record = store.claim_by_id(conn, record.id, request.token, request.lock_timeout)
-        if record is None or not record.claimed:
-            return _refuse(record, request)
-        if record.operation_version != operation.version:
-            operation = self.operation(operation.name, record.operation_version)
+            record = store.claim_by_id(conn, record.id, request.token, lock_timeout)
+            if record is None or not record.claimed:
+                lease_left = 1 if record is None else max(1, record.lease_left(lock_timeout))
+                raise KeyInUse(key=request.key, retry_after=lease_left)
         run = _Run(self, operation, record, request.token)
         if record.inserted and operation.phases[0].atomic:
             return run, run.atomic(conn, operation.phases[0], {}, fence=False)
         return run, None
+
+    def _started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
+        """The registered version of ``operation`` that started the key of ``record``. A
+        finished key replays without it, so one whose version is gone is judged by the
+        caller's."""
+        if record.operation_version == operation.version:
+            return operation
+        if record.response_status is not None:
+            return self._operations.get((operation.name, record.operation_version), operation)
+        return self.operation(operation.name, record.operation_version)
 
     def _drive(self, run: _Run, step: _Step | None) -> Outcome:
         state = run.record.state
@@ -258,9 +287,22 @@ class Engine:
                 step = run.next(phase, state)
         except LockLost:
             raise
+        except Withdrawn as exc:
+            if not (run.committed == STARTED and self._withdraw(run)):
+                self._release(run, exc)
+            raise
         except BaseException as exc:
             self._release(run, exc)
             raise
+
+    def _withdraw(self, run: _Run) -> bool:
+        """Delete the key of a run withdrawn before it recorded anything."""
+        try:
+            with self.db.begin() as conn:
+                return store.withdraw(conn, run.key)
+        except Exception:
+            logger.exception("could not withdraw key %s", run.record.id)
+            return False
 
     def _release(self, run: _Run, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -368,16 +410,28 @@ class _Run:
             # request that lost its lease fails with LockLost before its writes can collide
             # with the new owner's, and no takeover can happen while the phase runs.
             store.fence(conn, self.key)
+        else:
+            self.key.xid = self.record.xid  # the claim's transaction, which inserted the key
+        began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         tx = AtomicContext(conn, json.loads(canonical_json(state)), self.identity, phase.point)
-        result = phase.fn(tx, self.params)
+        with phase_guard.guarding(conn, phase.point):
+            result = phase.fn(tx, self.params)
         tx.close()
+        phase_guard.check_still_open(conn, phase.point)
         if not (result is None or isinstance(result, Response | RecoveryPoint)):
             raise TypeError(
                 f"atomic phase {phase.point!r} returned {type(result).__name__}; "
                 "return None, a Response or a RecoveryPoint"
             )
-        step = self._commit(conn, phase, result, tx.state, tx.staged_jobs)
+        try:
+            step = self._commit(conn, phase, result, tx.state, tx.staged_jobs)
+        except LockLost:
+            # Phase code that rolled back and wrote again took our fence with it.
+            now = store.current_transaction(conn)
+            phase_guard.check_same_transaction(phase.point, began, now)
+            raise
+        phase_guard.check_same_transaction(phase.point, began, self.key.xid)
         if faults.active:
             faults.hit("before_commit", phase.point)
         return step
@@ -401,15 +455,15 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                store.advance(conn, self.key, jobs, self.at, point, state_json)
-                return _Advanced(point, json.loads(state_json))
+                stored = store.advance(conn, self.key, jobs, self.at, point, state_json)
+                return _Advanced(point, stored)
             result = _NO_CONTENT
         headers = safe_headers(result.headers)
         try:
             body_json = canonical_json(result.body)
         except ValueError as exc:
             raise TypeError(f"the Response of phase {phase.point!r} is {exc}") from exc
-        store.finish(
+        stored_body = store.finish(
             conn,
             self.key,
             jobs,
@@ -418,7 +472,7 @@ class _Run:
             headers_json=canonical_json(headers),
             body_json=body_json,
         )
-        return Outcome(result.status, json.loads(body_json), headers, replayed=False)
+        return Outcome(result.status, _as_answered(stored_body), headers, replayed=False)
 
 
 def _sqlstate(exc: DBAPIError | psycopg.Error) -> str | None:
@@ -435,20 +489,30 @@ def _state_json(phase: Phase, state: dict[str, Any]) -> str:
 
 
 def _replay(record: KeyRecord) -> Outcome:
-    """The stored response; its body in the same key order as the first answer gave it
-    (jsonb keeps keys in an order of its own)."""
+    """The stored response, exactly as its first answer gave it."""
     assert record.response_status is not None
-    body = json.loads(canonical_json(record.response_body))
+    body = _as_answered(record.response_body)
     return Outcome(record.response_status, body, dict(record.response_headers or {}), True)
 
 
-def _refuse(record: KeyRecord | None, request: ClaimRequest) -> Outcome:
-    """Why a key could not be claimed: a replay, a mismatch or a key in use."""
-    if record is None:
-        # The row was deleted between the conflict and the read: a reaper raced us.
-        raise KeyInUse(key=request.key, retry_after=1)
-    if record.fingerprint != request.fingerprint:
-        raise ParamsMismatch(key=request.key)
-    if record.response_status is not None:
-        return _replay(record)
-    raise KeyInUse(key=request.key, retry_after=max(1, int(record.lease_left)))
+def _as_answered(stored_body: Any) -> Any:
+    """A body as jsonb stored it, with its keys in the order every answer gives them (jsonb
+    keeps an order of its own). The first answer is built from the stored body as well,
+    so that it equals every replay, types included (jsonb reads 1e16 back as an int)."""
+    return json.loads(canonical_json(stored_body))
+
+
+def _fingerprint_as(operation: Operation[Any], request: ClaimRequest, params: Any) -> str | None:
+    """The request's fingerprint by the rules of ``operation``, the version that started the
+    key, which may predate the caller's; ``None`` when that version refuses the params.
+    The caller's own params come first; its dump second (a model of the caller's version
+    is not one of the older version's)."""
+    if operation.version == request.version:
+        return request.fingerprint
+    for candidate in (params, json.loads(request.params_json)):
+        try:
+            params_json = operation.dump_params(candidate)
+        except InvalidParams:
+            continue
+        return fingerprint(request.method, request.path, params_json)
+    return None

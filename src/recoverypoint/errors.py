@@ -4,7 +4,8 @@
 
     IdempotencyError                 500  root; never raised itself
     ├── InvalidKey                   400  missing, empty, too long or non-printable key
-    ├── InvalidParams                422  params that are not JSON, contain NUL or fail validation
+    ├── InvalidParams                422  params not JSON, too deep, with NUL or a lone surrogate,
+    │                                     failing validation; a method or path that cannot be stored
     ├── RequestTooLarge              413  params over the size limit
     ├── ParamsMismatch               422  key reused with another method, path or params
     ├── KeyInUse                     409  another request holds the key's lease (retry_after)
@@ -12,7 +13,8 @@
     ├── ConcurrentUpdate             409  serialization failures outlasted in-process retries
     ├── Retryable                    503  raised by phase code for a transient foreign failure
     ├── OperationNotRegistered       500  the engine does not know the operation (or version)
-    └── DeclarationError             500  an operation declared wrongly (raised at import time)
+    ├── DeclarationError             500  an operation declared wrongly (raised at import time)
+    └── TransactionEnded             500  phase code ended the phase's transaction itself
 
 Errors of the 4xx family never leave a row behind. Each class's docstring is its default
 message, written for the person who has to act on it.
@@ -98,3 +100,8 @@ class OperationNotRegistered(IdempotencyError):
 
 class DeclarationError(IdempotencyError):
     """The operation is declared wrongly; fix its phases before serving requests."""
+
+
+class TransactionEnded(IdempotencyError):
+    """An atomic phase committed or rolled back the engine's transaction; the engine commits
+    each phase itself, with its recovery point. The attempt failed and nothing was recorded."""

@@ -12,15 +12,21 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import InvalidKey, RequestTooLarge
+from .errors import InvalidKey, InvalidParams, RequestTooLarge
 
 MAX_KEY_LENGTH = 255
 MAX_SCOPE_LENGTH = 255
+MAX_PATH_LENGTH = 8192
 DEFAULT_MAX_PARAMS_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects accepted in params: far beyond any real request,
+far below the depth at which Python's recursion limit would stop json."""
 
 # Printable ASCII, as the IETF draft's sf-string allows; rules out NUL, controls and
 # look-alike Unicode that would make two keys print the same.
 _KEY_PATTERN = re.compile(r"[\x20-\x7e]+")
+# An HTTP method is a token (RFC 9110 §9.1); the longest registered one has 17 characters.
+_METHOD_PATTERN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}")
 # json.dumps writes a NUL as \u0000 (after an even run of backslashes); jsonb refuses it.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -50,11 +56,50 @@ def validate_scope(scope: object) -> str:
     return scope
 
 
+def validate_request(method: object, path: object) -> tuple[str, str]:
+    """Return the request's method (upper case) and path if they can be stored and
+    fingerprinted; raise :class:`InvalidParams` (422) or :class:`RequestTooLarge` (413)."""
+    if not isinstance(method, str) or not _METHOD_PATTERN.fullmatch(method):
+        raise InvalidParams(f"the request method {method!r:.40} is not an HTTP method")
+    if not isinstance(path, str):
+        raise InvalidParams(f"the request path must be a str, got {type(path).__name__}")
+    if len(path) > MAX_PATH_LENGTH:
+        raise RequestTooLarge(
+            f"the request path is {len(path)} characters long; the limit is {MAX_PATH_LENGTH}"
+        )
+    if "\x00" in path or not _encodable(path):
+        raise InvalidParams(
+            "the request path holds a NUL character or a lone surrogate, "
+            "which cannot be stored; fix the URL"
+        )
+    return method.upper(), path
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`InvalidParams` when arrays and objects in ``value`` nest deeper than
+    ``limit``. Iterative: a hostile depth must not exhaust the stack that checks it."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            raise InvalidParams(
+                f"the params nest arrays and objects deeper than {limit} levels; "
+                "flatten the request"
+            )
+        pending.extend((child, depth + 1) for child in children)
+
+
 def canonical_json(value: Any) -> str:
     """Serialise ``value`` the same way every time, so equal params hash equal.
 
-    Raises :class:`ValueError` for values JSON cannot carry or PostgreSQL's jsonb cannot
-    store (NaN, infinities, NUL characters).
+    Raises :class:`ValueError` for values JSON cannot carry or PostgreSQL cannot store (NaN,
+    infinities, NUL characters, lone surrogates, nesting beyond Python's recursion limit).
     """
     try:
         text = json.dumps(
@@ -62,9 +107,25 @@ def canonical_json(value: Any) -> str:
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"not JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     if _ESCAPED_NUL.search(text):
         raise ValueError("contains a NUL character, which PostgreSQL cannot store")
+    if not _encodable(text):
+        raise ValueError("contains a lone surrogate, which is not valid Unicode text")
     return text
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode, which a lone surrogate (``"\\ud800"`` in JSON,
+    accepted by Python's json) is not: UTF-8 and PostgreSQL refuse it."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_size(text: str, limit: int) -> None:

@@ -6,16 +6,18 @@ An operation is declared once, at import time, and checked when it is registered
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .errors import DeclarationError, InvalidParams
-from .keys import canonical_json
+from .keys import MAX_JSON_DEPTH, canonical_json, check_depth
 
 P = TypeVar("P")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,6 +48,22 @@ class RecoveryPoint:
     """Returned by an atomic phase to jump forward to a later declared recovery point."""
 
     name: str
+
+
+class Withdrawn(Exception):
+    """Raised by the first phase of a request to take the request back: nothing was done,
+    so the engine deletes the key instead of counting an attempt, and the client's next
+    request with the key starts afresh (Stripe saves no result for a request that failed
+    validation). Honoured only while the key is still at ``started``; later it is an
+    ordinary failure. :meth:`Engine.run` re-raises it, ``answer`` included.
+
+    The HTTP integrations raise it for an answer the framework gave before the endpoint's
+    own code ran: a 401 from an auth dependency, a 422 from request validation.
+    """
+
+    def __init__(self, answer: object = None) -> None:
+        super().__init__("the request was withdrawn before it did anything")
+        self.answer = answer
 
 
 @dataclass(frozen=True)
@@ -127,8 +145,10 @@ class Operation(Generic[P]):
         lock_timeout: timedelta = timedelta(seconds=90),
         max_attempts: int = 10,
     ) -> None:
-        if not name or len(name) > 200:
-            raise DeclarationError(f"operation name must be 1 to 200 characters, got {name!r}")
+        if not isinstance(name, str) or not name or len(name) > 200 or not _storable(name):
+            raise DeclarationError(
+                f"operation name must be 1 to 200 printable characters, got {name!r:.220}"
+            )
         if version < 1:
             raise DeclarationError(f"operation {name!r}: version must be >= 1, got {version}")
         if lock_timeout <= timedelta(0):
@@ -141,6 +161,8 @@ class Operation(Generic[P]):
         self.max_attempts = max_attempts
         self.phases: list[Phase] = []
         self._adapter: TypeAdapter[P] | None = TypeAdapter(params) if params is not None else None
+        # Sets dump in hash-seed order, which differs between processes: sorted when present.
+        self._has_sets = self._adapter is not None and _has_sets(self._adapter.core_schema)
 
     def __repr__(self) -> str:
         points = " → ".join(p.point for p in self.phases)
@@ -162,8 +184,11 @@ class Operation(Generic[P]):
     def _declare(
         self, point: str, kind: Literal["atomic", "foreign"], jumps_to: tuple[str, ...]
     ) -> Callable[[F], F]:
-        if not isinstance(point, str) or not point or len(point) > 100:
-            raise DeclarationError(f"{self.name}: a recovery point is 1 to 100 characters")
+        if not isinstance(point, str) or not point or len(point) > 100 or not _storable(point):
+            raise DeclarationError(
+                f"{self.name}: a recovery point is 1 to 100 printable characters, "
+                f"got {point!r:.120}"
+            )
         if point == STARTED:
             raise DeclarationError(f"{self.name}: {STARTED!r} is where every request begins")
         if any(p.point == point for p in self.phases):
@@ -210,15 +235,23 @@ class Operation(Generic[P]):
         )
 
     def dump_params(self, params: Any) -> str:
-        """Validate and normalise ``params``; return their canonical JSON."""
+        """Validate and normalise ``params``; return their canonical JSON, the same in every
+        process for the same request. Raises :class:`InvalidParams`."""
+        check_depth(params)
         if self._adapter is not None:
             try:
-                params = self._adapter.dump_python(
-                    self._adapter.validate_python(params), mode="json"
-                )
+                validated = self._adapter.validate_python(params)
+                params = self._adapter.dump_python(validated, mode="json")
             except ValidationError as exc:
                 raise InvalidParams(f"the params are not valid for {self.name}: {exc}") from exc
+            except RecursionError:
+                raise InvalidParams(
+                    f"the params nest deeper than {MAX_JSON_DEPTH} levels; flatten the request"
+                ) from None
+            check_depth(params)
         try:
+            if self._has_sets:
+                params = _sort_sets(validated, params)
             return canonical_json(params)
         except ValueError as exc:
             raise InvalidParams(f"the params cannot be stored: they are {exc}") from exc
@@ -229,3 +262,45 @@ class Operation(Generic[P]):
             return self._adapter.validate_json(params_json)
         value: P = json.loads(params_json)
         return value
+
+
+def _storable(text: str) -> bool:
+    """Whether a declared name can be stored and printed: no NUL or other control
+    character (PostgreSQL refuses NUL, and controls garble log lines), no lone surrogate."""
+    return not any(unicodedata.category(c) in ("Cc", "Cs") for c in text)
+
+
+def _has_sets(schema: Any) -> bool:
+    """Whether a pydantic core schema holds a ``set`` or ``frozenset`` anywhere."""
+    pending, seen = [schema], set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, dict):
+            if node.get("type") in ("set", "frozenset"):
+                return True
+            pending.extend(node.values())
+        elif isinstance(node, list | tuple):
+            pending.extend(node)
+    return False
+
+
+def _sort_sets(value: Any, dumped: Any) -> Any:
+    """``dumped`` (the JSON-mode dump of ``value``) with every list that a set became
+    sorted by its elements' canonical JSON. Walks ``value`` beside ``dumped``: a set is
+    dumped in its own iteration order, so their elements pair up."""
+    if isinstance(value, set | frozenset) and isinstance(dumped, list):
+        return sorted(
+            (_sort_sets(v, d) for v, d in zip(value, dumped, strict=False)), key=canonical_json
+        )
+    if isinstance(dumped, dict):
+        if isinstance(value, Mapping):
+            pairs = zip(value.values(), dumped.items(), strict=False)
+            return {name: _sort_sets(v, d) for v, (name, d) in pairs}
+        if isinstance(value, BaseModel) or dataclasses.is_dataclass(value):
+            return {name: _sort_sets(getattr(value, name, None), d) for name, d in dumped.items()}
+    if isinstance(value, list | tuple) and isinstance(dumped, list):
+        return [_sort_sets(v, d) for v, d in zip(value, dumped, strict=False)]
+    return dumped

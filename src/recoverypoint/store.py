@@ -20,7 +20,9 @@ its own costs a fraction of the Python time. Two more things keep them cheap:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
@@ -31,15 +33,21 @@ from psycopg.rows import class_row
 from sqlalchemy import Connection
 
 from .context import StagedJob
-from .errors import LockLost
+from .errors import KeyInUse, LockLost
 
 _RECORD_COLUMNS = """
     id, created_at, operation_version, fingerprint, recovery_point, state, request_params,
-    response_status, response_headers, response_body, attempts, ctid::text AS ctid
+    response_status, response_headers, response_body, attempts, ctid::text AS ctid,
+    pg_current_xact_id_if_assigned()::text AS xid
 """
 
+# How long the lease has been held, in seconds; NULL when it is free. The caller judges it
+# against the lock timeout of the version that started the key, which SQL does not know.
+_HELD_FOR = "extract(epoch FROM now() - locked_at)::float8"
+
 # One round trip: insert the key, or, when it exists, return its row so the caller can tell
-# a replay, a mismatch, a key in use and a key to resume apart. An existing row is read,
+# a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
+# that started it, which may not be the caller's). An existing row is read,
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with _CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
 # snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
@@ -51,13 +59,11 @@ _CLAIM = f"""
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
             %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
-        RETURNING {_RECORD_COLUMNS}, true AS claimed, true AS inserted, 0 AS lease_left
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, true AS inserted, NULL::float8 AS held_for
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT {_RECORD_COLUMNS}, false, false,
-           coalesce(ceil(extract(epoch FROM
-                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int, 0)
+    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND NOT EXISTS (SELECT 1 FROM claimed)
@@ -74,13 +80,11 @@ _CLAIM_BY_ID = f"""
         WHERE k.id = %(id)s AND k.finished_at IS NULL
           AND (k.lock_token = %(token)s OR k.locked_at IS NULL
                OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
-        RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, 0 AS lease_left
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, NULL::float8 AS held_for
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT {_RECORD_COLUMNS}, false, false,
-           ceil(extract(epoch FROM
-                locked_at + make_interval(secs => %(lock_timeout)s) - now()))::int
+    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
     FROM idempotency_keys
     WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
 """
@@ -90,8 +94,11 @@ _KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHER
 
 # The fenced statements below end with {where}, written out twice when the module loads:
 # by address first, by id when the address is stale.
-_BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
-_BY_ID = "id = %(id)s AND lock_token = %(token)s RETURNING ctid::text"
+# Each returns the row's new address and the transaction it ran in, which must be the
+# phase's own (see phase_guard).
+_RETURNING = "RETURNING ctid::text, pg_current_xact_id()::text"
+_BY_CTID = f"ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s {_RETURNING}"
+_BY_ID = f"id = %(id)s AND lock_token = %(token)s {_RETURNING}"
 
 
 def _by_ctid_and_by_id(sql: str) -> tuple[str, str]:
@@ -101,7 +108,9 @@ def _by_ctid_and_by_id(sql: str) -> tuple[str, str]:
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
 _FENCE = _by_ctid_and_by_id("UPDATE idempotency_keys SET locked_at = now() WHERE {where}")
 
-# Commit a phase: the new recovery point and state, renewing the lease. Only from the
+# Commit a phase: the new recovery point and state, renewing the lease from this moment
+# (clock_timestamp(), not now(): that is the transaction's start, and a phase that ran for
+# longer than the lock timeout would leave its successor no lease at all). Only from the
 # point the run started the phase at: a recovery point never moves backwards, even when a
 # run records a step's result after the phase that followed it did commit (an ambiguous
 # COMMIT failure).
@@ -109,12 +118,14 @@ _ADVANCE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
-        locked_at = now(), last_run_at = now()
-    WHERE recovery_point = %(from_point)s AND {where}
+        locked_at = clock_timestamp(), last_run_at = now()
+    WHERE recovery_point = %(from_point)s AND {where}, state
 """
 )
 
-# Finish the key with its response and give the lease up.
+# Finish the key with its response and give the lease up. The state and the body come back
+# as jsonb stored them (1e16 as an integer...), so that the first answer and every replay,
+# a fresh run and a resumed one, see the same values.
 _FINISH = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
@@ -122,7 +133,7 @@ _FINISH = _by_ctid_and_by_id(
         response_status = %(status)s, response_headers = %(headers)s::jsonb,
         response_body = %(body)s::jsonb, finished_at = now(),
         locked_at = NULL, lock_token = NULL, last_run_at = now()
-    WHERE {where}
+    WHERE {where}, response_body
 """
 )
 
@@ -134,6 +145,12 @@ _RELEASE = _by_ctid_and_by_id(
         next_attempt_at = now() + make_interval(secs => %(retry_in)s)
     WHERE {where}
 """
+)
+
+# A request withdrawn by its first phase (see operation.Withdrawn): forget the key, as long
+# as nothing was recorded under it.
+_WITHDRAW = _by_ctid_and_by_id(
+    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}"
 )
 
 _STAGE_JOB = """
@@ -153,7 +170,6 @@ class ClaimRequest:
     params_json: str
     fingerprint: str
     token: UUID
-    lock_timeout: float
 
 
 @dataclass(frozen=True)
@@ -172,9 +188,17 @@ class KeyRecord:
     response_body: Any
     attempts: int
     ctid: str
+    xid: str | None
+    """The claim's transaction, once it wrote the row (a new key)."""
     claimed: bool
     inserted: bool
-    lease_left: int
+    held_for: float | None
+
+    def lease_left(self, lock_timeout: float) -> int:
+        """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""
+        if self.held_for is None:
+            return 0
+        return max(0, math.ceil(lock_timeout - self.held_for))
 
 
 @dataclass
@@ -184,6 +208,8 @@ class KeyRef:
     id: int
     token: UUID
     ctid: str
+    xid: str | None = None
+    """The transaction of the last fenced write: a phase must commit in the one it began in."""
 
 
 def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
@@ -198,7 +224,6 @@ def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
         "params": request.params_json,
         "fingerprint": request.fingerprint,
         "token": request.token,
-        "lock_timeout": request.lock_timeout,
     }
     return _fetch_record(conn, _CLAIM, params)
 
@@ -206,6 +231,7 @@ def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
 def claim_by_id(
     conn: Connection, key_id: int, token: UUID, lock_timeout: float
 ) -> KeyRecord | None:
+    # lock_timeout: the operation's, of the version that started the key.
     """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone."""
     params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
     return _fetch_record(conn, _CLAIM_BY_ID, params)
@@ -218,6 +244,8 @@ def key_operation(conn: Connection, key_id: int) -> tuple[str, int] | None:
 
 
 def fence(conn: Connection, key: KeyRef) -> None:
+    """Renew the lease and lock the row, or raise :class:`LockLost`; :class:`KeyInUse` when
+    the database's lock or statement timeout ends the wait for another holder's row lock."""
     _fenced(conn, key, _FENCE, {})
 
 
@@ -228,9 +256,10 @@ def advance(
     from_point: str,
     point: str,
     state_json: str,
-) -> None:
+) -> Any:
+    """Record ``point`` and ``state``; return the state as stored."""
     params = {"from_point": from_point, "point": point, "state": state_json}
-    _fenced(conn, key, _ADVANCE, params, jobs)
+    return _fenced(conn, key, _ADVANCE, params, jobs)
 
 
 def finish(
@@ -242,9 +271,10 @@ def finish(
     status: int,
     headers_json: str,
     body_json: str,
-) -> None:
+) -> Any:
+    """Finish the key with its response; return the body as stored."""
     params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
-    _fenced(conn, key, _FINISH, params, jobs)
+    return _fenced(conn, key, _FINISH, params, jobs)
 
 
 def release(conn: Connection, key: KeyRef, error: str, retry_in: float) -> bool:
@@ -256,13 +286,45 @@ def release(conn: Connection, key: KeyRef, error: str, retry_in: float) -> bool:
     return True
 
 
+def withdraw(conn: Connection, key: KeyRef) -> bool:
+    """Delete the key if it is still at ``started`` and ours; ``False`` if it was not."""
+    try:
+        _fenced(conn, key, _WITHDRAW, {})
+    except LockLost:
+        return False
+    return True
+
+
 def _driver(conn: Connection) -> psycopg.Connection[Any]:
     return cast("psycopg.Connection[Any]", conn.connection.driver_connection)
 
 
+def current_transaction(conn: Connection) -> str | None:
+    """The id of the transaction ``conn`` is in, if it has written anything."""
+    row = _driver(conn).execute(_CURRENT_TRANSACTION).fetchone()
+    return None if row is None else cast("str | None", row[0])
+
+
+_CURRENT_TRANSACTION = "SELECT pg_current_xact_id_if_assigned()::text"
+
+
+@contextmanager
+def _waiting_for_key() -> Iterator[None]:
+    """A wait for the key row that the role's ``lock_timeout`` or ``statement_timeout``
+    cut short means another request holds the key: :class:`KeyInUse`, not a 500."""
+    try:
+        yield
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+        raise KeyInUse(
+            "another request with this key is running: the database's lock or statement "
+            "timeout ended the wait for it; retry with the same key after the Retry-After delay",
+            retry_after=1,
+        ) from exc
+
+
 def _fetch_record(conn: Connection, sql: str, params: dict[str, Any]) -> KeyRecord | None:
     raw = _driver(conn)
-    with raw.cursor(row_factory=class_row(KeyRecord)) as cursor:
+    with _waiting_for_key(), raw.cursor(row_factory=class_row(KeyRecord)) as cursor:
         with raw.pipeline():  # BEGIN and the claim in one round trip
             cursor.execute(sql, params)
         return cursor.fetchone()
@@ -274,13 +336,14 @@ def _fenced(
     sql: tuple[str, str],
     params: dict[str, Any],
     jobs: Sequence[StagedJob] = (),
-) -> None:
+) -> Any:
     """Run ``sql`` on the key row if the lease is still ours (after the jobs' inserts, in
-    one round trip); record the row's new address, or raise :class:`LockLost`."""
+    one round trip); record the row's new address and transaction, and return the
+    statement's third column, if any; or raise :class:`LockLost`."""
     raw = _driver(conn)
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
     by_ctid, by_id = sql
-    with raw.cursor() as cursor, raw.cursor() as jobs_cursor:
+    with _waiting_for_key(), raw.cursor() as cursor, raw.cursor() as jobs_cursor:
         with raw.pipeline():
             if jobs:
                 jobs_cursor.executemany(
@@ -297,8 +360,9 @@ def _fenced(
                 )
             cursor.execute(by_ctid, params)
         row = cursor.fetchone()
-    if row is None:
-        row = raw.execute(by_id, params).fetchone()
+        if row is None:
+            row = raw.execute(by_id, params).fetchone()
     if row is None:
         raise LockLost()
-    key.ctid = row[0]
+    key.ctid, key.xid = row[0], row[1]
+    return row[2] if len(row) > 2 else None

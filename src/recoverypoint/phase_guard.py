@@ -1,0 +1,94 @@
+"""Keeping phase code from ending the engine's transaction.
+
+An atomic phase's writes and its recovery point must commit together. Phase code that
+commits or rolls back the transaction itself breaks that: after a commit its writes stand
+without a recovery point, and a retry applies them twice; after a rollback the key would
+record a point for writes that never happened. So, while a phase runs:
+
+- ``tx.connection.commit()`` and ``.rollback()`` raise :class:`TransactionEnded` at once,
+  before anything happens;
+- so does a statement that ends a transaction (``COMMIT``, ``ROLLBACK``, ``END``,
+  ``ABORT``, ``PREPARE TRANSACTION``) executed through SQLAlchemy; ``ROLLBACK TO
+  SAVEPOINT`` is fine;
+
+and once it returns, :func:`check_same_transaction` catches what slipped past (a commit
+on the driver's connection, a multi-statement string, an ORM ``Session.rollback()``), so
+the engine fails the attempt rather than record a point for writes outside the phase's
+transaction.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NoReturn, cast
+
+import psycopg
+import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
+from sqlalchemy import Connection, event
+
+from .errors import TransactionEnded
+
+_ENDS_TRANSACTION = re.compile(
+    r"\s*(?:COMMIT|END|ABORT|PREPARE\s+TRANSACTION"
+    r"|ROLLBACK(?!\s+(?:WORK\s+|TRANSACTION\s+)?TO\b))\b",
+    re.IGNORECASE,
+)
+
+# The connection and recovery point of the atomic phase running in this context, if any.
+_PHASE: ContextVar[tuple[Connection, str] | None] = ContextVar("recoverypoint_phase", default=None)
+
+
+def install(db: sa.Engine) -> None:
+    """Watch the statements run on ``db``'s connections (once per engine)."""
+    if not event.contains(db, "before_cursor_execute", _refuse_ending_statement):
+        event.listen(db, "before_cursor_execute", _refuse_ending_statement)
+
+
+@contextmanager
+def guarding(conn: Connection, point: str) -> Iterator[None]:
+    """While inside, ``conn``'s commit and rollback refuse to run."""
+
+    def refuse() -> NoReturn:
+        raise TransactionEnded(_message(point))
+
+    reset = _PHASE.set((conn, point))
+    # Instance attributes shadow the methods for this phase alone.
+    conn.commit = conn.rollback = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del conn.commit, conn.rollback
+        _PHASE.reset(reset)
+
+
+def check_same_transaction(point: str, began: str | None, now: str | None) -> None:
+    """Raise :class:`TransactionEnded` unless the phase's transaction, ``began``, is the one
+    the engine's write just ran in, ``now``."""
+    if began is not None and began != now:
+        raise TransactionEnded(_message(point))
+
+
+def check_still_open(conn: Connection, point: str) -> None:
+    """Raise :class:`TransactionEnded` if the phase's transaction is over already."""
+    raw = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
+    if not conn.in_transaction() or raw.info.transaction_status != TransactionStatus.INTRANS:
+        raise TransactionEnded(_message(point))
+
+
+def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+    phase = _PHASE.get()
+    if phase is not None and conn is phase[0] and _ENDS_TRANSACTION.match(statement):
+        raise TransactionEnded(_message(phase[1]))
+
+
+def _message(point: str) -> str:
+    return (
+        f"atomic phase {point!r} tried to end the engine's transaction (commit, rollback or "
+        "a COMMIT statement); the engine commits each phase with its recovery point. "
+        "Remove the commit, or use a savepoint (tx.connection.begin_nested()) to undo part "
+        "of a phase"
+    )
