@@ -588,3 +588,44 @@ def test_first_answer_and_replay_are_equal_types_included(engine: rp.Engine, sco
     assert json.dumps(first.body) == json.dumps(replay.body)
     # A fresh run and a resumed one see the same state, types included.
     assert json.dumps(states[0]) == json.dumps(states[1])
+
+
+# -- a request withdrawn before it did anything leaves no key ---------------------------------
+
+
+def test_a_withdrawn_first_step_leaves_no_key_and_a_later_one_is_a_failure(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    from recoverypoint.operation import Withdrawn
+
+    withdraw_at: list[str] = ["checked"]
+    op: rp.Operation[Any] = rp.Operation("withdrawable")
+
+    @op.foreign_step("checked")
+    def check(step: rp.StepContext, params: Any) -> None:
+        if "checked" in withdraw_at:
+            raise Withdrawn({"status": 401})
+
+    @op.atomic_phase("recorded")
+    def record(tx: rp.AtomicContext, params: Any) -> None:
+        if "recorded" in withdraw_at:
+            raise Withdrawn({"status": 403})
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201)
+
+    engine.register(op)
+    with pytest.raises(Withdrawn) as caught:
+        engine.run(op, key="k", params={"a": 1}, scope=scope)
+    assert caught.value.answer == {"status": 401}
+    assert keys_in(db, scope) == 0
+    # Other params under the same key are a new request, not a mismatch.
+    withdraw_at[:] = ["recorded"]
+    with pytest.raises(Withdrawn):
+        engine.run(op, key="k", params={"a": 2}, scope=scope)
+    # `checked` was committed first: withdrawing now is an ordinary failed attempt.
+    row = key_row(db, scope)
+    assert (row["recovery_point"], row["attempts"]) == ("checked", 1)
+    withdraw_at[:] = []
+    assert engine.run(op, key="k", params={"a": 2}, scope=scope).status == 201

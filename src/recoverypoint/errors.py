@@ -55,8 +55,8 @@ class RequestTooLarge(IdempotencyError):
 
 
 class ParamsMismatch(IdempotencyError):
-    """This idempotency key was already used with another method, path or params;
-    use a new key for a new request."""
+    """This idempotency key was already used with another method, path or params: to get
+    that request's result, retry it unchanged; use a new key only for a different request."""
 
     http_status = 422
 
