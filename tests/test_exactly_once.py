@@ -1,4 +1,4 @@
-""""Exactly once" at the edges of the engine: hostile input, database timeouts, declarations
+""" "Exactly once" at the edges of the engine: hostile input, database timeouts, declarations
 PostgreSQL cannot store, fingerprints across processes and deploys, leases after slow
 phases, phase code that ends the engine's transaction, and replays equal to first answers.
 
@@ -227,7 +227,8 @@ _SET_PARAMS_SCRIPT = textwrap.dedent(
     params = {"tags": [f"tag-{n}" for n in range(20)], "skus": list(range(40, 0, -3))}
     try:
         outcome = engine.run(op, key="order-1", params=params, scope=sys.argv[2])
-        print(json.dumps({"status": outcome.status, "replayed": outcome.replayed, "runs": len(runs)}))
+        answer = {"status": outcome.status, "replayed": outcome.replayed, "runs": len(runs)}
+        print(json.dumps(answer))
     except rp.IdempotencyError as exc:
         print(json.dumps({"error": type(exc).__name__}))
     finally:
@@ -454,9 +455,7 @@ def counting_op(name: str, end: Any) -> rp.Operation[Any]:
     @op.atomic_phase("recorded")
     def record(tx: rp.AtomicContext, params: Any) -> None:
         tx.connection.execute(
-            sa.text(
-                "INSERT INTO audit_records (scope, action, key_id) VALUES (:s, 'charge', :k)"
-            ),
+            sa.text("INSERT INTO audit_records (scope, action, key_id) VALUES (:s, 'charge', :k)"),
             {"s": params["scope"], "k": tx.key_id},
         )
         end(tx)

@@ -2,11 +2,14 @@
 app, werkzeug's threaded server the Flask one, both on the session's PostgreSQL.
 
 Most tests run once per route: the phased operation from a sync FastAPI route, an async one
-and a Flask view, and the single-step endpoint in the same three forms.
+and a Flask view, and the single-step endpoint in the same three forms. The single-step
+tests further down use the other endpoints of ``http_apps``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +20,16 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from fastapi import FastAPI
-from http_apps import SCHEMA, SECRET, Gates, fastapi_app, flask_app, order_operation
+from http_apps import (
+    EXACT_BODIES,
+    SCHEMA,
+    SECRET,
+    Gates,
+    content_digest,
+    fastapi_app,
+    flask_app,
+    order_operation,
+)
 from http_servers import serve_asgi, serve_wsgi
 from rides import count
 
@@ -66,13 +78,18 @@ def post(
     tenant: str | None,
     *,
     note: str = "",
+    headers: dict[str, str] | None = None,
+    content: bytes | None = None,
 ) -> httpx.Response:
-    sent: dict[str, str] = {}
+    """POST an order (or ``content``, as JSON) with ``key`` and ``tenant``, if not None."""
+    sent = {"Content-Type": "application/json", **(headers or {})}
     if key is not None:
         sent["Idempotency-Key"] = key
     if tenant is not None:
         sent["X-Tenant"] = tenant
-    return httpx.post(target, json={"item": item, "note": note}, headers=sent, timeout=60)
+    if content is None:
+        content = json.dumps({"item": item, "note": note}).encode()
+    return httpx.post(target, content=content, headers=sent, timeout=60)
 
 
 def new_item(prefix: str = "item") -> str:
@@ -126,8 +143,18 @@ def test_a_new_key_answers_and_its_replay_is_marked_with_safe_headers_only(
 @pytest.mark.parametrize("route", ALL)
 @pytest.mark.parametrize(
     "key",
-    [None, "", "k" * 256, "clé-non-ascii", '"unterminated', "two,keys"],
-    ids=["missing", "empty", "too-long", "non-ascii", "bad-sf-string", "comma"],
+    [None, "", "k" * 256, "clé-non-ascii", '"unterminated', "two,keys", '"a", "b"', "?1", "12"],
+    ids=[
+        "missing",
+        "empty",
+        "too-long",
+        "non-ascii",
+        "bad-sf-string",
+        "comma",
+        "two-strings",
+        "boolean",
+        "integer",
+    ],
 )
 def test_a_missing_or_invalid_key_is_a_400_and_stores_nothing(
     servers: dict[str, str], db: sa.Engine, scope: str, route: str, key: str | None
@@ -161,14 +188,17 @@ def test_two_key_headers_are_a_400(servers: dict[str, str], scope: str, route: s
 
 @pytest.mark.parametrize("route", ALL)
 def test_a_key_sent_as_an_sf_string_is_the_same_key(
-    servers: dict[str, str], scope: str, route: str
+    servers: dict[str, str], db: sa.Engine, scope: str, route: str
 ) -> None:
     item = new_item()
     bare = post(url(servers, route), "8e03978e-40d5", item, scope)
     quoted = post(url(servers, route), '"8e03978e-40d5"', item, scope)
-    assert bare.status_code == quoted.status_code == 201
+    with_params = post(url(servers, route), '"8e03978e-40d5";v=1;sig=:YWJj:', item, scope)
+    assert bare.status_code == quoted.status_code == with_params.status_code == 201
     assert quoted.headers["idempotent-replayed"] == "true"
-    assert quoted.json() == bare.json()
+    assert with_params.headers["idempotent-replayed"] == "true"
+    assert quoted.json() == with_params.json() == bare.json()
+    assert keys_of(db, scope) == 1
 
 
 @pytest.mark.parametrize("route", ALL)
@@ -386,3 +416,227 @@ def test_a_single_step_endpoint_refuses_to_run_without_the_middleware(
         response = httpx.post(f"{base_url}/unprotected", headers={"Idempotency-Key": "k"})
     assert response.status_code == 500
     assert runs(db, scope) == 0
+
+
+def key_row(db: sa.Engine, scope: str) -> dict[str, Any]:
+    with db.connect() as conn:
+        return dict(
+            conn.execute(
+                sa.text(
+                    "SELECT recovery_point, response_status, attempts, last_error "
+                    "FROM idempotency_keys WHERE scope = :s"
+                ),
+                {"s": scope},
+            )
+            .mappings()
+            .one()
+        )
+
+
+def wait_for_notes(gates: Gates, item: str) -> list[Any]:
+    """What the item's background tasks noted, once one has (they run after the answer)."""
+    deadline = time.monotonic() + 10
+    while not gates.notes(item) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # time enough for a task that should not run to show up
+    return gates.notes(item)
+
+
+# -- single-step: the answer is the endpoint's own, kept byte for byte --------------------
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+@pytest.mark.parametrize("kind", list(EXACT_BODIES))
+def test_a_single_step_replay_carries_the_first_answers_bytes(
+    servers: dict[str, str], db: sa.Engine, scope: str, framework: str, kind: str
+) -> None:
+    item = new_item()
+    target = f"{servers[framework]}/sync/body/{kind}"
+    first = post(target, "key-1", item, scope)
+    again = post(target, "key-1", item, scope)
+
+    assert first.status_code == again.status_code == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert first.headers["content-digest"] == content_digest(first.content)
+    assert again.headers["content-digest"] == first.headers["content-digest"]
+    assert again.headers["content-type"] == first.headers["content-type"]
+    if kind in ("nul-byte", "binary", "unsorted"):
+        assert first.content.endswith(EXACT_BODIES[kind][0][1:])
+    assert runs(db, item) == 1
+    assert key_row(db, scope)["response_status"] == 200
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+@pytest.mark.parametrize("status", [409, 410])
+def test_a_single_step_endpoints_http_error_is_its_stored_answer(
+    servers: dict[str, str], db: sa.Engine, scope: str, framework: str, status: int
+) -> None:
+    item = new_item()
+    target = f"{servers[framework]}/sync/refuse/{status}"
+    first = post(target, "key-1", item, scope)
+    again = post(target, "key-1", item, scope)
+
+    assert first.status_code == again.status_code == status
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert f"refused with {status}" in first.text
+    if framework == "flask" and status == 409:  # the application's error handler answered
+        assert first.json()["title"] == "conflict"
+    assert runs(db, item) == 1
+    assert key_row(db, scope)["response_status"] == status
+
+
+# -- single-step: answers given before the endpoint ran leave no key ----------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_auth_dependencys_401_leaves_no_key_and_the_authorised_retry_runs_once(
+    servers: dict[str, str], db: sa.Engine, scope: str, mode: str
+) -> None:
+    item = new_item()
+    target = f"{servers['fastapi']}/{mode}/authed"
+    refused = post(target, "key-1", item, scope, headers={"Authorization": "Bearer expired"})
+
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert keys_of(db, scope) == 0
+
+    good = {"Authorization": "Bearer good"}
+    fixed = post(target, "key-1", item, scope, headers=good)
+    again = post(target, "key-1", item, scope, headers=good)
+    assert fixed.status_code == again.status_code == 201
+    assert "idempotent-replayed" not in fixed.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == fixed.content
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_body_that_fails_validation_leaves_no_key_and_the_fixed_body_runs_once(
+    servers: dict[str, str], db: sa.Engine, scope: str, mode: str
+) -> None:
+    item = new_item()
+    target = f"{servers['fastapi']}/{mode}/authed"
+    good = {"Authorization": "Bearer good"}
+    invalid = post(target, "key-1", item, scope, headers=good, content=b'{"itm": "typo"}')
+
+    assert invalid.status_code == 422
+    assert invalid.json()["detail"][0]["loc"] == ["body", "item"]  # FastAPI's own answer
+    assert keys_of(db, scope) == 0
+
+    fixed = post(target, "key-1", item, scope, headers=good)
+    assert fixed.status_code == 201 and "idempotent-replayed" not in fixed.headers
+    assert runs(db, item) == 1
+
+
+# -- single-step: background tasks follow the committed answer ----------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_background_tasks_run_after_the_answer_is_committed(
+    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, mode: str
+) -> None:
+    item = new_item()
+    target = f"{servers['fastapi']}/{mode}/background"
+    first = post(target, "key-1", item, scope)
+
+    assert first.status_code == 201
+    assert wait_for_notes(gates, item) == [201]  # the key was finished when the task ran
+    again = post(target, "key-1", item, scope)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert wait_for_notes(gates, item) == [201]  # a replay runs no background task
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failing_background_task_changes_neither_the_answer_nor_the_key(
+    servers: dict[str, str],
+    gates: Gates,
+    db: sa.Engine,
+    scope: str,
+    mode: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    item = new_item("bgfail")
+    target = f"{servers['fastapi']}/{mode}/background"
+    with caplog.at_level(logging.ERROR, logger="recoverypoint.http"):
+        first = post(target, "key-1", item, scope)
+        assert wait_for_notes(gates, item) == [201]
+    again = post(target, "key-1", item, scope)
+
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert runs(db, item) == 1
+    row = key_row(db, scope)
+    assert (row["response_status"], row["attempts"], row["last_error"]) == (201, 0, None)
+    assert any("after its committed answer failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("query", ["", "?stream=true"], ids=["json", "streaming"])
+def test_background_tasks_never_run_for_an_answer_that_was_not_committed(
+    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, query: str
+) -> None:
+    item = new_item("lease")
+    target = f"{servers['fastapi']}/sync/lease{query}"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, target, "key-1", item, scope)
+        assert gates.wait_entered(item)
+        time.sleep(1.5)  # its 1 s lease runs out while the endpoint is held
+        second = post(target, "key-1", item, scope)  # takes the key over and finishes it
+        gates.release(item)
+        lost = first.result()
+
+    assert second.status_code == 201 and "idempotent-replayed" not in second.headers
+    assert assert_problem(lost, 409)["type"].endswith(":lock-lost")
+    assert wait_for_notes(gates, item) == [201]  # the second request's task only
+    assert runs(db, item) == 2  # a lease that ran out: the endpoint ran twice, as documented
+
+
+# -- single-step: bad input is a 4xx and stores nothing -----------------------------------
+
+
+DEEP = 30_000  # deeper than Python's recursion limit, smaller than the params limit
+
+
+@pytest.mark.parametrize("route", SINGLE)
+@pytest.mark.parametrize(
+    ("content", "status", "says"),
+    [
+        (b'{"item": "\\ud800"}', 422, "surrogate"),
+        (b'{"item": "x", "deep": ' + b"[" * 100 + b"]" * 100 + b"}", 422, "64"),
+        (b'{"item": "x", "deep": ' + b"[" * DEEP + b"]" * DEEP + b"}", 422, "64"),
+        (b"[" * 40_000 + b"]" * 40_000, 413, "limit"),
+        (b'{"item": "x"}' + b" " * 70_000, 413, "limit"),
+    ],
+    ids=["lone-surrogate", "deep", "deeper-than-recursion", "deep-and-large", "large"],
+)
+def test_bad_single_step_bodies_are_a_4xx_and_store_nothing(
+    servers: dict[str, str],
+    db: sa.Engine,
+    scope: str,
+    route: str,
+    content: bytes,
+    status: int,
+    says: str,
+) -> None:
+    response = post(url(servers, route), "key-1", "x", scope, content=content)
+
+    assert says in assert_problem(response, status)["detail"]
+    assert keys_of(db, scope) == 0
+    assert runs(db, "x") == 0
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+@pytest.mark.parametrize("kind", ["orders", "single"])
+def test_a_nul_in_the_path_is_a_422_before_the_claim(
+    servers: dict[str, str], db: sa.Engine, scope: str, framework: str, kind: str
+) -> None:
+    item = new_item()
+    response = post(f"{servers[framework]}/sync/accounts/%00/{kind}", "key-1", item, scope)
+
+    assert "path" in assert_problem(response, 422)["detail"]
+    assert keys_of(db, scope) == 0
+    assert runs(db, item) == 0

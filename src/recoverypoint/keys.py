@@ -48,10 +48,15 @@ def validate_key(key: object) -> str:
 
 def validate_scope(scope: object) -> str:
     """Return ``scope`` if it can own keys; scopes come from the application, not the client."""
-    if not isinstance(scope, str) or len(scope) > MAX_SCOPE_LENGTH or "\x00" in scope:
+    if (
+        not isinstance(scope, str)
+        or len(scope) > MAX_SCOPE_LENGTH
+        or "\x00" in scope
+        or not _encodable(scope)
+    ):
         raise ValueError(
-            f"scope must be a str of at most {MAX_SCOPE_LENGTH} characters without NUL, "
-            f"got {scope!r:.80}"
+            f"scope must be a str of at most {MAX_SCOPE_LENGTH} characters without NUL or "
+            f"lone surrogates, got {scope!r:.80}"
         )
     return scope
 

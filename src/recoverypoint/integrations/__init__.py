@@ -11,6 +11,7 @@ situation                                      status  extra headers
 =============================================  ======  =================================
 a new key: the operation's own response        any
 a finished key: the stored response            any     ``Idempotent-Replayed: true``
+refused before a single-step endpoint ran (*)  any
 ``Idempotency-Key`` missing, repeated, bad     400
 params too large                               413
 params unusable, or key reused with others     422
@@ -18,6 +19,13 @@ the key is in flight (or a lease was lost)     409     ``Retry-After``
 a foreign system failed (``rp.Retryable``)     503     ``Retry-After``
 anything unexpected                            500
 =============================================  ======  =================================
+
+(*) FastAPI's own answers given before it calls the endpoint: an auth dependency's 401, a
+422 for a body that fails validation. They are sent as they are and leave no key behind.
+
+The key is read as the IETF draft writes it, a Structured Field String (``"8e03978e-…"``,
+parameters allowed), or bare as Stripe's clients send it (``8e03978e-…``); see
+:func:`~recoverypoint.integrations._problem.read_key` for the exact rule.
 
 Errors are ``application/problem+json`` (RFC 9457); their ``type`` is
 ``tag:recoverypoint,2025:<error>`` (``key-in-use``, ``params-mismatch``...). The 500 tells

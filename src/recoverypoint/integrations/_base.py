@@ -17,8 +17,19 @@ An endpoint that needs no phases is run as an operation of two phases:
 So such an endpoint gets everything phased ones get: the atomic claim, the lease, the
 fingerprint (method, path with query, body), the scope, and replays of its status, body and
 safe headers. The first answer is the endpoint's own response, cookies included; replays
-never carry ``Set-Cookie``. Responses are stored as JSON values (JSON bodies) or text (any
-other body, decoded as UTF-8): single-step endpoints are meant for JSON APIs.
+never carry ``Set-Cookie``. The response body is kept as the bytes the endpoint sent (as
+text when it is UTF-8 without NUL, else in base64), so a replay carries the very same
+bytes, and a ``Content-Digest``, ``ETag`` or signature header replayed with it still
+matches them.
+
+The request body is the operation's params: JSON, or else UTF-8 text. A body over the
+engine's ``max_params_bytes`` is refused (413) before it is parsed; JSON nested too deep
+is refused (422). Neither leaves a key behind.
+
+An answer the framework gave before the endpoint's own code ran (FastAPI's 401 from an
+auth dependency, its 422 for a body that fails validation) is not the key's answer: the
+step raises :class:`~recoverypoint.operation.Withdrawn`, the key is forgotten, and the
+client may send the request again, fixed, with the same key.
 
 The endpoint needs the live HTTP request, so only a request can run step 1: the completer,
 which has none, gets :class:`~recoverypoint.Retryable` and backs off; the client's retry
@@ -28,7 +39,7 @@ belongs in phases.
 
 from __future__ import annotations
 
-import contextlib
+import base64
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -39,11 +50,11 @@ from typing import Any, Generic, TypeVar
 
 from ..context import AtomicContext, StepContext
 from ..engine import Engine
-from ..errors import IdempotencyError, InvalidParams, Retryable
-from ..keys import safe_headers
-from ..operation import FINISHED, Operation, Outcome, Response
+from ..errors import IdempotencyError, InvalidParams, RequestTooLarge, Retryable
+from ..keys import MAX_JSON_DEPTH, safe_headers
+from ..operation import FINISHED, Operation, Outcome, Response, Withdrawn
 from ..operation import Request as KeyRequest
-from ._problem import Reply, outcome_reply, problem_reply, read_key
+from ._problem import IDEMPOTENT_REPLAYED, Reply, outcome_reply, problem_reply, read_key
 
 logger = logging.getLogger("recoverypoint.http")
 
@@ -57,11 +68,16 @@ _FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "keep
 
 @dataclass(frozen=True)
 class Captured:
-    """A response as the endpoint produced it, every header included."""
+    """A response as the endpoint produced it, every header included.
+
+    ``endpoint_ran`` is false for an answer the framework gave before calling the endpoint
+    (a dependency's 401, a validation 422): the request is then withdrawn, not stored.
+    """
 
     status: int
     headers: list[tuple[str, str]]
     body: bytes
+    endpoint_ran: bool = True
 
     def reply(self) -> Reply:
         """The response as it is, for the request that produced it."""
@@ -69,18 +85,51 @@ class Captured:
         return Reply(self.status, headers, self.body)
 
     def stored(self) -> dict[str, Any]:
-        """What is committed for replays: safe headers only; a JSON body as its value."""
+        """What is committed for replays: safe headers only; the body's exact bytes."""
         joined: dict[str, str] = {}
         for name, value in self.headers:
             joined[name] = f"{joined[name]}, {value}" if name in joined else value
-        headers = safe_headers(joined)
-        content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
-        body: Any = self.body.decode("utf-8", "replace")
-        if "json" in content_type.lower():
-            # Invalid JSON is kept as text: the endpoint already ran, its answer must be kept.
-            with contextlib.suppress(ValueError):
-                body = json.loads(body)
-        return {"status": self.status, "headers": headers, "body": body}
+        return {"status": self.status, "headers": safe_headers(joined), "body": _kept(self.body)}
+
+
+# How a body is kept in jsonb: as text when it is UTF-8 without NUL (which jsonb refuses),
+# else in base64; under a key of its own, so that a body stored as a JSON value (before
+# bodies were kept as bytes) is told apart.
+_TEXT = "$text"
+_BASE64 = "$base64"
+
+
+def _kept(body: bytes) -> dict[str, str]:
+    try:
+        text: str | None = body.decode()
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text:
+        return {_BASE64: base64.b64encode(body).decode("ascii")}
+    return {_TEXT: text}
+
+
+def _unkept(stored: Any) -> bytes | None:
+    """The bytes :func:`_kept` stored, or ``None`` if ``stored`` is not such a body."""
+    if isinstance(stored, dict) and len(stored) == 1:
+        if isinstance(stored.get(_TEXT), str):
+            return str(stored[_TEXT]).encode()
+        if isinstance(stored.get(_BASE64), str):
+            return base64.b64decode(stored[_BASE64])
+    return None
+
+
+def stored_reply(outcome: Outcome) -> Reply:
+    """A single-step key's stored answer: the body's bytes as first sent, the stored headers;
+    any other stored response (the completer's for an abandoned key) as
+    :func:`~recoverypoint.integrations._problem.outcome_reply` makes it."""
+    body = _unkept(outcome.body)
+    if body is None:
+        return outcome_reply(outcome)
+    headers = list(outcome.headers.items())
+    if outcome.replayed:
+        headers.append((IDEMPOTENT_REPLAYED, "true"))
+    return Reply(outcome.status, headers, body)
 
 
 # The endpoint of the request being served, for the `responded` step; a context variable
@@ -96,11 +145,15 @@ def _respond(step: StepContext, params: Any) -> dict[str, Any]:
         raise Retryable(
             "a single-step request resumes only when its client retries with the same key"
         )
-    return {"response": respond().stored()}
+    captured = respond()
+    if not captured.endpoint_ran:
+        raise Withdrawn(captured)  # nothing was done: forget the key, send this answer
+    return {"response": captured.stored()}
 
 
 def _finish(tx: AtomicContext, params: Any) -> Response:
-    stored = tx.state["response"]
+    # Out of the state: the response is kept once, as the key's.
+    stored = tx.state.pop("response")
     return Response(stored["status"], stored["body"], stored["headers"])
 
 
@@ -163,7 +216,13 @@ class BaseIdempotency(Generic[RequestT]):
         target: str,
         body: bytes,
         respond: Callable[[], Captured],
-    ) -> Reply:
+    ) -> tuple[Reply, bool]:
+        """Serve a single-step request; ``respond`` runs the endpoint, if the key needs it.
+
+        Returns the answer, and whether it is the endpoint's answer of this very request,
+        now committed as the key's: only then may work that follows the answer run (FastAPI's
+        background tasks).
+        """
         produced: list[Captured] = []
 
         def respond_and_keep() -> Captured:
@@ -173,15 +232,20 @@ class BaseIdempotency(Generic[RequestT]):
         reset = _RESPONDER.set(respond_and_keep)
         try:
             result = self._execute(
-                operation, scope, key_headers, method, target, lambda: _body_params(body)
+                operation,
+                scope,
+                key_headers,
+                method,
+                target,
+                lambda: _body_params(body, self.engine.max_params_bytes),
             )
         finally:
             _RESPONDER.reset(reset)
         if not isinstance(result, Outcome):
-            return result
+            return result, False
         if produced and not result.replayed:
-            return produced[-1].reply()  # this request ran the endpoint and finished the key
-        return outcome_reply(result)
+            return produced[-1].reply(), True  # this request ran the endpoint, finished the key
+        return stored_reply(result), False
 
     def _execute(
         self,
@@ -202,18 +266,26 @@ class BaseIdempotency(Generic[RequestT]):
                 request=KeyRequest(method, target),
             )
         except Exception as exc:
+            if isinstance(exc, Withdrawn) and isinstance(exc.answer, Captured):
+                return exc.answer.reply()  # the framework's own refusal, as it is, unstored
             if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
                 # The client gets a problem+json without detail; the operator gets it all.
                 logger.error("%s %s failed; answered 500", method, target, exc_info=exc)
             return problem_reply(exc, retry_after=self.retry_after)
 
 
-def _body_params(body: bytes) -> Any:
+def _body_params(body: bytes, limit: int) -> Any:
     """A single-step request's params: its JSON body, or its text; it is fingerprinted."""
+    if len(body) > limit:  # refused before it costs a parse
+        raise RequestTooLarge(f"the request body takes {len(body)} bytes; the limit is {limit}")
     if not body:
         return None
     try:
         return json.loads(body)
+    except RecursionError:
+        raise InvalidParams(
+            f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
     except ValueError:
         pass
     try:

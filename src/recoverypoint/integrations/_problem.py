@@ -16,12 +16,14 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from http import HTTPStatus
 from typing import Any
 
 from ..errors import IdempotencyError, InvalidKey, KeyInUse
 from ..keys import validate_key
 from ..operation import Outcome
+from ._sfv import ParseError, Token, parse_item
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
@@ -43,10 +45,6 @@ UNEXPECTED_DETAIL = (
 # Statuses that carry no body (RFC 9110 §6.4.1).
 _NO_BODY = frozenset({204, 205, 304})
 
-# An sf-string (RFC 8941 §3.3.3), the form the IETF draft gives the key: printable ASCII in
-# double quotes, where only '"' and '\' are escaped.
-_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
-_SF_ESCAPE = re.compile(r'\\(["\\])')
 _CAMEL_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
 
 
@@ -60,31 +58,63 @@ class Reply:
 
 
 def read_key(values: Sequence[str]) -> str:
-    """The idempotency key from the values of the ``Idempotency-Key`` header.
+    """The idempotency key from the lines of the ``Idempotency-Key`` header.
 
-    The IETF draft writes the key as an sf-string (``"8e03978e-…"``); Stripe's clients send it
-    bare (``8e03978e-…``). Both are accepted. Raises :class:`~recoverypoint.InvalidKey` (400)
-    when the header is missing, sent twice or invalid.
+    The IETF draft makes the header an Item Structured Field whose value is a String
+    (RFC 8941): ``"8e03978e-40d5"``, parameters allowed (``"8e03978e-40d5";p=1``) and
+    ignored. The lines are joined with ``", "`` and parsed as one Item, as RFC 8941 §4.2
+    says, so two keys (two lines, or ``"a", "b"``) are refused.
 
-    A bare key may not contain a comma: HTTP joins repeated header lines with commas (WSGI
-    servers always do), so ``a,b`` may be two keys; a quoted key may contain one.
+    Stripe's clients, this library's own among them, send the key bare: ``8e03978e-40d5``.
+    A value that is not a String is accepted as a bare key, its text being the key, when:
+
+    - it has no space, tab, comma, semicolon or double quote (so it cannot be two keys, a
+      quoted key gone wrong, or a key with parameters); and
+    - it is not an Integer, Decimal, Boolean or Byte Sequence Item (``12``, ``1.5``,
+      ``?1``, ``:YWJj:``), whose value is something other than their text. It may be a
+      Token (``key-1``, ``a1b2c3d4-…``: a UUID that starts with a letter is one), whose
+      value is its text, or no Item at all (``8e03978e-…``: a UUID that starts with a digit
+      is not one; nor is ``1234567890123456``, beyond an Integer's 15 digits).
+
+    Everything else raises :class:`~recoverypoint.InvalidKey` (400), as do a missing header
+    and a key :func:`~recoverypoint.keys.validate_key` refuses (empty, over 255
+    characters, not printable ASCII).
     """
-    if len(values) > 1:
-        raise InvalidKey(f"send one {IDEMPOTENCY_KEY} header, not {len(values)}")
-    value = values[0].strip() if values else ""
-    quoted = _SF_STRING.fullmatch(value)
-    if quoted is not None:
-        value = _SF_ESCAPE.sub(r"\1", quoted.group(1))
-    elif value.startswith('"'):
-        raise InvalidKey(f"the quoted {IDEMPOTENCY_KEY} is not a valid string")
-    elif "," in value:
-        raise InvalidKey(f"send one {IDEMPOTENCY_KEY}, and quote a key that has a comma")
-    if not value:
+    text = ", ".join(values)
+    if not text.strip(" "):
         raise InvalidKey(
             f"this request needs an {IDEMPOTENCY_KEY} header: send a unique key, "
             "for example a UUID4, and the same key when you retry"
         )
-    return validate_key(value)
+    try:
+        value, params = parse_item(text)
+    except ParseError as exc:
+        value, params = Token(_bare_key(text, values, exc)), {}
+    if isinstance(value, Token) and params:
+        raise InvalidKey(f'quote an {IDEMPOTENCY_KEY} sent with parameters: "key";param=1')
+    if not isinstance(value, str):
+        kind = _ITEM_TYPES[type(value)]
+        raise InvalidKey(
+            f'the {IDEMPOTENCY_KEY} must be a string, such as "8e03978e-40d5", not {kind}'
+        )
+    return validate_key(str(value))
+
+
+_ITEM_TYPES = {int: "an integer", Decimal: "a decimal", bool: "a boolean", bytes: "bytes"}
+_NOT_BARE = re.compile(r'[ \t,;"]')
+
+
+def _bare_key(text: str, values: Sequence[str], error: ParseError) -> str:
+    """``text`` as a bare key, or :class:`~recoverypoint.InvalidKey` (see :func:`read_key`)."""
+    if len(values) > 1:
+        raise InvalidKey(f"send one {IDEMPOTENCY_KEY} header, not {len(values)}")
+    key = text.strip(" ")
+    if _NOT_BARE.search(key):
+        raise InvalidKey(
+            f"the {IDEMPOTENCY_KEY} is not a valid string ({error}); send one key, in double "
+            'quotes if it has spaces, commas or semicolons: "key"'
+        )
+    return key
 
 
 def outcome_reply(outcome: Outcome) -> Reply:

@@ -25,6 +25,14 @@ A single-step endpoint (see ``recoverypoint.integrations._base``)::
 
 The engine is synchronous; async routes and the middleware run it in a worker thread, so
 the event loop never waits on PostgreSQL.
+
+For a single-step endpoint, what FastAPI does after sending the response (the route's
+background tasks, the exit of request-scoped dependencies with ``yield``) waits until the
+answer is committed and sent, and never runs for an answer that was not committed (an
+error, a lease lost). A background task that fails then changes neither the answer nor the
+key; it is logged. An answer FastAPI gave before calling the endpoint (a dependency's 401,
+a 422 for a body that fails validation) leaves no key behind: the client may fix its
+request and send it again with the same key.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, target
+from ._base import BaseIdempotency, Captured, logger, target
 from ._problem import IDEMPOTENCY_KEY, Reply, http_problem
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
@@ -108,8 +116,17 @@ class Idempotency(BaseIdempotency[Request]):
 # the process, so a plain dict is enough.
 _SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any]]] = {}
 
-# Set while SingleStepMiddleware runs an endpoint, which checks it.
-_IN_MIDDLEWARE: ContextVar[bool] = ContextVar("recoverypoint_single_step", default=False)
+
+class _Entry:
+    """Whether FastAPI called the endpoint: set by :func:`_guarded`, read by the middleware.
+    A mutable object in a context variable, as a sync endpoint runs in a copy of the
+    context, in another thread."""
+
+    entered = False
+
+
+# Set while SingleStepMiddleware runs the application for a single-step endpoint.
+_ENTRY: ContextVar[_Entry | None] = ContextVar("recoverypoint_single_step", default=None)
 
 
 class SingleStepMiddleware:
@@ -148,22 +165,107 @@ class SingleStepMiddleware:
         if body is None:
             return  # the client left before sending its body: nobody to answer
 
-        async def endpoint() -> Captured:
-            _IN_MIDDLEWARE.set(True)
-            return await _capture(self.app, scope, _replaying(body, receive))
+        async with anyio.create_task_group() as tasks:
+            app = _AppRun(self.app, scope, _replaying(body, receive))
 
-        serve = functools.partial(
-            idempotency._serve_single_step,
-            operation,
-            scope=tenant,
-            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
-            method=request.method,
-            target=target(request.url.path, request.url.query),
-            body=body,
-            respond=lambda: anyio.from_thread.run(endpoint),
-        )
-        reply = await anyio.to_thread.run_sync(serve, limiter=self.limiter)
-        await _response(reply)(scope, receive, send)
+            async def endpoint() -> Captured:
+                tasks.start_soon(app.run)
+                return await app.response()
+
+            serve = functools.partial(
+                idempotency._serve_single_step,
+                operation,
+                scope=tenant,
+                key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+                method=request.method,
+                target=target(request.url.path, request.url.query),
+                body=body,
+                respond=lambda: anyio.from_thread.run(endpoint),
+            )
+            committed = False
+            try:
+                reply, committed = await anyio.to_thread.run_sync(serve, limiter=self.limiter)
+                await _response(reply)(scope, receive, send)
+            finally:
+                app.go_on(committed)
+
+
+class _AppRun:
+    """The application serving one single-step request, as a task of the middleware's.
+
+    Starlette sends the response, then runs what follows it (background tasks...). The
+    last body message hands the response over to the ``responded`` step and holds the
+    application there until :meth:`go_on`: after the answer was committed and sent it
+    carries on; an answer that was not committed is never followed up (it is cancelled).
+    """
+
+    def __init__(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
+        self.app, self.scope, self.receive = app, scope, receive
+        self.entry = _Entry()
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.captured: Captured | None = None
+        self.error: Exception | None = None
+        self.answered = anyio.Event()
+        self.resumed = anyio.Event()
+        self.cancel_scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        _ENTRY.set(self.entry)
+        with self.cancel_scope:
+            try:
+                await self.app(self.scope, self.received, self.send)
+                self.capture()  # a response whose last body message never came
+            except Exception as exc:
+                if self.captured is None:
+                    self.error = exc
+                else:
+                    logger.error(
+                        "%s %s: the work after its committed answer failed",
+                        self.scope["method"],
+                        self.scope["path"],
+                        exc_info=exc,
+                    )
+            finally:
+                self.answered.set()
+
+    async def received(self) -> Message:
+        message = await self.receive()
+        if self.captured is not None:
+            # Held with the response: a disconnect seen now (our answer completes the
+            # exchange) would let Starlette go on before the answer is committed.
+            await self.resumed.wait()
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.start = message
+        elif message["type"] == "http.response.body" and self.captured is None:
+            self.chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.capture()
+                await self.resumed.wait()
+
+    def capture(self) -> None:
+        if self.captured is None and self.start is not None:
+            raw = self.start.get("headers", [])
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+            body = b"".join(self.chunks)
+            self.captured = Captured(self.start["status"], headers, body, self.entry.entered)
+            self.answered.set()
+
+    async def response(self) -> Captured:
+        """The response, once its last body message is sent; what the application raised
+        if it failed before that."""
+        await self.answered.wait()
+        if self.captured is None:
+            raise self.error or RuntimeError("the application returned without a response")
+        return self.captured
+
+    def go_on(self, committed: bool) -> None:
+        if not committed:
+            self.cancel_scope.cancel()
+        self.resumed.set()
 
 
 def _response(reply: Reply) -> Response:
@@ -182,11 +284,13 @@ def _guarded(endpoint: E) -> E:
     """
 
     def check() -> None:
-        if not _IN_MIDDLEWARE.get():
+        entry = _ENTRY.get()
+        if entry is None:
             raise RuntimeError(
                 f"{endpoint.__qualname__} is single-step: add "
                 "app.add_middleware(SingleStepMiddleware) so that its key is claimed"
             )
+        entry.entered = True
 
     if inspect.iscoroutinefunction(endpoint):
 
@@ -246,20 +350,3 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
-
-
-async def _capture(app: ASGIApp, scope: Scope, receive: Receive) -> Captured:
-    start: Message = {}
-    chunks: list[bytes] = []
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            start.update(message)
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    if not start:
-        raise RuntimeError("the application returned without starting a response")
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", [])]
-    return Captured(start["status"], headers, b"".join(chunks))

@@ -15,6 +15,11 @@ A single-step view (see ``recoverypoint.integrations._base``)::
     @app.post("/orders")
     @idempotency.single_step("create_order")
     def create_order() -> tuple[dict[str, Any], int]: ...
+
+An exception the view raises becomes its answer as Flask would make it: ``abort(409)``
+(any werkzeug ``HTTPException``) and an exception the application has an error handler
+for are the view's answer, stored and replayed; any other fails the attempt (500), and the
+client's retry runs the view again.
 """
 
 from __future__ import annotations
@@ -73,14 +78,20 @@ class Idempotency(BaseIdempotency[flask.Request]):
                 request = flask.request
 
                 def respond() -> Captured:
-                    # ensure_sync: an async view runs as Flask would run it.
-                    rv = flask.current_app.ensure_sync(view)(*args, **kwargs)
-                    response = flask.make_response(rv)
+                    app = flask.current_app
+                    try:
+                        # ensure_sync: an async view runs as Flask would run it.
+                        rv = app.ensure_sync(view)(*args, **kwargs)
+                    except Exception as exc:
+                        # The error handlers Flask would run, abort()'s included; an
+                        # exception none handles propagates: the attempt failed.
+                        rv = app.handle_user_exception(exc)
+                    response = app.make_response(rv)
                     return Captured(
                         response.status_code, list(response.headers.items()), response.get_data()
                     )
 
-                reply = self._serve_single_step(
+                reply, _ = self._serve_single_step(
                     operation,
                     scope=self.scope(request),
                     key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
