@@ -315,7 +315,7 @@ def flask_app(engine: rp.Engine, op: rp.Operation[Order], gates: Gates) -> flask
 
     @app.post("/sync/orders")
     def sync_orders() -> flask.Response:
-        return idempotency.run(op, flask.request.get_json())
+        return idempotency.run(op)  # the params: the request's body
 
     @app.post("/sync/single")
     @idempotency.single_step("http_single_flask")

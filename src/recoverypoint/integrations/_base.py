@@ -201,9 +201,11 @@ class BaseIdempotency(Generic[RequestT]):
         key_headers: Sequence[str],
         method: str,
         target: str,
-        params: Any,
+        params: Callable[[], Any],
     ) -> Reply:
-        result = self._execute(operation, scope, key_headers, method, target, lambda: params)
+        """Serve a phased request; ``params`` is called once the key header was read, and
+        may refuse the request with an :class:`~recoverypoint.IdempotencyError`."""
+        result = self._execute(operation, scope, key_headers, method, target, params)
         return outcome_reply(result) if isinstance(result, Outcome) else result
 
     def _serve_single_step(
@@ -237,7 +239,7 @@ class BaseIdempotency(Generic[RequestT]):
                 key_headers,
                 method,
                 target,
-                lambda: _body_params(body, self.engine.max_params_bytes),
+                lambda: body_params(body, self.engine.max_params_bytes),
             )
         finally:
             _RESPONDER.reset(reset)
@@ -274,8 +276,9 @@ class BaseIdempotency(Generic[RequestT]):
             return problem_reply(exc, retry_after=self.retry_after)
 
 
-def _body_params(body: bytes, limit: int) -> Any:
-    """A single-step request's params: its JSON body, or its text; it is fingerprinted."""
+def body_params(body: bytes, limit: int) -> Any:
+    """A request's params read from its body: JSON, or else UTF-8 text. Too large (413),
+    nested too deep or neither JSON nor text (422): refused, never a 500."""
     if len(body) > limit:  # refused before it costs a parse
         raise RequestTooLarge(f"the request body takes {len(body)} bytes; the limit is {limit}")
     if not body:

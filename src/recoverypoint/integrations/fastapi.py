@@ -83,7 +83,7 @@ class Idempotency(BaseIdempotency[Request]):
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=target(request.url.path, request.url.query),
-            params=params,
+            params=lambda: params,
         )
         return _response(reply)
 

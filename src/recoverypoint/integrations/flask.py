@@ -8,7 +8,7 @@ A phased operation::
 
     @app.post("/rides")
     def post_ride() -> Response:
-        return idempotency.run(rides, request.get_json())
+        return idempotency.run(rides)  # the params: the request's JSON body
 
 A single-step view (see ``recoverypoint.integrations._base``)::
 
@@ -32,12 +32,15 @@ from typing import Any, TypeVar
 import flask
 
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, target
+from ._base import BaseIdempotency, Captured, body_params, target
 from ._problem import IDEMPOTENCY_KEY, Reply
 
 __all__ = ["Idempotency"]
 
 V = TypeVar("V", bound=Callable[..., Any])
+
+# `run` without params: read them from the request's body.
+_BODY: Any = object()
 
 
 class Idempotency(BaseIdempotency[flask.Request]):
@@ -47,20 +50,23 @@ class Idempotency(BaseIdempotency[flask.Request]):
     there too); ``abort(401)`` in it refuses the request before any key is looked at.
     """
 
-    def run(self, operation: Operation[Any], params: Any) -> flask.Response:
-        """Run ``operation`` for the current request with ``params``.
+    def run(self, operation: Operation[Any], params: Any = _BODY) -> flask.Response:
+        """Run ``operation`` for the current request with ``params``; without them, with the
+        request's body, read as JSON (or else text) so that a body too large (413), nested
+        too deep or undecodable (422) is refused rather than a 500 from ``get_json()``.
 
         Errors become ``application/problem+json`` answers; a replay carries
         ``Idempotent-Replayed: true``.
         """
         request = flask.request
+        limit = self.engine.max_params_bytes
         reply = self._serve(
             operation,
             scope=self.scope(request),
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=_target(request),
-            params=params,
+            params=lambda: body_params(request.get_data(), limit) if params is _BODY else params,
         )
         return _response(reply)
 
