@@ -62,6 +62,8 @@ RequestT = TypeVar("RequestT")
 
 RESPONDED = "responded"
 
+_FIELD_CONTROLS = str.maketrans("\x00\r\n", "   ")
+
 # Headers the server frames the message with; it writes its own for the answer we send.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 
@@ -87,7 +89,10 @@ class Captured:
     def stored(self) -> dict[str, Any]:
         """What is committed for replays: safe headers only; the body's exact bytes."""
         joined: dict[str, str] = {}
-        for name, value in self.headers:
+        for name, raw in self.headers:
+            # A NUL, CR or LF in a field value is replaced with a space, as RFC 9110 §5.5
+            # allows (an endpoint may echo a client's header): jsonb cannot store a NUL.
+            value = raw.translate(_FIELD_CONTROLS)
             joined[name] = f"{joined[name]}, {value}" if name in joined else value
         return {"status": self.status, "headers": safe_headers(joined), "body": _kept(self.body)}
 
@@ -239,7 +244,7 @@ class BaseIdempotency(Generic[RequestT]):
                 key_headers,
                 method,
                 target,
-                lambda: body_params(body, self.engine.max_params_bytes),
+                lambda: single_step_params(body, self.engine.max_params_bytes),
             )
         finally:
             _RESPONDER.reset(reset)
@@ -278,20 +283,53 @@ class BaseIdempotency(Generic[RequestT]):
 
 def body_params(body: bytes, limit: int) -> Any:
     """A request's params read from its body: JSON, or else UTF-8 text. Too large (413),
-    nested too deep or neither JSON nor text (422): refused, never a 500."""
+    nested too deep, with a name twice in one object, or neither JSON nor UTF-8 (422):
+    refused, never a 500."""
+    return _read_body(body, limit)[1]
+
+
+def single_step_params(body: bytes, limit: int) -> Any:
+    """A single-step request's params: its body as :func:`body_params` reads it, marked JSON
+    or text, so that the text ``abc`` and the JSON ``"abc"`` are two requests."""
+    kind, value = _read_body(body, limit)
+    return None if kind is None else {kind: value}
+
+
+def _read_body(body: bytes, limit: int) -> tuple[str | None, Any]:
     if len(body) > limit:  # refused before it costs a parse
         raise RequestTooLarge(f"the request body takes {len(body)} bytes; the limit is {limit}")
     if not body:
-        return None
+        return None, None
     try:
-        return json.loads(body)
+        # UTF-8 only (a BOM is dropped): json.loads would also guess UTF-16 and UTF-32.
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise InvalidParams("the request body must be JSON or UTF-8 text") from None
+    try:
+        return "json", json.loads(text, object_pairs_hook=_unique_names)
     except RecursionError:
         raise InvalidParams(
             f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels"
         ) from None
+    except _DuplicateName as exc:
+        raise InvalidParams(
+            f"the request body names {exc.args[0]!r:.40} twice in one object; send each name once"
+        ) from None
     except ValueError:
-        pass
-    try:
-        return body.decode()
-    except UnicodeDecodeError:
-        raise InvalidParams("the request body must be JSON or UTF-8 text") from None
+        return "text", text
+
+
+class _DuplicateName(Exception):
+    pass
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object without a name twice: ``{"a": 0, "a": 1}`` is ambiguous (RFC 8259 §4)."""
+    result = dict(pairs)
+    if len(result) < len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateName(name)
+            seen.add(name)
+    return result

@@ -114,7 +114,10 @@ class Idempotency(BaseIdempotency[flask.Request]):
 
 
 def _target(request: flask.Request) -> str:
-    return target(request.path, request.query_string.decode("latin-1"))
+    # Flask decodes the path: `%` and `?` are encoded again, so that `/a%3Fb` (a path) and
+    # `/a?b` (a path and a query) fingerprint apart.
+    path = request.path.replace("%", "%25").replace("?", "%3F")
+    return target(path, request.query_string.decode("latin-1"))
 
 
 def _response(reply: Reply) -> flask.Response:
