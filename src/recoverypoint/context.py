@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
+import psycopg
+from psycopg import sql
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from . import phase_guard
+from ._pg import Transaction
 from .keys import canonical_json, derived_key
 
 
@@ -36,10 +40,12 @@ class StagedJob:
 class AtomicContext:
     """Handed to an atomic phase; everything it touches commits together or not at all.
 
+    Run SQL with :meth:`execute` (psycopg, the fast path) or through :attr:`connection` and
+    :attr:`session` (SQLAlchemy, made on first use); all three share the phase's one
+    SERIALIZABLE transaction, which only the engine commits.
+
     Attributes
     ----------
-    connection:
-        The phase's SQLAlchemy Connection, inside its SERIALIZABLE transaction.
     state:
         A mutable dict persisted with the recovery point: what later phases need to know.
     key_id:
@@ -47,15 +53,41 @@ class AtomicContext:
     """
 
     def __init__(
-        self, connection: Connection, state: dict[str, Any], identity: KeyIdentity, point: str
+        self, tx: Transaction, state: dict[str, Any], identity: KeyIdentity, point: str
     ) -> None:
-        self.connection = connection
+        self._tx = tx
         self.state = state
         self.key_id = identity.key_id
         self._identity = identity
         self._point = point
         self._session: Session | None = None
+        self._connection: Connection | None = None
         self.staged_jobs: list[StagedJob] = []
+
+    def execute(
+        self, query: str | sql.Composable, params: Mapping[str, Any] | Sequence[Any] | None = None
+    ) -> psycopg.Cursor[Any]:
+        """Run ``query`` in the phase's transaction with psycopg's placeholders (``%s``,
+        ``%(name)s``) and return its cursor; psycopg prepares the statements run often::
+
+            ride_id = tx.execute(
+                "INSERT INTO rides (origin) VALUES (%(origin)s) RETURNING id", params
+            ).fetchone()[0]
+        """
+        phase_guard.check_statement(query, self._point)
+        return self._tx.execute(query, params)  # type: ignore[arg-type]
+
+    def cursor(self) -> psycopg.Cursor[Any]:
+        """A psycopg cursor in the phase's transaction, for ``executemany``, ``copy``…"""
+        return self._tx.connection.cursor()
+
+    @property
+    def connection(self) -> Connection:
+        """A SQLAlchemy Connection in the phase's transaction (made on first use). Its
+        ``commit()`` and ``rollback()`` raise :class:`~recoverypoint.TransactionEnded`."""
+        if self._connection is None:
+            self._connection = phase_guard.refusing_to_end(self._tx.sqlalchemy(), self._point)
+        return self._connection
 
     @property
     def session(self) -> Session:

@@ -5,24 +5,20 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import psycopg
 import sqlalchemy as sa
-from sqlalchemy import Connection
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
 
-from . import phase_guard, store
+from . import _pg, phase_guard, store
+from ._pg import Transaction
 from .backoff import backoff_delay
 from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine
 from .errors import (
-    ConcurrentUpdate,
     DeclarationError,
     InvalidParams,
     KeyInUse,
@@ -57,9 +53,6 @@ from .testing import faults
 logger = logging.getLogger("recoverypoint")
 
 T = TypeVar("T")
-
-# SQLSTATEs that mean "the same transaction may succeed if run again".
-_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
 # A request that reaches the end of its phases without a Response finishes with this.
 _NO_CONTENT = Response(204)
@@ -114,7 +107,6 @@ class Engine:
             )
         self._owns_db = not isinstance(database, sa.Engine)
         phase_guard.install(self.db)
-        self._serializable = self.db.execution_options(isolation_level="SERIALIZABLE")
         self.max_params_bytes = max_params_bytes
         self.serialization_retries = serialization_retries
         self.retry_base = retry_base
@@ -198,7 +190,7 @@ class Engine:
             fingerprint=fingerprint(method, path, params_json),
             token=uuid.uuid4(),
         )
-        first = self._transact(lambda conn: self._claim(conn, operation, claim_request, params))
+        first = self._transact(lambda tx: self._claim(tx, operation, claim_request, params))
         if isinstance(first, Outcome):
             return first
         run, step = first
@@ -216,14 +208,13 @@ class Engine:
         ``token`` is a lease the caller already holds on the key; without it the lease is
         taken if it is free or expired.
         """
-        with self.db.connect() as conn:
-            ident = store.key_operation(conn, key_id)
+        ident = store.key_operation(self.db, key_id)
         if ident is None:
             raise LookupError(f"there is no key record {key_id}")
         operation = self.operation(*ident)
         token = token or uuid.uuid4()
         lock_timeout = operation.lock_timeout.total_seconds()  # of the key's own version
-        record = self._transact(lambda conn: store.claim_by_id(conn, key_id, token, lock_timeout))
+        record = self._transact(lambda tx: store.claim_by_id(tx, key_id, token, lock_timeout))
         if record is None:
             raise LookupError(f"key record {key_id} was deleted")
         if record.claimed:
@@ -234,11 +225,12 @@ class Engine:
         raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
     def _claim(
-        self, conn: Connection, operation: Operation[Any], request: ClaimRequest, params: Any
+        self, tx: Transaction, operation: Operation[Any], request: ClaimRequest, params: Any
     ) -> Outcome | tuple[_Run, _Step | None]:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
-        new request costs one commit less and leaves nothing behind if that phase fails."""
-        record = store.claim(conn, request)
+        new request costs one commit less and leaves nothing behind if that phase fails.
+        A finished key is looked up first, alone: a replay costs one round trip."""
+        record = store.finished_key(tx, request) or store.claim(tx, request)
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -254,13 +246,14 @@ class Engine:
             if lease_left > 0:
                 raise KeyInUse(key=request.key, retry_after=lease_left)
             # An unfinished key whose lease is free or expired: take it over.
-            record = store.claim_by_id(conn, record.id, request.token, lock_timeout)
+            record = store.claim_by_id(tx, record.id, request.token, lock_timeout)
             if record is None or not record.claimed:
                 lease_left = 1 if record is None else max(1, record.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
         run = _Run(self, operation, record, request.token)
         if record.inserted and operation.phases[0].atomic:
-            return run, run.atomic(conn, operation.phases[0], {}, fence=False)
+            store.held(tx, run.key, record)
+            return run, run.atomic(tx, operation.phases[0], {})
         return run, None
 
     def _started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
@@ -298,8 +291,7 @@ class Engine:
     def _withdraw(self, run: _Run) -> bool:
         """Delete the key of a run withdrawn before it recorded anything."""
         try:
-            with self.db.begin() as conn:
-                return store.withdraw(conn, run.key)
+            return store.withdraw(self.db, run.key)
         except Exception:
             logger.exception("could not withdraw key %s", run.record.id)
             return False
@@ -308,8 +300,7 @@ class Engine:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
-            with self.db.begin() as conn:
-                released = store.release(conn, run.key, error, retry_in)
+            released = store.release(self.db, run.key, error, retry_in)
         except Exception:
             # The lease then simply expires; the original error matters more.
             logger.exception("could not release key %s after: %s", run.record.id, error)
@@ -323,21 +314,9 @@ class Engine:
             error,
         )
 
-    def _transact(self, work: Callable[[Connection], T]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction, again on serialization failure or
-        deadlock, with capped, jittered backoff."""
-        for attempt in range(self.serialization_retries + 1):
-            try:
-                with self._serializable.begin() as conn:
-                    return work(conn)
-            except (DBAPIError, psycopg.Error) as exc:
-                if _sqlstate(exc) not in _RETRYABLE_SQLSTATES:
-                    raise
-                if attempt == self.serialization_retries:
-                    raise ConcurrentUpdate() from exc
-                if attempt:  # the first retry at once: most conflicts are false positives
-                    time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
-        raise AssertionError("unreachable")
+    def _transact(self, work: Callable[[Transaction], T]) -> T:
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`)."""
+        return _pg.serializable(self.db, work, self.serialization_retries)
 
 
 class _Run:
@@ -363,7 +342,7 @@ class _Run:
     def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
         """Run ``phase`` from ``state``; a foreign step takes the atomic phase after it along."""
         if phase.atomic:
-            return self.engine._transact(lambda conn: self.atomic(conn, phase, state))
+            return self.engine._transact(lambda tx: self.fenced(tx, phase, state))
         # Outside any transaction, and no pooled connection is held meanwhile.
         if faults.active:
             faults.hit("before_foreign", phase.point)
@@ -380,8 +359,8 @@ class _Run:
                 "return a dict, None or a Response"
             )
 
-        def commit_step(conn: Connection) -> _Step:
-            return self._commit(conn, phase, result, new_state, [])
+        def commit_step(tx: Transaction) -> _Step:
+            return self._commit(tx, phase, result, new_state, [])
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
         if isinstance(result, Response) or not following.atomic:
@@ -390,7 +369,7 @@ class _Run:
         # per step. Should that phase fail, the result is committed on its own before the
         # error propagates, so a retry resumes after the step all the same.
         try:
-            return self.engine._transact(lambda conn: self.atomic(conn, following, new_state))
+            return self.engine._transact(lambda tx: self.fenced(tx, following, new_state))
         except LockLost:
             raise
         except BaseException:
@@ -402,50 +381,49 @@ class _Run:
                 )
             raise
 
-    def atomic(
-        self, conn: Connection, phase: Phase, state: dict[str, Any], *, fence: bool = True
-    ) -> _Step:
-        if fence:
-            # Check the lease and lock the key row before the phase writes anything: a
-            # request that lost its lease fails with LockLost before its writes can collide
-            # with the new owner's, and no takeover can happen while the phase runs.
-            store.fence(conn, self.key)
-        else:
-            self.key.xid = self.record.xid  # the claim's transaction, which inserted the key
+    def fenced(self, tx: Transaction, phase: Phase, state: dict[str, Any]) -> _Step:
+        """Check the lease and lock the key row, then run the atomic ``phase``: a request
+        that lost its lease fails with LockLost before its writes can collide with the new
+        owner's, and no takeover can happen while the phase runs."""
+        store.fence(tx, self.key)
+        return self.atomic(tx, phase, state)
+
+    def atomic(self, tx: Transaction, phase: Phase, state: dict[str, Any]) -> _Step:
+        """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
         began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
-        tx = AtomicContext(conn, json.loads(canonical_json(state)), self.identity, phase.point)
-        with phase_guard.guarding(conn, phase.point):
-            result = phase.fn(tx, self.params)
-        tx.close()
-        phase_guard.check_still_open(conn, phase.point)
+        ctx = AtomicContext(tx, json.loads(canonical_json(state)), self.identity, phase.point)
+        with phase_guard.guarding(tx, phase.point):
+            result = phase.fn(ctx, self.params)
+        ctx.close()
+        phase_guard.check_still_open(tx, phase.point)
         if not (result is None or isinstance(result, Response | RecoveryPoint)):
             raise TypeError(
                 f"atomic phase {phase.point!r} returned {type(result).__name__}; "
                 "return None, a Response or a RecoveryPoint"
             )
-        try:
-            step = self._commit(conn, phase, result, tx.state, tx.staged_jobs)
-        except LockLost:
-            # Phase code that rolled back and wrote again took our fence with it.
-            now = store.current_transaction(conn)
-            phase_guard.check_same_transaction(phase.point, began, now)
-            raise
-        phase_guard.check_same_transaction(phase.point, began, self.key.xid)
         if faults.active:
             faults.hit("before_commit", phase.point)
-        return step
+        try:
+            return self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
+        except LockLost:
+            # The point is written only in the transaction the phase began in; phase code
+            # that ended it and wrote again makes the write miss.
+            phase_guard.check_same_transaction(phase.point, began, store.current_transaction(tx))
+            raise
 
     def _commit(
         self,
-        conn: Connection,
+        tx: Transaction,
         phase: Phase,
         result: object,
         state: dict[str, Any],
         jobs: list[StagedJob],
     ) -> _Step:
+        """Record what ``phase`` reached (its point, a jump, or the final response) and
+        COMMIT, with the jobs it staged."""
         state_json = _state_json(phase, state)
-        self.committed = point = phase.point
+        point = phase.point
         if isinstance(result, RecoveryPoint):
             if result.name not in phase.jumps_to:
                 raise DeclarationError(
@@ -455,7 +433,8 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                stored = store.advance(conn, self.key, jobs, self.at, point, state_json)
+                stored = store.advance(tx, self.key, jobs, self.at, point, state_json)
+                self.committed = phase.point
                 return _Advanced(point, stored)
             result = _NO_CONTENT
         headers = safe_headers(result.headers)
@@ -464,7 +443,7 @@ class _Run:
         except ValueError as exc:
             raise TypeError(f"the Response of phase {phase.point!r} is {exc}") from exc
         stored_body = store.finish(
-            conn,
+            tx,
             self.key,
             jobs,
             state_json=state_json,
@@ -472,13 +451,8 @@ class _Run:
             headers_json=canonical_json(headers),
             body_json=body_json,
         )
+        self.committed = phase.point
         return Outcome(result.status, _as_answered(stored_body), headers, replayed=False)
-
-
-def _sqlstate(exc: DBAPIError | psycopg.Error) -> str | None:
-    """The SQLSTATE of a driver error, raised through SQLAlchemy (phase code) or not (ours)."""
-    error = exc.orig if isinstance(exc, DBAPIError) else exc
-    return getattr(error, "sqlstate", None)
 
 
 def _state_json(phase: Phase, state: dict[str, Any]) -> str:

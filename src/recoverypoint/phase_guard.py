@@ -23,13 +23,12 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
-import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, event
 
+from ._pg import Transaction
 from .errors import TransactionEnded
 
 _ENDS_TRANSACTION = re.compile(
@@ -38,8 +37,8 @@ _ENDS_TRANSACTION = re.compile(
     re.IGNORECASE,
 )
 
-# The connection and recovery point of the atomic phase running in this context, if any.
-_PHASE: ContextVar[tuple[Connection, str] | None] = ContextVar("recoverypoint_phase", default=None)
+# The transaction and recovery point of the atomic phase running in this context, if any.
+_PHASE: ContextVar[tuple[Transaction, str] | None] = ContextVar("recoverypoint_phase", default=None)
 
 
 def install(db: sa.Engine) -> None:
@@ -49,20 +48,36 @@ def install(db: sa.Engine) -> None:
 
 
 @contextmanager
-def guarding(conn: Connection, point: str) -> Iterator[None]:
-    """While inside, ``conn``'s commit and rollback refuse to run."""
+def guarding(tx: Transaction, point: str) -> Iterator[None]:
+    """While inside, SQLAlchemy statements on ``tx`` that would end it refuse to run."""
+    reset = _PHASE.set((tx, point))
+    try:
+        yield
+    finally:
+        _PHASE.reset(reset)
+
+
+def refusing_to_end(conn: Connection, point: str) -> Connection:
+    """``conn``, with ``commit()`` and ``rollback()`` raising :class:`TransactionEnded`
+    (instance attributes shadow the methods; the engine ends it with the class's own)."""
 
     def refuse() -> NoReturn:
         raise TransactionEnded(_message(point))
 
-    reset = _PHASE.set((conn, point))
-    # Instance attributes shadow the methods for this phase alone.
     conn.commit = conn.rollback = refuse  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del conn.commit, conn.rollback
-        _PHASE.reset(reset)
+    return conn
+
+
+def check_statement(statement: object, point: str) -> None:
+    """Raise :class:`TransactionEnded` for a statement that would end the transaction."""
+    if isinstance(statement, str) and _ENDS_TRANSACTION.match(statement):
+        raise TransactionEnded(_message(point))
+
+
+def check_still_open(tx: Transaction, point: str) -> None:
+    """Raise :class:`TransactionEnded` if the phase's transaction is over already."""
+    if not tx.open:
+        raise TransactionEnded(_message(point))
 
 
 def check_same_transaction(point: str, began: str | None, now: str | None) -> None:
@@ -72,17 +87,10 @@ def check_same_transaction(point: str, began: str | None, now: str | None) -> No
         raise TransactionEnded(_message(point))
 
 
-def check_still_open(conn: Connection, point: str) -> None:
-    """Raise :class:`TransactionEnded` if the phase's transaction is over already."""
-    raw = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
-    if not conn.in_transaction() or raw.info.transaction_status != TransactionStatus.INTRANS:
-        raise TransactionEnded(_message(point))
-
-
 def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     phase = _PHASE.get()
-    if phase is not None and conn is phase[0] and _ENDS_TRANSACTION.match(statement):
-        raise TransactionEnded(_message(phase[1]))
+    if phase is not None and conn is phase[0].sqlalchemy_made:
+        check_statement(statement, phase[1])
 
 
 def _message(point: str) -> str:

@@ -4,10 +4,11 @@ Each statement is named after its intent; every write after the claim is fenced 
 lease's ``lock_token`` and checked by row count, so a request that lost its lease can
 never commit.
 
-The statements run on the psycopg connection under the SQLAlchemy one, in the same
-transaction as the phase's own writes: they are on every request's path, and psycopg on
-its own costs a fraction of the Python time. Two more things keep them cheap:
+The statements run on psycopg, in the transactions of :mod:`recoverypoint._pg`, together
+with the phase's own writes. Three things keep them cheap:
 
+- a finished key is looked up on its own before any transaction begins: a replay costs one
+  round trip and writes nothing;
 - after the claim, the key row is addressed by its ``ctid`` (the row version's physical
   address, which each statement returns anew). Under SERIALIZABLE that takes a predicate
   lock on the row alone, where a lookup through the primary key would lock the index page
@@ -15,7 +16,11 @@ its own costs a fraction of the Python time. Two more things keep them cheap:
   other with 40001. When the address is stale (a rolled-back attempt, a takeover) the
   statement runs again by ``id``;
 - statements that need not wait for each other are pipelined: a transaction's BEGIN goes
-  out with its first statement, staged jobs with the commit of their phase.
+  out with its first statement; staged jobs, the phase's recovery point and COMMIT go out
+  together. That COMMIT must never follow a write that missed its row, so the write is
+  addressed by the ``ctid`` its own transaction's fence (or claim) returned, which nobody
+  else can change while the row is locked, and is checked in SQL: a miss divides by zero,
+  the pipeline stops before the COMMIT, and the transaction rolls back (:data:`LockLost`).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 from uuid import UUID
 
 import psycopg
+import sqlalchemy as sa
 from psycopg.rows import class_row
-from sqlalchemy import Connection
 
+from ._pg import Transaction, borrowed
 from .context import StagedJob
 from .errors import KeyInUse, LockLost
 
@@ -89,6 +95,15 @@ _CLAIM_BY_ID = f"""
     WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
 """
 
+# A finished key, read before any transaction: a replay needs nothing else. A finished
+# row never changes until the reaper deletes it.
+_FINISHED = f"""
+    SELECT {_RECORD_COLUMNS}, false AS claimed, false AS inserted, NULL::float8 AS held_for
+    FROM idempotency_keys
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+      AND finished_at IS NOT NULL
+"""
+
 # Which operation and version a key record belongs to (Engine.resume looks it up by id).
 _KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
 
@@ -101,8 +116,26 @@ _BY_CTID = f"ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s {_R
 _BY_ID = f"id = %(id)s AND lock_token = %(token)s {_RETURNING}"
 
 
-def _by_ctid_and_by_id(sql: str) -> tuple[str, str]:
-    return sql.format(where=_BY_CTID), sql.format(where=_BY_ID)
+class _Fenced(NamedTuple):
+    by_ctid: str
+    by_id: str
+    checked: str
+    """By ctid, for the last write of a transaction whose fence or claim took the row: it
+    raises division_by_zero (22012) when it matches no row, so the COMMIT after it in the
+    pipeline never runs."""
+
+
+def _by_ctid_and_by_id(sql: str) -> _Fenced:
+    by_ctid = sql.format(where=_BY_CTID)
+    # Also in the phase's own transaction: phase code that ended it cannot have the point
+    # recorded in another.
+    same_transaction = sql.format(where=f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
+    checked = f"""
+        WITH written AS ({same_transaction})
+        SELECT written.* FROM (SELECT 1 / count(*) AS one FROM written) AS matched
+        LEFT JOIN written ON matched.one = 1
+    """
+    return _Fenced(by_ctid, sql.format(where=_BY_ID), checked)
 
 
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
@@ -210,9 +243,17 @@ class KeyRef:
     ctid: str
     xid: str | None = None
     """The transaction of the last fenced write: a phase must commit in the one it began in."""
+    locked_by: Transaction | None = None
+    """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
 
 
-def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
+def finished_key(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
+    """The key if it is finished, read before the transaction begins."""
+    params = {"scope": request.scope, "operation": request.operation, "key": request.key}
+    return tx.lookup(_FINISHED, params, class_row(KeyRecord))
+
+
+def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
     """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile."""
     params = {
         "scope": request.scope,
@@ -225,45 +266,55 @@ def claim(conn: Connection, request: ClaimRequest) -> KeyRecord | None:
         "fingerprint": request.fingerprint,
         "token": request.token,
     }
-    return _fetch_record(conn, _CLAIM, params)
+    return _fetch_record(tx, _CLAIM, params)
 
 
-def claim_by_id(
-    conn: Connection, key_id: int, token: UUID, lock_timeout: float
-) -> KeyRecord | None:
-    # lock_timeout: the operation's, of the version that started the key.
-    """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone."""
+def claim_by_id(tx: Transaction, key_id: int, token: UUID, lock_timeout: float) -> KeyRecord | None:
+    """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone.
+    ``lock_timeout``: the operation's, of the version that started the key."""
     params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
-    return _fetch_record(conn, _CLAIM_BY_ID, params)
+    return _fetch_record(tx, _CLAIM_BY_ID, params)
 
 
-def key_operation(conn: Connection, key_id: int) -> tuple[str, int] | None:
+def key_operation(db: sa.Engine, key_id: int) -> tuple[str, int] | None:
     """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
-    row = _driver(conn).execute(_KEY_OPERATION, {"id": key_id}).fetchone()
+    with borrowed(db) as (_, connection):
+        row = connection.execute(_KEY_OPERATION, {"id": key_id}).fetchone()
     return None if row is None else (row[0], row[1])
 
 
-def fence(conn: Connection, key: KeyRef) -> None:
+def fence(tx: Transaction, key: KeyRef) -> None:
     """Renew the lease and lock the row, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
-    _fenced(conn, key, _FENCE, {})
+    params = {"id": key.id, "token": key.token, "ctid": key.ctid}
+    with _waiting_for_key():
+        row = tx.execute(_FENCE.by_ctid, params).fetchone()
+        if row is None:  # a stale address: a rolled-back attempt, a takeover
+            row = tx.execute(_FENCE.by_id, params).fetchone()
+    _written(key, row)
+    key.locked_by = tx
+
+
+def held(tx: Transaction, key: KeyRef, record: KeyRecord) -> None:
+    """Note that ``tx``'s claim inserted the key row (and so holds it)."""
+    key.ctid, key.xid, key.locked_by = record.ctid, record.xid, tx
 
 
 def advance(
-    conn: Connection,
+    tx: Transaction,
     key: KeyRef,
     jobs: Sequence[StagedJob],
     from_point: str,
     point: str,
     state_json: str,
 ) -> Any:
-    """Record ``point`` and ``state``; return the state as stored."""
+    """Record ``point`` and ``state`` and commit; return the state as stored."""
     params = {"from_point": from_point, "point": point, "state": state_json}
-    return _fenced(conn, key, _ADVANCE, params, jobs)
+    return _commit_fenced(tx, key, _ADVANCE, params, jobs)
 
 
 def finish(
-    conn: Connection,
+    tx: Transaction,
     key: KeyRef,
     jobs: Sequence[StagedJob],
     *,
@@ -272,36 +323,24 @@ def finish(
     headers_json: str,
     body_json: str,
 ) -> Any:
-    """Finish the key with its response; return the body as stored."""
+    """Finish the key with its response and commit; return the body as stored."""
     params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
-    return _fenced(conn, key, _FINISH, params, jobs)
+    return _commit_fenced(tx, key, _FINISH, params, jobs)
 
 
-def release(conn: Connection, key: KeyRef, error: str, retry_in: float) -> bool:
+def release(db: sa.Engine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
-    try:
-        _fenced(conn, key, _RELEASE, {"error": error, "retry_in": retry_in})
-    except LockLost:
-        return False
-    return True
+    return _fenced_alone(db, key, _RELEASE, {"error": error, "retry_in": retry_in})
 
 
-def withdraw(conn: Connection, key: KeyRef) -> bool:
+def withdraw(db: sa.Engine, key: KeyRef) -> bool:
     """Delete the key if it is still at ``started`` and ours; ``False`` if it was not."""
-    try:
-        _fenced(conn, key, _WITHDRAW, {})
-    except LockLost:
-        return False
-    return True
+    return _fenced_alone(db, key, _WITHDRAW, {})
 
 
-def _driver(conn: Connection) -> psycopg.Connection[Any]:
-    return cast("psycopg.Connection[Any]", conn.connection.driver_connection)
-
-
-def current_transaction(conn: Connection) -> str | None:
-    """The id of the transaction ``conn`` is in, if it has written anything."""
-    row = _driver(conn).execute(_CURRENT_TRANSACTION).fetchone()
+def current_transaction(tx: Transaction) -> str | None:
+    """The id of the transaction ``tx``'s connection is in, if it has written anything."""
+    row = tx.connection.execute(_CURRENT_TRANSACTION).fetchone()
     return None if row is None else cast("str | None", row[0])
 
 
@@ -322,47 +361,52 @@ def _waiting_for_key() -> Iterator[None]:
         ) from exc
 
 
-def _fetch_record(conn: Connection, sql: str, params: dict[str, Any]) -> KeyRecord | None:
-    raw = _driver(conn)
-    with _waiting_for_key(), raw.cursor(row_factory=class_row(KeyRecord)) as cursor:
-        with raw.pipeline():  # BEGIN and the claim in one round trip
-            cursor.execute(sql, params)
-        return cursor.fetchone()
+def _fetch_record(tx: Transaction, sql: str, params: dict[str, Any]) -> KeyRecord | None:
+    with _waiting_for_key():
+        record: KeyRecord | None = tx.fetch(sql, params, class_row(KeyRecord)).fetchone()
+    return record
 
 
-def _fenced(
-    conn: Connection,
-    key: KeyRef,
-    sql: tuple[str, str],
-    params: dict[str, Any],
-    jobs: Sequence[StagedJob] = (),
+def _commit_fenced(
+    tx: Transaction, key: KeyRef, sql: _Fenced, params: dict[str, Any], jobs: Sequence[StagedJob]
 ) -> Any:
-    """Run ``sql`` on the key row if the lease is still ours (after the jobs' inserts, in
-    one round trip); record the row's new address and transaction, and return the
-    statement's third column, if any; or raise :class:`LockLost`."""
-    raw = _driver(conn)
+    """Run a fenced write and COMMIT: in one round trip with the jobs when ``tx`` holds the
+    row already; else (a step's result committed on its own) by address, then by id."""
+    assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
+    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid, "xid": key.xid}
+    staged = (_STAGE_JOB, [_job_row(job, key.id) for job in jobs]) if jobs else None
+    if key.locked_by is tx:
+        try:
+            row = tx.commit_with(sql.checked, params, staged)
+        except psycopg.errors.DivisionByZero:
+            raise LockLost() from None
+    else:  # a foreign step's result, committed on its own: it stages no jobs
+        with _waiting_for_key():
+            row = tx.execute(sql.by_ctid, params).fetchone()
+            if row is None:
+                row = tx.execute(sql.by_id, params).fetchone()
+        if row is not None:
+            tx.commit()
+    return _written(key, row)[2]
+
+
+def _fenced_alone(db: sa.Engine, key: KeyRef, sql: _Fenced, params: dict[str, Any]) -> bool:
+    """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
-    by_ctid, by_id = sql
-    with _waiting_for_key(), raw.cursor() as cursor, raw.cursor() as jobs_cursor:
-        with raw.pipeline():
-            if jobs:
-                jobs_cursor.executemany(
-                    _STAGE_JOB,
-                    [
-                        {
-                            "name": j.name,
-                            "args": j.args_json,
-                            "job_key": j.job_key,
-                            "key_id": key.id,
-                        }
-                        for j in jobs
-                    ],
-                )
-            cursor.execute(by_ctid, params)
-        row = cursor.fetchone()
+    with borrowed(db) as (_, connection), _waiting_for_key():
+        row = connection.execute(sql.by_ctid, params).fetchone()
         if row is None:
-            row = raw.execute(by_id, params).fetchone()
-    if row is None:
+            row = connection.execute(sql.by_id, params).fetchone()
+    return row is not None
+
+
+def _written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """Record the row's new address and transaction, or raise :class:`LockLost`."""
+    if row is None or row[0] is None:
         raise LockLost()
     key.ctid, key.xid = row[0], row[1]
-    return row[2] if len(row) > 2 else None
+    return row
+
+
+def _job_row(job: StagedJob, key_id: int) -> dict[str, Any]:
+    return {"name": job.name, "args": job.args_json, "job_key": job.job_key, "key_id": key_id}
