@@ -52,10 +52,10 @@ rides = rp.Operation("create_ride", params=RideParams)
 
 @rides.atomic_phase("ride_created")
 def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
-    tx.state["ride_id"] = tx.connection.execute(
-        sa.text("INSERT INTO rides (origin, target) VALUES (:o, :t) RETURNING id"),
-        {"o": params.origin, "t": params.target},
-    ).scalar_one()
+    (tx.state["ride_id"],) = tx.execute(
+        "INSERT INTO rides (origin, target) VALUES (%(origin)s, %(target)s) RETURNING id",
+        params.model_dump(),
+    ).fetchone()
 
 
 @rides.foreign_step("charge_created")
@@ -65,9 +65,9 @@ def charge(step: rp.StepContext, params: RideParams) -> dict[str, str]:
 
 @rides.atomic_phase("finished")
 def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
-    tx.connection.execute(
-        sa.text("UPDATE rides SET charge_id = :c WHERE id = :i"),
-        {"c": tx.state["charge_id"], "i": tx.state["ride_id"]},
+    tx.execute(
+        "UPDATE rides SET charge_id = %s WHERE id = %s",
+        (tx.state["charge_id"], tx.state["ride_id"]),
     )
     tx.stage_job("send_ride_receipt", {"ride_id": tx.state["ride_id"]})
     return rp.Response(201, {"ride_id": tx.state["ride_id"], "charge_id": tx.state["charge_id"]})

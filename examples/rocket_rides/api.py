@@ -58,20 +58,16 @@ def ride_operation(
     @rides.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
         coordinates = params.model_dump(exclude={"user_id"})
-        tx.state["ride_id"] = tx.connection.scalar(
-            sa.text(
-                "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
-                "target_lon, user_id) VALUES (:key_id, :origin_lat, :origin_lon, "
-                ":target_lat, :target_lon, :user_id) RETURNING id"
-            ),
+        (tx.state["ride_id"],) = tx.execute(
+            "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
+            "target_lon, user_id) VALUES (%(key_id)s, %(origin_lat)s, %(origin_lon)s, "
+            "%(target_lat)s, %(target_lon)s, %(user_id)s) RETURNING id",
             {"key_id": tx.key_id, "user_id": params.user_id, **coordinates},
-        )
-        tx.connection.execute(
-            sa.text(
-                "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
-                "resource_type, user_id) VALUES ('ride.created', CAST(:data AS jsonb), "
-                "CAST(:ip AS cidr), :ride_id, 'ride', :user_id)"
-            ),
+        ).fetchone()
+        tx.execute(
+            "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
+            "resource_type, user_id) VALUES ('ride.created', CAST(%(data)s AS jsonb), "
+            "CAST(%(ip)s AS cidr), %(ride_id)s, 'ride', %(user_id)s)",
             {
                 "data": params.model_dump_json(),
                 "ip": client_ip.get(),
@@ -79,9 +75,9 @@ def ride_operation(
                 "user_id": params.user_id,
             },
         )
-        tx.state["customer"] = tx.connection.scalar(
-            sa.text("SELECT customer_id FROM users WHERE id = :id"), {"id": params.user_id}
-        )
+        (tx.state["customer"],) = tx.execute(
+            "SELECT customer_id FROM users WHERE id = %s", (params.user_id,)
+        ).fetchone()
 
     @rides.foreign_step("charge_created")
     def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
@@ -110,10 +106,7 @@ def ride_operation(
     @rides.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
         ride_id, charge_id = tx.state["ride_id"], tx.state["charge_id"]
-        tx.connection.execute(
-            sa.text("UPDATE rides SET charge_id = :charge_id WHERE id = :ride_id"),
-            {"charge_id": charge_id, "ride_id": ride_id},
-        )
+        tx.execute("UPDATE rides SET charge_id = %s WHERE id = %s", (charge_id, ride_id))
         tx.stage_job(
             "send_ride_receipt",
             {"ride_id": ride_id, "user_id": params.user_id, "amount": AMOUNT, "currency": CURRENCY},
