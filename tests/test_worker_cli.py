@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from workload import rows, stage_jobs, wait_for
+from workload import plant_keys, rows, stage_jobs, wait_for
 
 TESTS = Path(__file__).resolve().parent
 UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
@@ -95,3 +95,105 @@ def test_a_signal_mid_batch_lets_the_batch_commit_and_exits_0(
     assert f"event=signal signal={signum.name} count=1" in stderr
     for name in ("completer", "enqueuer", "reaper"):
         assert f"event=stopped worker={name}" in stderr
+
+
+# -- every flag reaches its worker -------------------------------------------------------
+
+
+def finished_ago(age: str, *, abandoned: bool = False) -> dict[str, str]:
+    """Columns of a key finished (or abandoned) ``age`` ago, e.g. ``'3 hours'``."""
+    at = f"now() - interval '{age}'"
+    columns = {"point": "finished", "response_status": "200", "finished_at": at, "last_run_at": at}
+    return {**columns, "abandoned_at": at} if abandoned else columns
+
+
+def events(stderr: str, event: str) -> dict[str, dict[str, str]]:
+    """The fields of each worker's ``event`` line (its first one), by worker."""
+    found: dict[str, dict[str, str]] = {}
+    for line in stderr.splitlines():
+        if f" event={event} " in line:
+            fields = dict(pair.split("=", 1) for pair in line.split() if "=" in pair)
+            found.setdefault(fields["worker"], fields)
+    return found
+
+
+def test_every_flag_of_a_pass_reaches_its_worker(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    # Each duration flag has a value of its own, so that one wired to another shows.
+    # The completer's keys: their clients last ran them 10 minutes or 1 hour ago.
+    waiting = plant_keys(worker_db, "steps", 2, last_run_at="now() - interval '10 minutes'")
+    due = plant_keys(worker_db, "steps", 3, last_run_at="now() - interval '1 hour'")
+    # The reaper's: finished 1 or 3 hours ago, abandoned 4 or 6 hours ago.
+    kept = [
+        *plant_keys(worker_db, "op", 2, **finished_ago("1 hour")),
+        *plant_keys(worker_db, "op", 1, **finished_ago("4 hours", abandoned=True)),
+    ]
+    plant_keys(worker_db, "op", 3, **finished_ago("3 hours"))
+    plant_keys(worker_db, "op", 1, **finished_ago("6 hours", abandoned=True))
+    jobs = stage_jobs(worker_db, 7)
+
+    process = worker(
+        "all", "--app", "worker_app:engine", "--once", "--batch-size", "2",
+        "--min-age", "30m", "--retention", "2h", "--abandoned-retention", "5h",
+        database_url=worker_database_url,
+    )  # fmt: skip
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode == 0, stderr
+    passes = events(stderr, "pass")
+    # --min-age 30m: only the keys last run an hour ago; --batch-size 2: in 2 batches.
+    assert (passes["completer"]["finished"], passes["completer"]["batches"]) == ("3", "2")
+    finished = rows(worker_db, "SELECT id FROM idempotency_keys WHERE response_status = 201")
+    assert sorted(r.id for r in finished) == due
+    # 7 staged jobs and the 3 the completer's keys staged, 2 a batch, the last one empty.
+    assert (passes["enqueuer"]["published"], passes["enqueuer"]["batches"]) == ("10", "6")
+    published = {r.job_key for r in rows(worker_db, "SELECT job_key FROM published")}
+    assert published.issuperset(jobs) and len(published) == 10
+    # --retention 2h and --abandoned-retention 5h; 4 keys, 2 a batch, then the records.
+    reaper = passes["reaper"]
+    assert (reaper["finished"], reaper["abandoned"], reaper["batches"]) == ("3", "1", "4")
+    remaining = {r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys")}
+    assert remaining == {*waiting, *due, *kept}
+
+
+@pytest.mark.parametrize("kind", ["completer", "all"])
+def test_the_interval_and_batch_size_reach_the_running_workers(
+    worker_db: sa.Engine, worker_database_url: str, kind: str
+) -> None:
+    # 12 jobs for `all` (its enqueuer), 7 keys for the completer alone.
+    if kind == "all":
+        stage_jobs(worker_db, 12)
+        work_done = "SELECT count(*) = 12 FROM published"
+    else:
+        plant_keys(worker_db, "steps", 7, last_run_at="now() - interval '1 hour'")
+        work_done = "SELECT count(*) = 7 FROM idempotency_keys WHERE response_status = 201"
+    process = worker(
+        kind, "--app", "worker_app:engine", "--interval", "0.25", "--batch-size", "5",
+        database_url=worker_database_url,
+    )  # fmt: skip
+    wait_for(lambda: rows(worker_db, work_done)[0][0])
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode == 0, stderr
+    started = events(stderr, "started")
+    assert sorted(started) == (["completer", "enqueuer", "reaper"] if kind == "all" else [kind])
+    for fields in started.values():
+        assert (fields["interval"], fields["batch_size"]) == ("0.25", "5")
+    busy = "enqueuer" if kind == "all" else kind
+    assert events(stderr, "pass")[busy]["batches"] == ("3" if kind == "all" else "2")
+
+
+def test_the_log_level_reaches_the_loggers(worker_db: sa.Engine, worker_database_url: str) -> None:
+    plant_keys(worker_db, "op", 2, **finished_ago("4 days"))
+
+    process = worker(
+        "reaper", "--app", "worker_app:engine", "--once", "--log-level", "WARNING",
+        database_url=worker_database_url,
+    )  # fmt: skip
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode == 0
+    assert stderr == ""  # the pass (INFO) was not logged
+    assert rows(worker_db, "SELECT * FROM idempotency_keys") == []  # yet it happened

@@ -1,14 +1,29 @@
-"""Exit statuses of the ``recoverypoint`` command, and its one-line error messages."""
+"""Exit statuses of the ``recoverypoint`` command, and its one-line error messages.
+
+=====  =========================================================================
+0      done
+1      failed: the database is unreachable, a worker crashed, an invariant broke
+2      usage: bad arguments, a bulk action without ``--yes``, a bad ``--app``
+3      not found: no such key or job
+4      refused: the action does not apply to the key as it is (a live lease without
+       ``--force``, a finished key to retry) or it changed meanwhile; nothing was done
+130    interrupted (SIGINT)
+141    stdout was closed by its reader (``| head``); the output was cut short
+=====  =========================================================================
+"""
 
 from __future__ import annotations
 
 import sys
 
-# 2 is argparse's own status for a usage error; 130 is the shells' 128 + SIGINT.
+# 2 is argparse's own status for a usage error; 130 and 141 are the shells' 128 + SIGINT
+# and 128 + SIGPIPE.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_BROKEN_PIPE = 3, 4, 141
 
 
 def fail(command: str, status: int, message: str) -> int:
-    """Print ``message`` as the error of ``recoverypoint <command>``; return ``status``."""
-    print(f"recoverypoint {command}: error: {message}", file=sys.stderr)
+    """Print ``message`` as the error of ``recoverypoint <command>``, on one line of its
+    own on stderr; return ``status``."""
+    print(f"recoverypoint {command}: error: {' '.join(message.split())}", file=sys.stderr)
     return status

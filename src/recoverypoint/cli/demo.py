@@ -11,19 +11,16 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DBAPIError
 
 from ..database import DATABASE_URL_ENV, normalize_url
+from ..demo.faults import FaultMix
 from ..embedded import embedded_database
 from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
 from ..testing import temporary_database
-from ..workers.cli import positive_int
-from .faults import FaultMix
-
-if TYPE_CHECKING:
-    from ..cli import _Subparsers
+from ._common import Subparsers as _Subparsers
+from .worker import positive_int
 
 
 def add_demo(subparsers: _Subparsers) -> None:
@@ -73,9 +70,9 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         # Here, not at the top: the demo's dependencies (httpx, the example's FastAPI) are
         # an extra, and the other commands must run without them.
-        from .harness import DemoConfig, run
-        from .processes import NotACheckout, find_checkout
-        from .progress import ProgressBar
+        from ..demo.harness import DemoConfig, run
+        from ..demo.processes import NotACheckout, find_checkout
+        from ..demo.progress import ProgressBar
     except ImportError as exc:
         return fail(
             "demo", EXIT_USAGE, f"{exc}: install the demo's extra: pip install -e '.[demo]'"

@@ -11,16 +11,14 @@ after their current batch, and the command exits with status 0.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import os
 import re
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
@@ -29,13 +27,12 @@ from sqlalchemy.exc import DBAPIError
 from ..engine import Engine
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from ..migrate import VERSION_TABLE, migrations_dir
-from .completer import Completer
-from .enqueuer import Enqueuer
-from .loop import STRUCTURED, Worker, log_event, logfmt, on_stop
-from .reaper import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION, Reaper
-
-if TYPE_CHECKING:
-    from ..cli import _Subparsers
+from ..workers.completer import Completer
+from ..workers.enqueuer import Enqueuer
+from ..workers.loop import STRUCTURED, Worker, log_event, logfmt, on_stop
+from ..workers.reaper import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION, Reaper
+from ._app import UsageError, load_engine
+from ._common import Subparsers as _Subparsers
 
 # `all` runs them in this order with --once: keys the completer finishes stage jobs for
 # the enqueuer; the reaper goes last.
@@ -43,10 +40,6 @@ KINDS = ("completer", "enqueuer", "reaper")
 
 
 _CURRENT_REVISION = sa.text(f"SELECT version_num FROM {VERSION_TABLE}")
-
-
-class UsageError(Exception):
-    """Bad arguments or a bad ``--app``: exit status 2."""
 
 
 class StartError(Exception):
@@ -172,29 +165,6 @@ def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threa
         for thread in threads:
             thread.join(0.2)
     return EXIT_FAILED if crashed else EXIT_OK
-
-
-def load_engine(spec: str) -> Engine:
-    """The :class:`Engine` named by ``module:attr`` (``attr`` may be dotted)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise UsageError(f"--app must be MODULE:ATTR, e.g. myapp.jobs:engine; got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--app {spec}: cannot import {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise UsageError(f"--app {spec}: {module_name!r} has no attribute {attr!r}") from None
-    if not isinstance(target, Engine):
-        raise UsageError(
-            f"--app {spec}: expected a recoverypoint.Engine, got {type(target).__name__}"
-        )
-    return target
 
 
 def _check_database(engine: Engine) -> None:

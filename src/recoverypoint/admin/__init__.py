@@ -1,0 +1,101 @@
+"""The operator's library: find, explain and fix any key or staged job.
+
+Every query and action of ``recoverypoint keys|jobs|doctor`` lives here, so the CLI, a
+metrics collector and a web console share one implementation::
+
+    from recoverypoint import admin
+
+    ops = admin.Admin.for_engine(engine)             # or admin.Admin(sa_engine, operations)
+    for row in admin.list_keys(ops, admin.KeyFilter(states=("stuck",))):
+        admin.retry(ops, row.id)
+
+Actions are fenced like the engine's own writes (see :mod:`.key_actions`) and logged on the
+``recoverypoint.admin`` logger.
+"""
+
+from .base import (
+    ABANDONED,
+    DEFAULT_ABANDONED_RETENTION,
+    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_RETENTION,
+    DEFAULT_STUCK_AFTER,
+    FINISHED,
+    IN_FLIGHT,
+    STATES,
+    STUCK,
+    UNFINISHED,
+    Admin,
+    NotFound,
+    Refused,
+)
+from .doctor import Check, diagnose
+from .jobs import JobActionResult, JobFilter, delete_jobs, find_job, list_jobs, retry_jobs
+from .key_actions import (
+    DEFAULT_ABANDON_MESSAGE,
+    DEFAULT_ABANDON_STATUS,
+    ActionResult,
+    abandon,
+    delete,
+    purge,
+    release,
+    reopen,
+    retry,
+)
+from .keys import (
+    Job,
+    KeyDetail,
+    KeyFilter,
+    KeyRow,
+    Phase,
+    Stats,
+    StatsRow,
+    find_key,
+    list_keys,
+    stats,
+)
+from .mask import mask, mask_json
+
+__all__ = [
+    "ABANDONED",
+    "DEFAULT_ABANDONED_RETENTION",
+    "DEFAULT_ABANDON_MESSAGE",
+    "DEFAULT_ABANDON_STATUS",
+    "DEFAULT_LOCK_TIMEOUT",
+    "DEFAULT_RETENTION",
+    "DEFAULT_STUCK_AFTER",
+    "FINISHED",
+    "IN_FLIGHT",
+    "STATES",
+    "STUCK",
+    "UNFINISHED",
+    "ActionResult",
+    "Admin",
+    "Check",
+    "Job",
+    "JobActionResult",
+    "JobFilter",
+    "KeyDetail",
+    "KeyFilter",
+    "KeyRow",
+    "NotFound",
+    "Phase",
+    "Refused",
+    "Stats",
+    "StatsRow",
+    "abandon",
+    "delete",
+    "delete_jobs",
+    "diagnose",
+    "find_job",
+    "find_key",
+    "list_jobs",
+    "list_keys",
+    "mask",
+    "mask_json",
+    "purge",
+    "release",
+    "reopen",
+    "retry",
+    "retry_jobs",
+    "stats",
+]

@@ -1,0 +1,86 @@
+"""The SQL fragments the operator queries and actions share.
+
+A key's state is computed by the database, on its clock, with the lock timeout of the
+operation version that started the key (:data:`LOCK_TIMEOUT`), so a listing, a filter and
+the re-check inside an action's UPDATE judge a lease the same way the engine's claim does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The operations the caller knows, as a table (the completer builds the same one).
+REGISTERED = """
+    registered AS (
+        SELECT * FROM unnest(
+            CAST(:operations AS text[]), CAST(:versions AS integer[]),
+            CAST(:lock_timeouts AS double precision[])
+        ) AS r(operation, version, lock_timeout)
+    )
+"""
+
+# A subquery, not a join: it is evaluated again on the row version an UPDATE re-checks.
+LOCK_TIMEOUT = """
+    coalesce((SELECT r.lock_timeout FROM registered AS r
+              WHERE r.operation = k.operation AND r.version = k.operation_version),
+             CAST(:default_lock_timeout AS double precision))
+"""
+
+# The engine's own test for a lease nobody may take over (store._CLAIM_BY_ID's negation).
+LIVE = f"""
+    (k.finished_at IS NULL AND k.locked_at IS NOT NULL
+     AND k.locked_at > now() - make_interval(secs => {LOCK_TIMEOUT}))
+"""
+
+STATE = f"""
+    CASE
+        WHEN k.abandoned_at IS NOT NULL THEN 'abandoned'
+        WHEN k.finished_at IS NOT NULL THEN 'finished'
+        WHEN {LIVE} THEN 'in-flight'
+        WHEN k.next_attempt_at
+             < now() - make_interval(secs => CAST(:stuck_after AS double precision))
+            THEN 'stuck'
+        ELSE 'unfinished'
+    END
+"""
+
+SECONDS = "extract(epoch FROM {})::float8"
+
+KEY_COLUMNS = f"""
+    k.id, k.scope, k.operation, k.operation_version AS version,
+    k.idempotency_key AS key, k.recovery_point AS point, {STATE} AS state,
+    k.attempts, k.next_attempt_at, {SECONDS.format("k.next_attempt_at - now()")} AS next_attempt_in,
+    k.locked_at, k.lock_token, {LOCK_TIMEOUT} AS lock_timeout,
+    CASE WHEN k.finished_at IS NULL AND k.locked_at IS NOT NULL THEN
+        {SECONDS.format(f"k.locked_at + make_interval(secs => {LOCK_TIMEOUT}) - now()")}
+    END AS lease_left,
+    k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
+    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error
+"""
+
+DETAIL_COLUMNS = """
+    k.request_method, k.request_path, k.request_params, k.fingerprint,
+    k.state AS phase_state, k.response_headers, k.response_body,
+    EXISTS (SELECT 1 FROM registered AS r
+            WHERE r.operation = k.operation AND r.version = k.operation_version) AS known
+"""
+
+# One fragment per filter; the values are always bound, never spliced.
+_FILTERS = {
+    "ids": "k.id = ANY(CAST(:ids AS bigint[]))",
+    "operation": "k.operation = :operation",
+    "version": "k.operation_version = :version",
+    "scope": "k.scope = :scope",
+    "key": "k.idempotency_key = :key",
+    "point": "k.recovery_point = :point",
+    "since": "k.created_at >= :since",
+    "until": "k.created_at < :until",
+    "status": "k.response_status = :status",
+    "states": f"({STATE}) = ANY(CAST(:states AS text[]))",
+}
+
+
+def where(criteria: dict[str, Any]) -> str:
+    """The WHERE condition for the filters set in ``criteria`` (name → bound value)."""
+    clauses = [_FILTERS[name] for name, value in criteria.items() if value is not None]
+    return " AND ".join(clauses) or "true"

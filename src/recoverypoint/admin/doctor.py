@@ -1,0 +1,204 @@
+"""``doctor``: is this database ready for recoverypoint, and is anything piling up?
+
+Each check says ``ok``, ``warn`` (works, but look at it) or ``fail`` (recoverypoint cannot
+work as it is), with what to do next. A check that cannot run for want of an earlier one
+(no connection, no schema) is not run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from alembic.script import ScriptDirectory
+from sqlalchemy.exc import DBAPIError
+
+from ..migrate import VERSION_TABLE, migrations_dir
+from .base import STUCK, Admin
+from .keys import stats
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+TABLES = ("idempotency_keys", "staged_jobs")
+MAX_SKEW = 2.0
+"""Seconds between this host's clock and the database's before the doctor warns."""
+OLD_JOB = 300.0
+"""Seconds a staged job may wait before the doctor asks whether an enqueuer runs."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    hint: str = ""
+
+
+def diagnose(admin: Admin) -> list[Check]:
+    """Run every check, in order; stops after the database or schema check fails."""
+    checks: list[Check] = []
+    for run in _CHECKS:
+        check = run(admin)
+        checks.append(check)
+        if check.status == FAIL and run in (_database, _schema):
+            break
+    return checks
+
+
+def _database(admin: Admin) -> Check:
+    url = admin.db.url.render_as_string(hide_password=True)
+    try:
+        with admin.db.connect() as conn:
+            version = conn.execute(sa.text("SHOW server_version")).scalar_one()
+    except DBAPIError as exc:
+        detail = " ".join(str(exc.orig or exc).split())
+        return Check("database", FAIL, f"{url}: {detail}", "check the URL, the server and the role")
+    return Check("database", OK, f"{url}: PostgreSQL {version}")
+
+
+def schema_revision(conn: sa.Connection) -> tuple[str | None, str]:
+    """The schema's revision in the database (``None``: not migrated) and this version's head."""
+    head = ScriptDirectory(str(migrations_dir())).get_current_head()
+    assert head is not None, "recoverypoint's migrations have no revisions"
+    if not sa.inspect(conn).has_table(VERSION_TABLE):
+        return None, head
+    current = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+    return current, head
+
+
+def _schema(admin: Admin) -> Check:
+    with admin.db.connect() as conn:
+        current, head = schema_revision(conn)
+    if current is None:
+        return Check("schema", FAIL, "not migrated", "run `recoverypoint migrate`")
+    script = ScriptDirectory(str(migrations_dir()))
+    known = {revision.revision for revision in script.walk_revisions()}
+    if current == head:
+        return Check("schema", OK, f"at revision {head} (head)")
+    if current not in known:
+        # A newer recoverypoint migrated it: its schema still holds ours.
+        return Check(
+            "schema",
+            WARN,
+            f"at revision {current}, newer than this version's {head}",
+            "upgrade recoverypoint here",
+        )
+    return Check(
+        "schema", FAIL, f"at revision {current}, head is {head}", "run `recoverypoint migrate`"
+    )
+
+
+def _clock(admin: Admin) -> Check:
+    with admin.db.connect() as conn:
+        before = time.time()
+        server = conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())::float8"))
+        after = time.time()
+        skew = float(server.scalar_one()) - (before + after) / 2
+    detail = f"this host is {abs(skew):.3f}s {'behind' if skew > 0 else 'ahead of'} the database"
+    if abs(skew) > MAX_SKEW:
+        return Check(
+            "clock",
+            WARN,
+            detail,
+            "leases run on the database's clock, so keys are "
+            "safe; sync this host with NTP so logs and timestamps line up",
+        )
+    return Check("clock", OK, detail)
+
+
+_AUTOVACUUM = sa.text(
+    """
+    SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), '') AS options,
+           s.n_live_tup, s.n_dead_tup
+    FROM pg_class AS c
+    LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+    WHERE c.relname = ANY(CAST(:tables AS text[])) AND pg_table_is_visible(c.oid)
+    ORDER BY c.relname
+    """
+)
+
+
+def _autovacuum(admin: Admin) -> Check:
+    with admin.db.connect() as conn:
+        enabled = conn.execute(sa.text("SHOW autovacuum")).scalar_one() == "on"
+        tables = list(conn.execute(_AUTOVACUUM, {"tables": list(TABLES)}))
+    off = [
+        t.relname
+        for t in tables
+        if "autovacuum_enabled=false" in t.options or "autovacuum_enabled=off" in t.options
+    ]
+    dead = ", ".join(f"{t.relname} {t.n_dead_tup or 0} dead of {t.n_live_tup or 0}" for t in tables)
+    if not enabled:
+        return Check(
+            "autovacuum",
+            WARN,
+            f"autovacuum is off on the server ({dead})",
+            "both tables churn (every key and job is deleted in the end): set "
+            "autovacuum = on in postgresql.conf, or vacuum them on a schedule",
+        )
+    if off:
+        return Check(
+            "autovacuum",
+            WARN,
+            f"autovacuum is off for {', '.join(off)} ({dead})",
+            "both tables churn: ALTER TABLE ... RESET (autovacuum_enabled)",
+        )
+    return Check("autovacuum", OK, f"on ({dead})")
+
+
+def _jobs(admin: Admin) -> Check:
+    figures = stats(admin)
+    detail = f"{figures.staged_jobs} staged, {figures.failing_jobs} failing to publish"
+    if figures.oldest_job is not None:
+        detail += f", oldest {figures.oldest_job:.0f}s"
+    if figures.failing_jobs or (figures.oldest_job or 0) > OLD_JOB:
+        return Check(
+            "staged jobs",
+            WARN,
+            detail,
+            "is an enqueuer running? "
+            "(`recoverypoint worker enqueuer`); see `recoverypoint jobs list --failing`",
+        )
+    return Check("staged jobs", OK, detail)
+
+
+def _keys(admin: Admin) -> Check:
+    figures = stats(admin)
+    stuck, abandoned = figures.by_state[STUCK], figures.by_state["abandoned"]
+    detail = f"{sum(figures.by_state.values())} keys, {stuck} stuck, {abandoned} abandoned"
+    if stuck:
+        return Check("keys", WARN, detail, "see `recoverypoint keys list --state stuck`")
+    return Check("keys", OK, detail)
+
+
+def _pooler(admin: Admin) -> Check:
+    """Three transactions on one client connection: more than one server backend answering
+    them means a pooler in transaction (or statement) mode sits in between."""
+    with admin.db.connect() as conn:
+        pids = set()
+        for _ in range(3):
+            with conn.begin():
+                pids.add(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+    if len(pids) > 1:
+        return Check(
+            "pooler",
+            WARN,
+            "a pooler in transaction mode answers (server backends "
+            f"{sorted(pids)} for one connection)",
+            "each phase is one transaction, "
+            "which fits; use PgBouncer >= 1.21 with max_prepared_statements, or "
+            "connect_args={'prepare_threshold': None}",
+        )
+    return Check("pooler", OK, "none in transaction mode seen (one backend per connection)")
+
+
+_CHECKS: tuple[Callable[[Admin], Check], ...] = (
+    _database,
+    _schema,
+    _clock,
+    _autovacuum,
+    _jobs,
+    _keys,
+    _pooler,
+)

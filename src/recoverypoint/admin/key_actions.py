@@ -1,0 +1,398 @@
+"""Changing keys: retry, release, abandon, reopen, delete, purge; one key or many.
+
+Every action is fenced like the engine's own writes. It is decided on rows as they were
+read (their id and lease token), then applied in one UPDATE or DELETE whose WHERE checks
+that condition again, on the row as it is when the statement gets it: a key whose lease
+changed hands, or that finished, since it was read is left alone and reported. So an
+action never races a running phase into a double effect:
+
+- ``release`` clears the lease only while the token it saw still holds it; a forced
+  release of a live lease clears it anyway, and the holder's next fenced write (every
+  engine write checks ``lock_token``) fails with :class:`~recoverypoint.LockLost` and
+  rolls back;
+- ``abandon`` finishes a key only while it is unfinished and no live lease holds it, or,
+  forced, while the lease it saw does;
+- ``delete`` of an unfinished key needs ``force``: a retry would start over under a new id,
+  with new downstream keys, and repeat its foreign steps.
+
+A statement that finds the row locked by a running phase waits ``Admin.lock_wait``
+seconds at most, then refuses. Every action that runs (not a dry run) writes an audit line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+
+from ..keys import canonical_json
+from ..operation import FINISHED
+from . import audit
+from ._sql import KEY_COLUMNS, LIVE, REGISTERED
+from .base import ABANDONED, Admin, Refused
+from .keys import KeyFilter, KeyRow, find_key, list_keys
+
+DEFAULT_ABANDON_STATUS = 500
+DEFAULT_ABANDON_MESSAGE = "This request was abandoned by an operator and will not be retried."
+SAMPLE_SIZE = 5
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """What an action found and did."""
+
+    action: str
+    matched: int
+    """Keys the selection found."""
+    eligible: tuple[int, ...]
+    """Those the action applied to, as they were read."""
+    changed: tuple[int, ...]
+    """Those it changed; the rest changed meanwhile and were left alone."""
+    dry_run: bool = False
+    sample: tuple[KeyRow, ...] = ()
+    """A dry run's first eligible keys."""
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        done = set(self.changed)
+        return tuple(i for i in self.eligible if i not in done)
+
+
+_SEEN = """
+    seen AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]))
+            AS s(id, lock_token)
+    )
+"""
+
+_RETRY = sa.text(
+    f"""
+    WITH {_SEEN}
+    UPDATE idempotency_keys AS k
+    SET next_attempt_at = now(), attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
+    FROM seen AS s
+    WHERE k.id = s.id AND k.finished_at IS NULL
+    RETURNING k.id
+    """
+)
+
+# Only the lease that was seen; a live one only when forced.
+_RELEASE = sa.text(
+    f"""
+    WITH {REGISTERED}, {_SEEN}
+    UPDATE idempotency_keys AS k
+    SET locked_at = NULL, lock_token = NULL
+    FROM seen AS s
+    WHERE k.id = s.id AND k.finished_at IS NULL AND k.lock_token = s.lock_token
+      AND (:force OR NOT {LIVE})
+    RETURNING k.id
+    """
+)
+
+# As the completer abandons a key: finished with an error response, its lease cleared.
+_ABANDON = sa.text(
+    f"""
+    WITH {REGISTERED}, {_SEEN}
+    UPDATE idempotency_keys AS k
+    SET finished_at = now(), abandoned_at = now(), response_status = :status,
+        response_headers = '{{}}'::jsonb, response_body = CAST(:body AS jsonb),
+        locked_at = NULL, lock_token = NULL
+    FROM seen AS s
+    WHERE k.id = s.id AND k.finished_at IS NULL
+      AND (NOT {LIVE} OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
+    RETURNING k.id
+    """
+)
+
+# Abandoned → unfinished, at the recovery point it was abandoned at, due at once.
+_REOPEN = sa.text(
+    f"""
+    WITH {_SEEN}
+    UPDATE idempotency_keys AS k
+    SET finished_at = NULL, abandoned_at = NULL, response_status = NULL,
+        response_headers = NULL, response_body = NULL, next_attempt_at = now(),
+        attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
+    FROM seen AS s
+    WHERE k.id = s.id AND k.abandoned_at IS NOT NULL AND k.recovery_point <> 'finished'
+    RETURNING k.id
+    """
+)
+
+# Staged jobs keep their row, unlinked, as the reaper leaves them.
+_DELETE = sa.text(
+    f"""
+    WITH {_SEEN},
+    deleted AS (
+        DELETE FROM idempotency_keys AS k USING seen AS s
+        WHERE k.id = s.id
+          AND (k.finished_at IS NOT NULL
+               OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
+        RETURNING k.id
+    ),
+    unlinked AS (
+        UPDATE staged_jobs AS j SET idempotency_key_id = NULL
+        FROM deleted AS d WHERE j.idempotency_key_id = d.id
+    )
+    SELECT id FROM deleted
+    """
+)
+
+_PURGEABLE = """
+    k.finished_at < now() - make_interval(secs => :older_than)
+    AND (:abandoned OR k.abandoned_at IS NULL)
+"""
+
+_PURGE_BATCH = sa.text(
+    f"""
+    WITH doomed AS (
+        SELECT k.id FROM idempotency_keys AS k
+        WHERE {_PURGEABLE}
+        ORDER BY k.finished_at
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    ),
+    deleted AS (
+        DELETE FROM idempotency_keys AS k USING doomed
+        WHERE k.id = doomed.id
+        RETURNING k.id
+    ),
+    unlinked AS (
+        UPDATE staged_jobs AS j SET idempotency_key_id = NULL
+        FROM deleted AS d WHERE j.idempotency_key_id = d.id
+    )
+    SELECT id FROM deleted
+    """
+)
+
+_PURGE_COUNT = sa.text(f"SELECT count(*) FROM idempotency_keys AS k WHERE {_PURGEABLE}")
+
+_PURGE_SAMPLE = sa.text(
+    f"""
+    WITH {REGISTERED}
+    SELECT {KEY_COLUMNS} FROM idempotency_keys AS k
+    WHERE {_PURGEABLE}
+    ORDER BY k.finished_at
+    LIMIT :limit
+    """
+)
+
+# Why an action does not apply to a key as read; None when it does.
+_Check = Callable[[KeyRow, bool], "str | None"]
+
+
+def _retryable(row: KeyRow, force: bool) -> str | None:
+    if row.finished:
+        hint = "; reopen it to run it again" if row.state == ABANDONED else ""
+        return f"key {row.id} is {row.state} (status {row.status}): nothing to retry{hint}"
+    return None
+
+
+def _releasable(row: KeyRow, force: bool) -> str | None:
+    if row.finished or row.lock_token is None:
+        return f"key {row.id} holds no lease ({row.state}): nothing to release"
+    if row.live and not force:
+        return _live_lease(row, "release")
+    return None
+
+
+def _abandonable(row: KeyRow, force: bool) -> str | None:
+    if row.finished:
+        return f"key {row.id} is already {row.state} (status {row.status})"
+    if row.live and not force:
+        return _live_lease(row, "abandon")
+    return None
+
+
+def _reopenable(row: KeyRow, force: bool) -> str | None:
+    if row.state != ABANDONED:
+        return f"key {row.id} is {row.state}: only abandoned keys reopen"
+    if row.point == FINISHED:
+        return f"key {row.id} was abandoned after its last phase: there is nothing to run"
+    return None
+
+
+def _deletable(row: KeyRow, force: bool) -> str | None:
+    if not row.finished and not force:
+        return (
+            f"key {row.id} is {row.state}: deleted, a retry would start it over under a new "
+            "id and new downstream keys, and repeat its foreign steps; abandon it instead, "
+            "or pass --force"
+        )
+    return None
+
+
+def _live_lease(row: KeyRow, verb: str) -> str:
+    return (
+        f"key {row.id} is held by a live lease ({row.lease_left or 0:.0f}s left, token "
+        f"{row.lock_token}): a request is running it. Wait for the lease to end, or "
+        f"{verb} with --force: the holder's next write then fails with LockLost and rolls back"
+    )
+
+
+def retry(
+    admin: Admin,
+    target: int | KeyFilter,
+    *,
+    reset_attempts: bool = False,
+    dry_run: bool = False,
+) -> ActionResult:
+    """Make unfinished keys due now (the completer takes them on its next pass, once their
+    ``min_age`` has passed), optionally with their attempts counted from zero."""
+    return _act(admin, "keys.retry", target, _retryable, _RETRY, dry_run, reset=reset_attempts)
+
+
+def release(
+    admin: Admin, target: int | KeyFilter, *, force: bool = False, dry_run: bool = False
+) -> ActionResult:
+    """Clear expired leases; live ones too with ``force`` (their holder then fails with
+    LockLost at its next write, and the key can be taken over at once)."""
+    return _act(admin, "keys.release", target, _releasable, _RELEASE, dry_run, force=force)
+
+
+def abandon(
+    admin: Admin,
+    target: int | KeyFilter,
+    *,
+    status: int = DEFAULT_ABANDON_STATUS,
+    message: str = DEFAULT_ABANDON_MESSAGE,
+    force: bool = False,
+    dry_run: bool = False,
+) -> ActionResult:
+    """Finish unfinished keys with a stored error response that retries replay, as the
+    completer does after ``max_attempts``."""
+    if not 400 <= status <= 599:
+        raise ValueError(f"an abandoned key answers with an error: status 400 to 599, not {status}")
+    body = canonical_json({"error": "request_abandoned", "message": message})
+    return _act(
+        admin,
+        "keys.abandon",
+        target,
+        _abandonable,
+        _ABANDON,
+        dry_run,
+        force=force,
+        status=status,
+        body=body,
+    )
+
+
+def reopen(
+    admin: Admin,
+    target: int | KeyFilter,
+    *,
+    reset_attempts: bool = True,
+    dry_run: bool = False,
+) -> ActionResult:
+    """Make abandoned keys unfinished again, due now, at the recovery point they stopped
+    at. Attempts restart from zero unless told otherwise, or the completer would abandon
+    them again at once."""
+    return _act(admin, "keys.reopen", target, _reopenable, _REOPEN, dry_run, reset=reset_attempts)
+
+
+def delete(
+    admin: Admin, target: int | KeyFilter, *, force: bool = False, dry_run: bool = False
+) -> ActionResult:
+    """Delete finished keys; unfinished ones only with ``force``."""
+    return _act(admin, "keys.delete", target, _deletable, _DELETE, dry_run, force=force)
+
+
+def purge(
+    admin: Admin,
+    older_than: timedelta,
+    *,
+    include_abandoned: bool = False,
+    dry_run: bool = False,
+    batch_size: int = 1000,
+) -> ActionResult:
+    """Delete keys finished more than ``older_than`` ago (by the database's clock), in
+    batches of one transaction each, as the reaper does; abandoned ones only if asked."""
+    params: dict[str, Any] = {
+        **admin.params(),
+        "older_than": older_than.total_seconds(),
+        "abandoned": include_abandoned,
+    }
+    with admin.db.connect() as conn:
+        matched = int(conn.execute(_PURGE_COUNT, params).scalar_one())
+        sample = tuple(
+            KeyRow(**r._mapping)
+            for r in conn.execute(_PURGE_SAMPLE, {**params, "limit": SAMPLE_SIZE})
+        )
+    if dry_run:
+        return ActionResult("keys.purge", matched, (), (), dry_run=True, sample=sample)
+    deleted: list[int] = []
+    while True:
+        with admin.db.begin() as conn:
+            batch = list(conn.execute(_PURGE_BATCH, {**params, "batch_size": batch_size}).scalars())
+        deleted += batch
+        if len(batch) < batch_size:
+            break
+    audit.record(
+        admin.actor,
+        "keys.purge",
+        deleted,
+        older_than=f"{older_than.total_seconds():g}s",
+        abandoned=include_abandoned,
+    )
+    return ActionResult("keys.purge", matched, tuple(deleted), tuple(deleted))
+
+
+def _act(
+    admin: Admin,
+    action: str,
+    target: int | KeyFilter,
+    check: _Check,
+    statement: sa.TextClause,
+    dry_run: bool,
+    **params: Any,
+) -> ActionResult:
+    """Read the target, decide, apply fenced. One key: a reason not to is :class:`Refused`
+    (so is a key that changed in between). Many: keys the action does not apply to are
+    passed over, and the result tells how many it changed."""
+    force = bool(params.get("force", False))
+    if isinstance(target, int):
+        rows = [find_key(admin, target).row]
+        reason = check(rows[0], force)
+        if reason is not None:
+            raise Refused(reason)
+    else:
+        rows = list_keys(admin, target)
+    eligible = [row for row in rows if check(row, force) is None]
+    ids = tuple(row.id for row in eligible)
+    if dry_run:
+        return ActionResult(action, len(rows), ids, (), True, tuple(eligible[:SAMPLE_SIZE]))
+    changed = _apply(admin, statement, eligible, params) if eligible else ()
+    fields = {name: value for name, value in params.items() if name != "body"}
+    audit.record(admin.actor, action, changed, matched=len(rows), **fields)
+    if isinstance(target, int) and not changed:
+        raise Refused(
+            f"key {target} changed since it was read (its lease or state moved on): "
+            f"nothing was done; look again with `recoverypoint keys show {target}`"
+        )
+    return ActionResult(action, len(rows), ids, changed)
+
+
+def _apply(
+    admin: Admin, statement: sa.TextClause, rows: Sequence[KeyRow], params: dict[str, Any]
+) -> tuple[int, ...]:
+    seen = {"ids": [r.id for r in rows], "tokens": [r.lock_token for r in rows]}
+    try:
+        with admin.db.begin() as conn:
+            # A running phase holds its key's row lock until it commits: wait that long
+            # at most, never behind a stuck transaction.
+            conn.execute(
+                sa.text("SELECT set_config('lock_timeout', :wait, true)"),
+                {"wait": f"{int(admin.lock_wait * 1000)}ms"},
+            )
+            changed = conn.execute(statement, {**admin.params(), **params, **seen}).scalars()
+            return tuple(sorted(changed))
+    except OperationalError as exc:
+        if isinstance(exc.orig, psycopg.errors.LockNotAvailable):
+            raise Refused(
+                "a running phase is writing these keys; nothing was done: try again in a moment"
+            ) from exc
+        raise

@@ -1,0 +1,330 @@
+"""Reading keys: list them with filters, show one in full, count them.
+
+Every figure that depends on time (a state, a lease left, an age) is computed by the
+database on its own clock, as the engine judges leases; never by the caller's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import sqlalchemy as sa
+
+from ..keys import derived_key
+from ..operation import STARTED, Operation
+from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
+from .base import ABANDONED, FINISHED, STATES, Admin, NotFound
+from .mask import mask, mask_json
+
+
+@dataclass(frozen=True)
+class KeyFilter:
+    """Which keys a listing (or a bulk action) takes; unset filters take every key."""
+
+    ids: tuple[int, ...] = ()
+    operation: str | None = None
+    version: int | None = None
+    scope: str | None = None
+    key: str | None = None
+    states: tuple[str, ...] = ()
+    point: str | None = None
+    since: datetime | None = None
+    """Created at or after."""
+    until: datetime | None = None
+    """Created before."""
+    status: int | None = None
+    limit: int | None = 50
+    """Newest first; ``None`` for no limit."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.states) - set(STATES)
+        if unknown:
+            raise ValueError(
+                f"unknown state {sorted(unknown)[0]!r}: use one of {', '.join(STATES)}"
+            )
+
+    def is_empty(self) -> bool:
+        """Whether no filter narrows the selection (``limit`` aside)."""
+        return not self.criteria()
+
+    def criteria(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        del values["limit"]
+        for name in ("ids", "states"):
+            values[name] = list(values[name]) or None
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One key as a listing shows it. Seconds are relative to the database's clock."""
+
+    id: int
+    scope: str
+    operation: str
+    version: int
+    key: str
+    point: str
+    state: str
+    attempts: int
+    next_attempt_at: datetime
+    next_attempt_in: float
+    """Negative when overdue."""
+    locked_at: datetime | None
+    lock_token: UUID | None
+    lock_timeout: float
+    lease_left: float | None
+    """Seconds until the lease expires, negative once expired; ``None`` when free."""
+    status: int | None
+    created_at: datetime
+    age: float
+    last_run_at: datetime
+    finished_at: datetime | None
+    abandoned_at: datetime | None
+    last_error: str | None
+
+    @property
+    def live(self) -> bool:
+        """Whether a request holds the lease and nobody may take it over."""
+        return self.lease_left is not None and self.lease_left > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+
+@dataclass(frozen=True)
+class Phase:
+    point: str
+    kind: str
+    """``atomic`` or ``foreign``."""
+    mark: str
+    """``done``, ``current`` (the key's recovery point) or ``pending``."""
+    downstream_key: str | None = None
+    """A foreign step's ``step.downstream_key()`` (for a call without a name)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A staged job, as ``staged_jobs`` holds it until the enqueuer publishes it."""
+
+    id: int
+    job_name: str
+    job_args: Any
+    job_key: str
+    idempotency_key_id: int | None
+    created_at: datetime
+    attempts: int
+    next_attempt_at: datetime
+    last_error: str | None
+    age: float
+
+
+@dataclass(frozen=True)
+class KeyDetail:
+    """Everything about one key: what ``keys show`` prints."""
+
+    row: KeyRow
+    request_method: str
+    request_path: str
+    request_params: Any
+    fingerprint: str
+    phase_state: Any
+    response_headers: Any
+    response_body: Any
+    known: bool
+    """Whether the operation version is known here (its lock timeout and phases are)."""
+    phases: tuple[Phase, ...]
+    jobs: tuple[Job, ...]
+    lease_expires_at: datetime | None
+    reaped_after: datetime | None
+    """When the reaper may delete the key (finished keys only)."""
+
+
+_SELECT = f"""
+    WITH {REGISTERED}
+    SELECT {KEY_COLUMNS} FROM idempotency_keys AS k
+    WHERE {{where}}
+    ORDER BY k.created_at DESC, k.id DESC
+    LIMIT :limit
+"""
+
+_DETAIL = f"""
+    WITH {REGISTERED}
+    SELECT {KEY_COLUMNS}, {DETAIL_COLUMNS} FROM idempotency_keys AS k
+    WHERE {{where}}
+"""
+
+JOB_COLUMNS = """
+    j.id, j.job_name, j.job_args, j.job_key, j.idempotency_key_id, j.created_at,
+    j.attempts, j.next_attempt_at, j.last_error,
+    extract(epoch FROM now() - j.created_at)::float8 AS age
+"""
+
+_JOBS_OF_KEY = sa.text(
+    f"SELECT {JOB_COLUMNS} FROM staged_jobs AS j WHERE j.idempotency_key_id = :id ORDER BY j.id"
+)
+
+_STATS = sa.text(
+    f"""
+    WITH {REGISTERED}
+    SELECT k.operation, k.operation_version AS version, {STATE} AS state,
+           k.recovery_point AS point, count(*) AS keys,
+           extract(epoch FROM now() - min(k.created_at))::float8 AS oldest
+    FROM idempotency_keys AS k
+    GROUP BY 1, 2, 3, 4
+    ORDER BY 1, 2, 3, 4
+    """
+)
+
+_JOB_STATS = sa.text(
+    """
+    SELECT count(*) AS jobs, count(*) FILTER (WHERE attempts > 0) AS failing,
+           extract(epoch FROM now() - min(created_at))::float8 AS oldest
+    FROM staged_jobs
+    """
+)
+
+
+def list_keys(admin: Admin, filters: KeyFilter, *, reveal: bool = False) -> list[KeyRow]:
+    """The keys ``filters`` selects, newest first; scopes masked unless ``reveal``."""
+    criteria = filters.criteria()
+    sql = sa.text(_SELECT.format(where=where(criteria)))
+    with admin.db.connect() as conn:
+        result = conn.execute(sql, {**admin.params(), **criteria, "limit": filters.limit})
+        rows = [KeyRow(**row._mapping) for row in result]
+    return rows if reveal else [dataclasses.replace(r, scope=mask(r.scope)) for r in rows]
+
+
+def find_key(
+    admin: Admin,
+    key_id: int | None = None,
+    *,
+    scope: str | None = None,
+    operation: str | None = None,
+    key: str | None = None,
+    reveal: bool = False,
+) -> KeyDetail:
+    """One key, by id or by its scope, operation and key; raises :class:`NotFound`."""
+    if key_id is not None:
+        criteria: dict[str, Any] = {"ids": [key_id]}
+        what = f"key {key_id}"
+    elif scope is not None and operation is not None and key is not None:
+        criteria = {"scope": scope, "operation": operation, "key": key}
+        what = f"key {key!r} of operation {operation!r} in that scope"
+    else:
+        raise ValueError("name a key by its id, or by its scope, operation and key")
+    with admin.db.connect() as conn:
+        found = conn.execute(
+            sa.text(_DETAIL.format(where=where(criteria))), {**admin.params(), **criteria}
+        ).one_or_none()
+        if found is None:
+            raise NotFound(f"there is no {what}: list keys with `recoverypoint keys list`")
+        jobs = tuple(Job(**j._mapping) for j in conn.execute(_JOBS_OF_KEY, {"id": found.id}))
+    values = dict(found._mapping)
+    detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
+    row = KeyRow(**values)
+    if not reveal:
+        row = dataclasses.replace(row, scope=mask(row.scope))
+        detail["request_params"] = mask_json(detail["request_params"])
+    operation_ = admin.operation(row.operation, row.version)
+    return KeyDetail(
+        row=row,
+        **detail,
+        phases=phases(operation_, row) if operation_ is not None else (),
+        jobs=jobs,
+        lease_expires_at=(
+            row.locked_at + timedelta(seconds=row.lock_timeout) if row.locked_at else None
+        ),
+        reaped_after=_reaped_after(admin, row),
+    )
+
+
+_DETAIL_FIELDS = (
+    "request_method",
+    "request_path",
+    "request_params",
+    "fingerprint",
+    "phase_state",
+    "response_headers",
+    "response_body",
+    "known",
+)
+
+
+def phases(operation: Operation[Any], row: KeyRow) -> tuple[Phase, ...]:
+    """The declared phases, the key's point marked, each step's downstream key."""
+    points = [STARTED, *(p.point for p in operation.phases)]
+    at = points.index(row.point) if row.point in points else -1
+    found: list[Phase] = [Phase(STARTED, "start", _mark(0, at))]
+    for index, phase in enumerate(operation.phases, start=1):
+        mark = _mark(index, at)
+        downstream = None
+        if not phase.atomic:
+            # What StepContext.downstream_key() returns in this step: the same inputs.
+            downstream = derived_key(
+                "downstream", row.id, row.created_at, phase.point, "", operation=operation.name
+            )
+        found.append(Phase(phase.point, phase.kind, mark, downstream))
+    return tuple(found)
+
+
+def _mark(index: int, at: int) -> str:
+    if at < 0:  # a point this version does not declare (see Operation.next_phase)
+        return "unknown"
+    return "done" if index < at else "current" if index == at else "pending"
+
+
+def _reaped_after(admin: Admin, row: KeyRow) -> datetime | None:
+    if row.finished_at is None:
+        return None
+    if row.abandoned_at is not None:
+        return row.abandoned_at + admin.abandoned_retention
+    return row.finished_at + admin.retention
+
+
+@dataclass(frozen=True)
+class StatsRow:
+    operation: str
+    version: int
+    state: str
+    point: str
+    keys: int
+    oldest: float
+    """Age in seconds of the oldest key of the group."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    groups: tuple[StatsRow, ...]
+    """Counts by operation, version, state and recovery point."""
+    by_state: dict[str, int]
+    oldest_unfinished: float | None
+    """Age in seconds of the oldest key not finished; ``None`` when there is none."""
+    staged_jobs: int
+    failing_jobs: int
+    """Staged jobs whose publish failed at least once."""
+    oldest_job: float | None
+
+
+def stats(admin: Admin) -> Stats:
+    """Counts of keys by operation, state and recovery point, and of staged jobs."""
+    with admin.db.connect() as conn:
+        groups = tuple(StatsRow(**r._mapping) for r in conn.execute(_STATS, admin.params()))
+        jobs = conn.execute(_JOB_STATS).one()
+    by_state = dict.fromkeys(STATES, 0)
+    for group in groups:
+        by_state[group.state] += group.keys
+    unfinished = [g.oldest for g in groups if g.state not in (FINISHED, ABANDONED)]
+    return Stats(
+        groups=groups,
+        by_state=by_state,
+        oldest_unfinished=max(unfinished, default=None),
+        staged_jobs=jobs.jobs,
+        failing_jobs=jobs.failing,
+        oldest_job=jobs.oldest,
+    )

@@ -1,0 +1,57 @@
+"""The ``recoverypoint`` command: one module per command family.
+
+Each family adds its parser and sets ``handler``; a new one only needs to be added to
+:data:`_COMMANDS`. Nothing imports this package: it sits on top of every other layer.
+
+Every command behaves in a pipe: stdout carries the data (``--json`` for scripts),
+stderr one line per error and the audit trail, and a reader that goes away early
+(``| head -1``) ends the command quietly, with status 141 as for any tool SIGPIPE stops.
+The exit statuses are listed in :mod:`recoverypoint.exits`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from ..exits import EXIT_BROKEN_PIPE
+from ._common import Handler, Subparsers
+from .demo import add_demo
+from .doctor import add_doctor
+from .jobs import add_jobs
+from .keys import add_keys
+from .migrate import add_migrate
+from .worker import add_worker
+
+_COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    add_migrate,
+    add_worker,
+    add_keys,
+    add_jobs,
+    add_doctor,
+    add_demo,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="recoverypoint",
+        description="Idempotency keys with recovery points on PostgreSQL.",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for add_command in _COMMANDS:
+        add_command(subparsers)
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        status = handler(args)
+        sys.stdout.flush()  # here, so a closed pipe is met inside the try
+    except BrokenPipeError:
+        # The reader has all it wanted. Point stdout at /dev/null so the interpreter's
+        # own flush at exit does not fail again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return status

@@ -1,0 +1,89 @@
+"""The key selection the ``keys`` commands share: filter options, and a key as a table row."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import admin
+from ._common import add_database_options, add_stuck_after, instant
+from ._output import due, seconds, truncate
+
+
+def add_common(parser: argparse.ArgumentParser, *, reveal: bool = True) -> None:
+    add_database_options(parser)
+    add_stuck_after(parser)
+    if reveal:
+        parser.add_argument("--reveal", action="store_true", help="show scopes and params unmasked")
+
+
+def add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
+    group = parser.add_argument_group("filters (all must match)")
+    group.add_argument("--operation", metavar="NAME")
+    group.add_argument("--version", type=int, metavar="N", help="operation version")
+    group.add_argument("--scope")
+    group.add_argument("--key", metavar="KEY", help="the client's idempotency key")
+    group.add_argument(
+        "--state",
+        action="append",
+        choices=admin.STATES,
+        help="repeat for several: --state stuck --state unfinished",
+    )
+    group.add_argument("--point", metavar="NAME", help="recovery point")
+    group.add_argument(
+        "--since", type=instant, metavar="TIME", help="created at or after: ISO time, or 2h ago"
+    )
+    group.add_argument("--until", type=instant, metavar="TIME", help="created before")
+    group.add_argument("--status", type=int, metavar="CODE", help="stored response status")
+    group.add_argument(
+        "--limit", type=int, default=limit, metavar="N", help=f"at most N keys (default {limit})"
+    )
+
+
+def key_filter(args: argparse.Namespace, ids: tuple[int, ...] = ()) -> admin.KeyFilter:
+    return admin.KeyFilter(
+        ids=ids,
+        operation=args.operation,
+        version=args.version,
+        scope=args.scope,
+        key=args.key,
+        states=tuple(args.state or ()),
+        point=args.point,
+        since=args.since,
+        until=args.until,
+        status=args.status,
+        limit=args.limit,
+    )
+
+
+KEY_HEADERS = (
+    "id",
+    "operation",
+    "key",
+    "recovery point",
+    "state",
+    "attempts",
+    "next attempt",
+    "lease left",
+    "status",
+    "age",
+    "last error",
+)
+
+
+def key_cells(row: admin.KeyRow) -> list[object]:
+    lease = None
+    if row.lease_left is not None:
+        lease = seconds(row.lease_left) if row.lease_left > 0 else "expired"
+    return [
+        row.id,
+        f"{row.operation}@{row.version}",
+        truncate(row.key, 36),
+        row.point,
+        row.state,
+        row.attempts,
+        None if row.finished else due(row.next_attempt_in),
+        lease,
+        row.status,
+        seconds(row.age),
+        truncate(row.last_error),
+    ]

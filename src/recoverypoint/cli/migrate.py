@@ -1,0 +1,69 @@
+"""``recoverypoint migrate``: create or upgrade recoverypoint's tables, or print the SQL."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from alembic.util import CommandError
+from sqlalchemy.exc import DBAPIError
+
+from .. import migrate
+from ..database import DATABASE_URL_ENV, normalize_url
+from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
+from ._common import Subparsers
+
+
+def add_migrate(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "migrate",
+        help="create or upgrade recoverypoint's tables",
+        description=(
+            "Bring recoverypoint's tables to the newest schema; a database already there is "
+            "left alone. The version is kept in recoverypoint_alembic_version, apart from "
+            "your own Alembic history."
+        ),
+    )
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=os.environ.get(DATABASE_URL_ENV),
+        help=f"postgresql://user:password@host:port/database (default: ${DATABASE_URL_ENV})",
+    )
+    parser.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the SQL instead of running it; no database is contacted",
+    )
+    parser.set_defaults(handler=_migrate)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    if args.sql:
+        migrate.upgrade_sql(sys.stdout)
+        return EXIT_OK
+    if not args.database_url:
+        return fail(
+            "migrate",
+            EXIT_USAGE,
+            f"no database to migrate: pass --database-url postgresql://user:password@host/db "
+            f"or set {DATABASE_URL_ENV} (or use --sql to print the SQL instead)",
+        )
+    try:
+        url = normalize_url(args.database_url)
+    except ValueError as exc:
+        return fail("migrate", EXIT_USAGE, str(exc))
+    try:
+        result = migrate.upgrade(url)
+    except DBAPIError as exc:
+        # The driver's message says what went wrong (refused, no such database, bad
+        # password); a traceback would only bury it. Its lines are joined into one.
+        detail = " ".join(str(exc.orig or exc).split())
+        return fail("migrate", EXIT_FAILED, f"{url.render_as_string(hide_password=True)}: {detail}")
+    except CommandError as exc:  # e.g. the database is at a revision this version lacks
+        return fail("migrate", EXIT_FAILED, str(exc))
+    if result.applied:
+        print(f"applied {', '.join(result.applied)}; ", end="")
+    print(f"recoverypoint schema is at revision {result.revision} (head)")
+    return EXIT_OK

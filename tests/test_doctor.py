@@ -1,0 +1,99 @@
+"""``recoverypoint doctor`` on real databases: a ready one passes, a missing schema or an
+unreachable server fails in its own check, and piled-up keys and jobs, autovacuum turned
+off and a skewed clock are warned about with what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sqlalchemy as sa
+from test_admin import OVERDUE, plant
+from workload import stage_jobs
+
+from recoverypoint import admin
+from recoverypoint.admin import doctor as doctor_module
+from recoverypoint.cli import main
+from recoverypoint.database import create_engine
+
+
+def checks(url: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, dict[str, str]]]:
+    status = main(["doctor", "--database-url", url, "--json"])
+    found = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    return status, found
+
+
+def test_a_ready_database_passes(
+    worker_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, found = checks(worker_database_url, capsys)
+
+    assert status == 0
+    assert list(found) == ["database", "schema", "clock", "autovacuum", "staged jobs", "keys",
+                           "pooler"]  # fmt: skip
+    for name in ("database", "schema", "clock", "staged jobs", "keys", "pooler"):
+        assert found[name]["status"] == "ok", found[name]
+    assert "(head)" in found["schema"]["detail"]
+    status = main(["doctor", "--database-url", worker_database_url])
+    out = capsys.readouterr().out
+    assert status == 0 and out.splitlines()[0].split() == ["check", "status", "detail", "what",
+                                                           "to", "do"]  # fmt: skip
+
+
+def test_an_unmigrated_database_fails_at_the_schema(
+    empty_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, found = checks(empty_database_url, capsys)
+    assert status == 1 and list(found) == ["database", "schema"]
+    assert found["schema"]["status"] == "fail"
+    assert "recoverypoint migrate" in found["schema"]["hint"]
+
+
+def test_an_unreachable_server_fails_at_the_database(capsys: pytest.CaptureFixture[str]) -> None:
+    status, found = checks("postgresql://127.0.0.1:1/x", capsys)
+    assert status == 1 and list(found) == ["database"]
+    assert "refused" in found["database"]["detail"]
+
+
+def test_stuck_keys_and_failing_jobs_are_warned_about(
+    worker_db: sa.Engine, worker_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plant(worker_db, count=2, **OVERDUE)
+    stage_jobs(worker_db, 1)
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("UPDATE staged_jobs SET attempts = 1, last_error = 'down'"))
+
+    status, found = checks(worker_database_url, capsys)
+
+    assert status == 0  # warnings, not failures
+    assert found["keys"]["status"] == "warn" and "2 stuck" in found["keys"]["detail"]
+    assert "keys list --state stuck" in found["keys"]["hint"]
+    assert found["staged jobs"]["status"] == "warn"
+    assert "1 failing" in found["staged jobs"]["detail"]
+
+
+def test_autovacuum_turned_off_is_warned_about(worker_db: sa.Engine) -> None:
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE staged_jobs SET (autovacuum_enabled = false)"))
+        server_on = conn.execute(sa.text("SHOW autovacuum")).scalar() == "on"
+    [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "autovacuum"]
+    assert check.status == "warn"
+    assert ("staged_jobs" if server_on else "on the server") in check.detail
+
+
+def test_a_skewed_clock_is_warned_about(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = doctor_module.time.time
+    monkeypatch.setattr(doctor_module.time, "time", lambda: real() - 30)  # this host: behind
+    [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "clock"]
+    assert check.status == "warn" and "behind" in check.detail and "NTP" in check.hint
+
+
+def test_one_connection_answered_by_one_backend_is_no_pooler(worker_database_url: str) -> None:
+    db = create_engine(worker_database_url)
+    try:
+        [check] = [c for c in admin.diagnose(admin.Admin(db)) if c.name == "pooler"]
+    finally:
+        db.dispose()
+    assert check.status == "ok"

@@ -1,0 +1,133 @@
+"""The import contract of DESIGN.md, read from the source with ``ast``: layers import only
+downward, nothing imports the CLI, and no module imports itself in a circle.
+
+Layers, lowest first (a module may import its own layer and those below):
+
+0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema
+1. plumbing: database, migrate, testing, embedded, jobs
+2. the connection and the request path's queries: _pg, store, phase_guard, context (what
+   a phase receives wraps the connection), and the planned sql
+3. the engine, and the package's curated ``__init__``
+4. services on the engine: admin, workers, integrations, client — and admin, which the
+   workers and the console will use, imports none of them
+5. the demo
+6. the CLI (and the planned console); only ``__main__`` imports the CLI
+
+A new module must be placed here: the test names it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "recoverypoint"
+
+LAYERS = {
+    **dict.fromkeys(
+        ["errors", "keys", "operation", "exits", "logfmt", "backoff", "schema", "_decide"], 0
+    ),
+    **dict.fromkeys(["database", "migrate", "testing", "embedded", "jobs"], 1),
+    **dict.fromkeys(
+        ["_pg", "_pg_async", "store", "store_async", "sql", "phase_guard", "context"], 2
+    ),
+    **dict.fromkeys([PACKAGE, "engine", "engine_async", "idempotent"], 3),
+    **dict.fromkeys(["admin", "workers", "integrations", "client"], 4),
+    "demo": 5,
+    **dict.fromkeys(["cli", "console"], 6),
+    "__main__": 7,
+}
+# Same layer, yet one way only: the workers and the console build on admin.
+FORBIDDEN = {"admin": {"workers", "integrations", "client", "demo", "cli", "console"}}
+
+
+def module_names() -> dict[str, Path]:
+    found = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = module_names()
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """The recoverypoint modules ``name`` imports (``from pkg import sub`` counts as sub)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.add(sub if sub in MODULES else source)
+    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+GRAPH = {name: imports(name, path) for name, path in MODULES.items()}
+
+
+def family(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else PACKAGE
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted({family(m) for m in MODULES} - set(LAYERS))
+    assert not unplaced, f"place these in tests/test_layers.py's LAYERS: {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_go_down(module: str) -> None:
+    mine = family(module)
+    upward = [
+        target
+        for target in sorted(GRAPH[module])
+        if LAYERS.get(family(target), 99) > LAYERS.get(mine, -1)
+        or family(target) in FORBIDDEN.get(mine, ())
+    ]
+    assert not upward, f"{module} (layer {LAYERS.get(mine)}) imports upward: {upward}"
+
+
+def test_nothing_imports_the_cli_but_main() -> None:
+    importers = sorted(
+        name
+        for name, targets in GRAPH.items()
+        if family(name) != "cli" and any(family(t) == "cli" for t in targets)
+    )
+    assert importers == [f"{PACKAGE}.__main__"]
+
+
+def test_there_are_no_import_cycles() -> None:
+    # Depth-first search; a back edge is a cycle.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(GRAPH.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
