@@ -2,14 +2,15 @@
 audit record, "charge" (an in-process stand-in for the foreign call), record the charge,
 stage a receipt job and finish with a stored response.
 
-Each flow is a class with ``run(key)`` (one request with a fresh key), ``replay(key)`` where
-it applies, and ``close()``.
+Each flow is a class with ``run(key)``: one request (a fresh key, or a finished one to
+replay it). Also here: the two Redis lookups the replay is measured beside.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any
 
 import psycopg
@@ -158,23 +159,43 @@ class Reference:
         self.conn.close()
 
 
-def ride_operation() -> rp.Operation[Any]:
-    op: rp.Operation[Any] = rp.Operation("bench_create_ride")
+class PhaseAPI:
+    """Which statement API the recoverypoint phases used, as seen at run time."""
+
+    seen: set[str] = set()  # noqa: RUF012 (one set for the process, on purpose)
+
+
+def ride_operation(name: str = "bench_create_ride", *, fast: bool = True) -> rp.Operation[Any]:
+    """The flow as an Operation. ``fast``: the phases send their SQL with ``tx.execute`` (the
+    phase's psycopg connection, ``%(name)s`` parameters) when the AtomicContext has it;
+    otherwise, and always when not ``fast``, with ``tx.connection.execute(sa.text(...))``.
+    The statements are the same text either way, and the same as the other systems'."""
+    op: rp.Operation[Any] = rp.Operation(name)
+
+    def execute(tx: rp.AtomicContext, psycopg_sql: str, sa_sql: str, args: dict[str, Any]) -> Any:
+        direct = getattr(tx, "execute", None) if fast else None
+        if direct is not None:
+            PhaseAPI.seen.add("tx.execute")
+            return direct(psycopg_sql, args)
+        PhaseAPI.seen.add("tx.connection")
+        return tx.connection.execute(sa.text(sa_sql), args)
 
     @op.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
-        ride_id = tx.connection.execute(
-            sa.text(
-                "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) "
-                "VALUES (:k, :lat, :lon) RETURNING id"
-            ),
+        ride_id = execute(
+            tx,
+            "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) "
+            "VALUES (%(k)s, %(lat)s, %(lon)s) RETURNING id",
+            "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) "
+            "VALUES (:k, :lat, :lon) RETURNING id",
             {"k": str(tx.key_id), "lat": params["origin_lat"], "lon": params["origin_lon"]},
-        ).scalar_one()
-        tx.connection.execute(
-            sa.text(
-                "INSERT INTO bench_audit_records (action, data, resource_id) "
-                "VALUES ('ride.created', CAST(:d AS jsonb), :r)"
-            ),
+        ).fetchone()[0]
+        execute(
+            tx,
+            "INSERT INTO bench_audit_records (action, data, resource_id) "
+            "VALUES ('ride.created', CAST(%(d)s AS jsonb), %(r)s)",
+            "INSERT INTO bench_audit_records (action, data, resource_id) "
+            "VALUES ('ride.created', CAST(:d AS jsonb), :r)",
             {"d": json.dumps(params), "r": ride_id},
         )
         tx.state["ride_id"] = ride_id
@@ -185,8 +206,10 @@ def ride_operation() -> rp.Operation[Any]:
 
     @op.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
-        tx.connection.execute(
-            sa.text("UPDATE bench_rides SET charge_id = :c WHERE id = :i"),
+        execute(
+            tx,
+            "UPDATE bench_rides SET charge_id = %(c)s WHERE id = %(i)s",
+            "UPDATE bench_rides SET charge_id = :c WHERE id = :i",
             {"c": tx.state["charge_id"], "i": tx.state["ride_id"]},
         )
         tx.stage_job("send_ride_receipt", {"ride_id": tx.state["ride_id"]})
@@ -214,13 +237,19 @@ class RecoveryPointFlow:
 
 class DBOSFlow:
     """The same flow as a DBOS workflow whose id is the idempotency key: one step per phase,
-    each step doing the same SQL in its own SERIALIZABLE transaction."""
+    each step doing the same SQL in its own SERIALIZABLE transaction.
 
-    def __init__(self, url: str, system_url: str) -> None:
+    Making one launches DBOS (its background threads start); ``close()`` destroys it, so
+    that it runs only while measured. Both pools (the application's and DBOS's system
+    database's) are given ``pool_size`` connections."""
+
+    def __init__(self, url: str, system_url: str, pool_size: int = 40) -> None:
         from dbos import DBOS, SetWorkflowID
 
         self._set_id = SetWorkflowID
-        self.db = sa.create_engine(url, isolation_level="SERIALIZABLE", pool_size=40)
+        self.db = sa.create_engine(
+            url, isolation_level="SERIALIZABLE", pool_size=pool_size, max_overflow=4
+        )
         db = self.db
 
         def serializable(work: Any) -> Any:
@@ -286,11 +315,22 @@ class DBOSFlow:
             config={
                 "name": "rpbench",
                 "system_database_url": system_url,
-                "run_admin_server": False,
                 "log_level": "WARNING",
+                "sys_db_pool_size": pool_size,
             }
         )
         DBOS.launch()
+
+    def system_engine(self) -> sa.Engine | None:
+        """DBOS's own pool for its system database (an internal of DBOS 3.4; ``None`` if it
+        moved), to open its connections before a timed window."""
+        from dbos import _dbos
+
+        try:
+            engine = _dbos._get_dbos_instance()._sys_db.engine
+        except Exception:
+            return None
+        return engine if isinstance(engine, sa.Engine) else None
 
     def run(self, key: str) -> dict[str, Any]:
         with self._set_id(key):
@@ -301,3 +341,59 @@ class DBOSFlow:
 
         DBOS.destroy(destroy_registry=True)
         self.db.dispose()
+
+
+class RedisGet:
+    """The floor of a cache lookup: one Redis GET of the stored response."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.client, self.prefix = client, prefix
+
+    def store(self, key: str, response: dict[str, Any]) -> None:
+        self.client.set(self.prefix + key, json.dumps(response), ex=3600)
+
+    def run(self, key: str) -> Any:
+        return json.loads(self.client.get(self.prefix + key))
+
+
+class PowertoolsStyle:
+    """A replay as AWS Lambda Powertools' Redis persistence layer does one: the key is a
+    hash of the payload; ``SET key record NX EX`` fails because the record exists, so
+    ``GET`` it, decode it, check it is COMPLETED, unexpired and for the same payload, and
+    return the stored response (two round trips)."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.client, self.prefix = client, prefix
+
+    def _key(self, key: str, payload: dict[str, Any]) -> tuple[str, str]:
+        payload_hash = hashlib.md5(
+            json.dumps(payload, sort_keys=True).encode(), usedforsecurity=False
+        ).hexdigest()
+        return f"{self.prefix}bench_create_ride#{key}", payload_hash
+
+    def store(self, key: str, response: dict[str, Any]) -> None:
+        name, payload_hash = self._key(key, PARAMS)
+        record = {
+            "status": "COMPLETED",
+            "expiration": int(time.time()) + 3600,
+            "data": json.dumps(response),
+            "validation": payload_hash,
+        }
+        self.client.set(name, json.dumps(record), ex=3600)
+
+    def run(self, key: str) -> Any:
+        name, payload_hash = self._key(key, PARAMS)
+        in_progress = {
+            "status": "INPROGRESS",
+            "expiration": int(time.time()) + 3600,
+            "in_progress_expiration": int(time.time() * 1000) + 60_000,
+            "validation": payload_hash,
+        }
+        if self.client.set(name, json.dumps(in_progress), ex=3600, nx=True):
+            raise RuntimeError("no stored record to replay")
+        record = json.loads(self.client.get(name))
+        if record["status"] != "COMPLETED" or record["expiration"] <= time.time():
+            raise RuntimeError("the stored record is not a finished one")
+        if record["validation"] != payload_hash:
+            raise RuntimeError("payload does not match the stored record")
+        return json.loads(record["data"])

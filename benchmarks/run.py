@@ -1,29 +1,35 @@
 """Side-by-side benchmark: the hand-written reference flow, recoverypoint and DBOS.
 
-    python benchmarks/run.py                      # embedded PostgreSQL
-    python benchmarks/run.py --database-url URL   # or a server of yours
+    python benchmarks/run.py --database-url URL   # a server on this machine (CPU is read
+                                                  # from /proc); without it, embedded
+    python benchmarks/run.py --seconds 1 --rounds 1 --runs 1 --no-workers   # a quick try
 
 Every system runs the same Rocket Rides flow (see flows.py) with a fresh key per request,
-on one PostgreSQL, interleaved (A B C, then B C A, …) so drift of this shared machine
-cancels out. Also measured: replaying a finished key, the claim alone, and the claim with
-1,000,000 keys stored. Results go to benchmarks/results/ as Markdown, JSON and a PNG plot;
-then workers.py measures the workers' rates (results/workers.md) unless --no-workers.
+on one PostgreSQL, interleaved (A B C D, then B C D A, …) so drift of this shared machine
+cancels out; each timed window starts with its connections open and warm, and reports the
+client's and the server's CPU per request beside requests/s (see measure.py). Also
+measured: replaying a finished key beside Redis lookups, and the claim alone in an empty
+key table and in one holding ``--big-keys`` finished keys. The whole comparison is
+repeated ``--runs`` times; the results (median and range across runs, with the machine's
+facts) go to benchmarks/results/ as Markdown, JSON and a PNG plot; then workers.py
+measures the workers' rates (results/workers.md) unless --no-workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
+import shlex
 import subprocess
 import sys
-import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,238 +38,463 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from flows import SCHEMA, DBOSFlow, RecoveryPointFlow, Reference, ride_operation
+import claims
+import facts as machine
+from flows import (
+    SCHEMA,
+    DBOSFlow,
+    PhaseAPI,
+    PowertoolsStyle,
+    RecoveryPointFlow,
+    RedisGet,
+    Reference,
+    ride_operation,
+)
+from measure import Meter, PostgresCPU, Progress, RedisCPU, Window, drive
+from report import Report
 
 import recoverypoint as rp
-from recoverypoint import store
 from recoverypoint.database import normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.migrate import upgrade
 
 RESULTS = Path(__file__).parent / "results"
-SYSTEMS = ("reference", "recoverypoint", "dbos")
+REPO = Path(__file__).resolve().parent.parent
+SYSTEMS = ("reference", "recoverypoint", "recoverypoint-sqlalchemy", "dbos")
+
+Clients = list[Callable[[str], Any]]
 
 
-@dataclass
-class Sample:
-    """All requests of one system at one concurrency, over every round."""
+class System:
+    """Opens a system for one timed window (``clients`` request functions, connections
+    open and pooled) and closes it after."""
 
-    requests: int = 0
-    seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    name: str
 
-    @property
-    def rate(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
-
-    def percentile(self, p: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else 0.0
-
-
-def drive(run: Callable[[str], Any], clients: int, seconds: float) -> Sample:
-    """``clients`` threads, each sending fresh-key requests until the time is up."""
-    sample = Sample()
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
-    deadline = 0.0
-
-    def client() -> None:
-        mine: list[float] = []
-        start.wait()
-        while (now := time.perf_counter()) < deadline:
-            run(str(uuid.uuid4()))
-            mine.append(time.perf_counter() - now)
-        with lock:
-            sample.latencies.extend(mine)
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    began = time.perf_counter()
-    deadline = began + seconds
-    start.wait()
-    for thread in threads:
-        thread.join()
-    sample.seconds = time.perf_counter() - began
-    sample.requests = len(sample.latencies)
-    return sample
-
-
-class Systems:
-    """Builds each system's request function for a given number of clients."""
-
-    def __init__(self, url: str, dbos_url: str) -> None:
-        self.url = url
-        self.engine = rp.Engine(sa.create_engine(normalize_url(url), pool_size=40))
-        self.operation = ride_operation()
-        self.engine.register(self.operation)
-        self.dbos = DBOSFlow(str(normalize_url(url).render_as_string(False)), dbos_url)
-
-    def run_fn(self, system: str, clients: int) -> tuple[Callable[[str], Any], Callable[[], None]]:
-        if system == "reference":
-            # One connection per client, as a hand-written service would keep.
-            local = threading.local()
-            conns: list[Reference] = []
-
-            def run(key: str) -> Any:
-                if not hasattr(local, "ref"):
-                    local.ref = Reference(self.url)
-                    conns.append(local.ref)
-                return local.ref.run(key)
-
-            return run, lambda: [c.close() for c in conns] and None
-        if system == "recoverypoint":
-            flow = RecoveryPointFlow(self.engine, self.operation)
-            return flow.run, self.engine.db.dispose
-        return self.dbos.run, self.dbos.db.dispose
+    def open(self, clients: int) -> Clients:
+        raise NotImplementedError
 
     def close(self) -> None:
-        self.dbos.close()
-        self.engine.dispose()
+        raise NotImplementedError
 
 
-def progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}")
-    sys.stderr.flush()
+def warm_pool(db: sa.Engine, clients: int) -> None:
+    """Open ``clients`` pooled connections at once and give them back to the pool."""
+    conns = [db.connect() for _ in range(clients)]
+    for conn in conns:
+        conn.close()
+
+
+class ReferenceSystem(System):
+    name = "reference"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.refs: list[Reference] = []
+
+    def open(self, clients: int) -> Clients:
+        # One connection per client, as a hand-written service would keep.
+        self.refs = [Reference(self.url) for _ in range(clients)]
+        return [ref.run for ref in self.refs]
+
+    def close(self) -> None:
+        for ref in self.refs:
+            ref.close()
+        self.refs = []
+
+
+class RecoveryPointSystem(System):
+    def __init__(self, url: str, *, fast: bool) -> None:
+        self.url, self.fast = url, fast
+        self.name = "recoverypoint" if fast else "recoverypoint-sqlalchemy"
+        self.db: sa.Engine | None = None
+
+    def open(self, clients: int) -> Clients:
+        # A pool as large as the number of clients, opened now: nothing connects in the window.
+        self.db = sa.create_engine(normalize_url(self.url), pool_size=clients + 4, max_overflow=4)
+        engine = rp.Engine(self.db)
+        operation = ride_operation(
+            "bench_create_ride" if self.fast else "bench_create_ride_sa", fast=self.fast
+        )
+        engine.register(operation)
+        warm_pool(self.db, clients)
+        flow = RecoveryPointFlow(engine, operation)
+        return [flow.run] * clients
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.db.dispose()
+            self.db = None
+
+
+class DBOSSystem(System):
+    """DBOS is launched for each of its windows and destroyed after it: its background
+    threads would otherwise take CPU from the other systems' windows."""
+
+    name = "dbos"
+
+    def __init__(self, url: str, system_url: str) -> None:
+        self.url = str(normalize_url(url).render_as_string(False))
+        self.system_url = system_url
+        self.flow: DBOSFlow | None = None
+
+    def open(self, clients: int) -> Clients:
+        self.flow = DBOSFlow(self.url, self.system_url, pool_size=clients + 4)
+        warm_pool(self.flow.db, clients)
+        system = self.flow.system_engine()
+        if system is not None and isinstance(system.pool, sa.QueuePool):
+            # The clients' workflows and DBOS's background threads share this pool (no
+            # overflow): open every connection its threads are not holding.
+            warm_pool(system, system.pool.size() - system.pool.checkedout())
+        return [self.flow.run] * clients
+
+    def close(self) -> None:
+        if self.flow is not None:
+            self.flow.close()
+            self.flow = None
+
+
+class LogToProgress(logging.Handler):
+    """Warnings of psycopg and recoverypoint, printed between progress lines (the first
+    three of each kind) and counted for the results."""
+
+    LOGGERS = ("psycopg", "recoverypoint")
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(logging.WARNING)
+        self.progress = progress
+        self.counts: Counter[str] = Counter()
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.addHandler(self)
+            logger.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = f"{record.name}: {record.msg}"
+        self.counts[kind] += 1
+        if self.counts[kind] <= 3:
+            self.progress.note(f"{record.levelname} {record.name}: {record.getMessage()}"[:300])
+
+
+def fresh_key() -> str:
+    return str(uuid.uuid4())
+
+
+def constant(key: str) -> Callable[[], str]:
+    return lambda: key
 
 
 def compare(
-    systems: Systems, concurrency: list[int], rounds: int, seconds: float
-) -> dict[tuple[str, int], Sample]:
-    samples = {(s, c): Sample() for s in SYSTEMS for c in concurrency}
-    total, done = rounds * len(concurrency) * len(SYSTEMS), 0
-    for round_ in range(rounds):
-        order = SYSTEMS[round_ % 3 :] + SYSTEMS[: round_ % 3]  # rotate who goes first
+    systems: list[System],
+    concurrency: list[int],
+    args: argparse.Namespace,
+    meter: Meter,
+    progress: Progress,
+    run_index: int,
+) -> dict[str, Window]:
+    """Every system at every concurrency, ``args.rounds`` times, interleaved and rotated."""
+    totals = {f"{s.name}@{c}": Window() for s in systems for c in concurrency}
+    for round_ in range(args.rounds):
+        turn = (run_index * args.rounds + round_) % len(systems)
+        order = systems[turn:] + systems[:turn]  # rotate who goes first
         for clients in concurrency:
             for system in order:
-                progress(done, total, f"round {round_ + 1}: {system} x{clients}")
-                run, cleanup = systems.run_fn(system, clients)
-                result = drive(run, clients, seconds)
-                cleanup()
-                merged = samples[(system, clients)]
-                merged.requests += result.requests
-                merged.seconds += result.seconds
-                merged.latencies.extend(result.latencies)
-                done += 1
-    progress(total, total, "done")
-    sys.stderr.write("\n")
-    return samples
+                progress.step(
+                    f"run {run_index + 1}/{args.runs} round {round_ + 1}/{args.rounds}: "
+                    f"{system.name} x{clients}"
+                )
+                try:
+                    run = system.open(clients)
+                    window = drive(run, fresh_key, meter, seconds=args.seconds, warmup=args.warmup)
+                finally:
+                    system.close()
+                totals[f"{system.name}@{clients}"].add(window)
+    return totals
 
 
-def timed(fn: Callable[[], Any], n: int) -> Sample:
-    sample = Sample()
-    for _ in range(n):
-        began = time.perf_counter()
-        fn()
-        sample.latencies.append(time.perf_counter() - began)
-    sample.requests, sample.seconds = n, sum(sample.latencies)
-    return sample
+class Replayers:
+    """Each replay system, open for the whole replay measurement, with a finished key."""
+
+    def __init__(self, url: str, redis_client: Any) -> None:
+        self.stack = ExitStack()
+        self.runs: dict[str, Callable[[str], Any]] = {}
+        self.keys: dict[str, str] = {}
+        self.servers: dict[str, str] = {}
+        # recoverypoint: the fast-path operation, one pooled connection.
+        db = sa.create_engine(normalize_url(url), pool_size=2)
+        self.stack.callback(db.dispose)
+        engine = rp.Engine(db)
+        operation = ride_operation()
+        engine.register(operation)
+        flow = RecoveryPointFlow(engine, operation)
+        self._add("recoverypoint", flow.run, "postgres")
+        ref = Reference(url)
+        self.stack.callback(ref.close)
+        self._add("reference", ref.run, "postgres")
+        if redis_client is not None:
+            prefix = f"rpbench:{secrets.token_hex(4)}:"
+            self.stack.callback(lambda: _delete_prefix(redis_client, prefix))
+            response = {"status": 201, "body": {"ride_id": 1, "charge_id": "ch_1"}}
+            for name, cls in (("redis-get", RedisGet), ("powertools-style", PowertoolsStyle)):
+                lookup = cls(redis_client, prefix)
+                key = fresh_key()
+                lookup.store(key, response)
+                self.runs[name], self.keys[name], self.servers[name] = lookup.run, key, "redis"
+
+    def _add(self, name: str, run: Callable[[str], Any], server: str) -> None:
+        key = fresh_key()
+        run(key)  # the first request finishes the key; every later one replays it
+        self.runs[name], self.keys[name], self.servers[name] = run, key, server
+
+    def close(self) -> None:
+        self.stack.close()
 
 
-def claim_alone(engine: rp.Engine, n: int) -> Sample:
-    """The claim statement in its own SERIALIZABLE transaction, fresh key each time."""
-
-    def once() -> None:
-        request = store.ClaimRequest(
-            scope="bench",
-            operation="claim_only",
-            key=str(uuid.uuid4()),
-            version=1,
-            method="POST",
-            path="/x",
-            params_json="{}",
-            fingerprint="f",
-            token=uuid.uuid4(),
-        )
-        engine._transact(lambda conn: store.claim(conn, request))
-
-    return timed(once, n)
+def _delete_prefix(client: Any, prefix: str) -> None:
+    keys = list(client.scan_iter(f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
 
 
-def fill_keys(url: str, count: int) -> None:
-    """``count`` finished keys, as a busy service would hold within its retention."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            """
-            INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version,
-                request_method, request_path, request_params, fingerprint, recovery_point,
-                response_status, response_body, finished_at)
-            SELECT 'filler-' || (i %% 1000), 'bench_create_ride', md5(i::text), 1, 'POST',
-                '/rides', '{}', md5(i::text), 'finished', 201, '{}', now()
-            FROM generate_series(1, %s) AS i
-            """,
-            (count,),
-        )
-        conn.execute("VACUUM ANALYZE idempotency_keys")
-        # Flush the load's dirty pages now, so the measurement after it does not pay for
-        # the checkpoint it triggered (nor for the full-page writes that follow one).
-        conn.execute("CHECKPOINT")
+def blocks(total: int, size: int) -> list[int]:
+    return [min(size, total - done) for done in range(0, total, size)]
+
+
+def interleaved(
+    runs: dict[str, Callable[[str], Any]],
+    keys: dict[str, Callable[[], str]],
+    servers: dict[str, str],
+    total: int,
+    meter: Meter,
+    progress: Progress,
+    label: str,
+) -> dict[str, Window]:
+    """``total`` sequential requests per system, in blocks, the systems taking turns."""
+    out = {name: Window() for name in runs}
+    names = list(runs)
+    for i, size in enumerate(blocks(total, BLOCK)):
+        progress.step(f"{label}: block {i + 1}")
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            window = drive([runs[name]], keys[name], meter, server=servers[name], count=size)
+            out[name].add(window)
+    return out
+
+
+BLOCK = 500
+
+
+def figures(windows: dict[str, Window]) -> dict[str, dict[str, float | None]]:
+    return {name: w.figures() for name, w in windows.items()}
+
+
+def errors(windows: dict[str, Window]) -> dict[str, dict[str, str]]:
+    return {n: {"first_error": w.first_error} for n, w in windows.items() if w.first_error}
 
 
 @contextmanager
-def databases(server: str | None) -> Iterator[tuple[str, str]]:
-    """Two fresh databases (ours and DBOS's system database), dropped at the end."""
+def databases(server: str | None) -> Iterator[tuple[str, str, str, str]]:
+    """The admin URL and three fresh databases (the flows', DBOS's system database, and an
+    empty key table for the claim), dropped at the end."""
     with ExitStack() as stack:
         server = server or stack.enter_context(embedded_database())
         admin = normalize_url(server).set(drivername="postgresql")
         name = f"rp_bench_{secrets.token_hex(4)}"
-        with psycopg.connect(admin.render_as_string(False), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-            conn.execute(f'CREATE DATABASE "{name}_dbos"')
+        names = (name, f"{name}_dbos", f"{name}_claims")
+        admin_url = admin.render_as_string(False)
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            for db in names:
+                conn.execute(f'CREATE DATABASE "{db}"')
         try:
-            yield (
-                admin.set(database=name).render_as_string(False),
-                admin.set(database=f"{name}_dbos").render_as_string(False),
+            url, dbos_url, claims_url = (
+                admin.set(database=db).render_as_string(False) for db in names
             )
+            yield admin_url, url, dbos_url, claims_url
         finally:
-            with psycopg.connect(admin.render_as_string(False), autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}_dbos" WITH (FORCE)')
+            with psycopg.connect(admin_url, autocommit=True) as conn:
+                for db in names:
+                    conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 
-def main() -> None:
+def redis_connect(url: str | None, progress: Progress) -> tuple[Any, str | None]:
+    if not url:
+        return None, None
+    try:
+        import redis
+    except ImportError:
+        progress.note("no Redis figures: the redis package is not installed (the bench extra)")
+        return None, None
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        version = client.info("server")["redis_version"]
+    except Exception as exc:
+        progress.note(f"no Redis figures: {url}: {exc}")
+        return None, None
+    return client, f"Redis {version}"
+
+
+def dbos_available() -> bool:
+    try:
+        import dbos  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", default=os.environ.get("RECOVERYPOINT_DATABASE_URL"))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="'' to skip")
+    parser.add_argument("--runs", type=int, default=3, help="the whole comparison, repeated")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run")
     parser.add_argument("--seconds", type=float, default=3.0, help="per system, per round")
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--keys", type=int, default=1_000_000, help="for the claim-scaling run")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=6, help="untimed requests per client before each window"
+    )
+    parser.add_argument("--replays", type=int, default=3000, help="per replay system, per run")
+    parser.add_argument("--claims", type=int, default=2000, help="per key table, per run")
+    parser.add_argument(
+        "--big-keys",
+        type=int,
+        default=1_000_000,
+        help="finished keys stored for the claim (0: skip); the target is 10000000. The "
+        "filled database is kept (rp_bench_keys_<N>) and reused by later runs",
+    )
+    parser.add_argument("--refill", action="store_true", help="rebuild the kept big-keys database")
+    parser.add_argument(
+        "--drop-big-keys", action="store_true", help="drop the big-keys database at the end"
+    )
     parser.add_argument(
         "--no-workers", action="store_true", help="skip the workers' rates (workers.py)"
     )
-    args = parser.parse_args()
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="where results.md/json/png go"
+    )
+    return parser.parse_args()
 
-    with databases(args.database_url) as (url, dbos_url):
+
+def main() -> None:
+    args = parse_args()
+    began = time.perf_counter()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    wanted = [s for s in args.systems.split(",") if s]
+    unknown = set(wanted) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    if "dbos" in wanted and not dbos_available():
+        sys.stderr.write("dbos is not installed (pip install -e '.[bench]'): skipping it\n")
+        wanted.remove("dbos")
+
+    per_run = (
+        args.rounds * len(concurrency) * len(wanted)
+        + len(blocks(args.replays, BLOCK))
+        + (len(blocks(args.claims, BLOCK)) if args.claims else 0)
+    )
+    progress = Progress(per_run * args.runs + (1 if args.big_keys else 0))
+    logged = LogToProgress(progress)
+
+    with databases(args.database_url) as (admin_url, url, dbos_url, claims_url):
+        redis_client, redis_version = redis_connect(args.redis_url, progress)
+        facts = machine.collect(REPO, admin_url, redis_version)
         upgrade(url)
+        upgrade(claims_url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(SCHEMA)
-        systems = Systems(url, dbos_url)
-        try:
-            samples = compare(systems, concurrency, args.rounds, args.seconds)
-            flow = RecoveryPointFlow(systems.engine, systems.operation)
-            finished = str(uuid.uuid4())
-            flow.run(finished)
-            replay = timed(lambda: flow.run(finished), 2000)
-            sys.stderr.write("claim latency, empty table …\n")
-            claim_empty = claim_alone(systems.engine, 2000)
-            sys.stderr.write(f"storing {args.keys:,} keys …\n")
-            fill_keys(url, args.keys)
-            claim_alone(systems.engine, 500)  # warm the caches, as for the first measurement
-            claim_full = claim_alone(systems.engine, 2000)
-        finally:
-            systems.close()
+        fill_seconds = 0.0
+        big_url = ""
+        if args.big_keys:
+            big_url = str(
+                sa.make_url(admin_url)
+                .set(database=claims.big_database_name(args.big_keys))
+                .render_as_string(False)
+            )
+            progress.step(f"storing {args.big_keys:,} keys (cached after the first run)")
+            fill_seconds = claims.ensure_filled(
+                admin_url, big_url, args.big_keys, args.refill, progress.show
+            )
+            if fill_seconds:
+                progress.note(f"stored {args.big_keys:,} keys in {fill_seconds:.0f} s")
+        ours = {sa.make_url(u).database for u in (url, dbos_url, claims_url, big_url) if u}
+        postgres_cpu = PostgresCPU(admin_url, {d for d in ours if d})
+        if not postgres_cpu.local:
+            progress.note("the server is not on this machine: no server CPU figures")
+        meter = Meter(postgres_cpu, RedisCPU(redis_client) if redis_client else None)
+        systems: list[System] = []
+        for name in wanted:
+            if name == "reference":
+                systems.append(ReferenceSystem(url))
+            elif name == "dbos":
+                systems.append(DBOSSystem(url, dbos_url))
+            else:
+                systems.append(RecoveryPointSystem(url, fast=name == "recoverypoint"))
 
-    report = Report(samples, concurrency, replay, claim_empty, claim_full, args)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "results.md").write_text(report.markdown())
-    (RESULTS / "results.json").write_text(json.dumps(report.figures(), indent=2))
-    report.plot(RESULTS / "results.png")
+        runs: list[dict[str, Any]] = []
+        try:
+            for r in range(args.runs):
+                flow = compare(systems, concurrency, args, meter, progress, r)
+                run: dict[str, Any] = {"flow": figures(flow), "errors": errors(flow)}
+                replayers = Replayers(url, redis_client)
+                try:
+                    replays = interleaved(
+                        replayers.runs,
+                        {n: constant(k) for n, k in replayers.keys.items()},
+                        replayers.servers,
+                        args.replays,
+                        meter,
+                        progress,
+                        f"run {r + 1}/{args.runs} replays",
+                    )
+                finally:
+                    replayers.close()
+                run["replay"] = figures(replays)
+                run["errors"].update(errors(replays))
+                if args.claims:
+                    run["claims"] = measure_claims(claims_url, big_url, args, meter, progress, r)
+                runs.append(run)
+        finally:
+            postgres_cpu.close()
+            for system in systems:
+                system.close()
+        if args.drop_big_keys and big_url:
+            with psycopg.connect(admin_url, autocommit=True) as conn:
+                conn.execute(
+                    f'DROP DATABASE IF EXISTS "{sa.make_url(big_url).database}" WITH (FORCE)'
+                )
+    progress.finish()
+
+    facts["loadavg_at_end"] = machine.loadavg()
+    settings = {
+        "command": "python benchmarks/run.py " + shlex.join(sys.argv[1:]),
+        "runs": args.runs,
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+        "concurrency": concurrency,
+        "systems": [s.name for s in systems],
+        "warmup": args.warmup,
+        "replays": args.replays,
+        "claims": args.claims,
+        "big_keys": args.big_keys,
+        "big_keys_fill_seconds": round(fill_seconds, 1),
+        "big_keys_cached": bool(args.big_keys) and not fill_seconds,
+        "phase_api": phase_api(),
+        "warnings_logged": dict(logged.counts.most_common(20)),
+        "wall_minutes": (time.perf_counter() - began) / 60,
+    }
+    report = Report(runs, settings, facts, [s.name for s in systems], concurrency)
+    out: Path = args.results
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(report.markdown())
+    (out / "results.json").write_text(json.dumps(report.json(), indent=2) + "\n")
+    plotted = report.plot(out / "results.png")
     print(report.markdown())
-    print(f"written: {RESULTS / 'results.md'}, results.json, results.png")
+    print(
+        f"written: {out / 'results.md'}, results.json"
+        + (", results.png" if plotted else " (no plot: matplotlib is not installed)")
+    )
     if not args.no_workers:
         # The enqueuer's drain rate, the reaper's delete rate, the completer's resume rate.
         command = [sys.executable, str(Path(__file__).with_name("workers.py"))]
@@ -272,108 +503,46 @@ def main() -> None:
         subprocess.run(command, check=True)
 
 
-@dataclass
-class Report:
-    samples: dict[tuple[str, int], Sample]
-    concurrency: list[int]
-    replay: Sample
-    claim_empty: Sample
-    claim_full: Sample
-    args: argparse.Namespace
+def phase_api() -> str:
+    seen = PhaseAPI.seen
+    if "tx.execute" in seen:
+        return "`tx.execute` (psycopg)"
+    return "`tx.connection` (SQLAlchemy: this checkout's AtomicContext has no `execute`)"
 
-    def ratio(self, a: str, b: str, clients: int) -> float:
-        return self.samples[(a, clients)].rate / self.samples[(b, clients)].rate
 
-    def markdown(self) -> str:
-        lines = [
-            f"Rounds: {self.args.rounds} x {self.args.seconds:g} s per system and concurrency, "
-            "interleaved; fresh key per request.",
-            "",
-            "| concurrency | system | requests/s | p50 ms | p99 ms |",
-            "|---:|---|---:|---:|---:|",
-        ]
-        for clients in self.concurrency:
-            for system in SYSTEMS:
-                s = self.samples[(system, clients)]
-                lines.append(
-                    f"| {clients} | {system} | {s.rate:,.0f} | {s.percentile(0.5):.2f} "
-                    f"| {s.percentile(0.99):.2f} |"
-                )
-        lines += [
-            "",
-            "| concurrency | recoverypoint / reference | recoverypoint / DBOS |",
-            "|---:|---:|---:|",
-        ]
-        for clients in self.concurrency:
-            lines.append(
-                f"| {clients} | {self.ratio('recoverypoint', 'reference', clients):.2f}x "
-                f"| {self.ratio('recoverypoint', 'dbos', clients):.2f}x |"
-            )
-        growth = self.claim_full.percentile(0.5) / self.claim_empty.percentile(0.5) - 1
-        lines += [
-            "",
-            "| measurement | p50 ms | p99 ms |",
-            "|---|---:|---:|",
-            f"| replay of a finished key (concurrency 1) | {self.replay.percentile(0.5):.3f} "
-            f"| {self.replay.percentile(0.99):.3f} |",
-            f"| claim alone, near-empty table | {self.claim_empty.percentile(0.5):.3f} "
-            f"| {self.claim_empty.percentile(0.99):.3f} |",
-            f"| claim alone, {self.args.keys:,} keys stored "
-            f"| {self.claim_full.percentile(0.5):.3f} | {self.claim_full.percentile(0.99):.3f} |",
-            "",
-            f"Claim p50 with {self.args.keys:,} keys vs near-empty: {growth:+.1%}.",
-            "",
-        ]
-        return "\n".join(lines)
-
-    def figures(self) -> dict[str, Any]:
-        return {
-            "flow": {
-                f"{system}@{clients}": {
-                    "requests_per_second": s.rate,
-                    "p50_ms": s.percentile(0.5),
-                    "p99_ms": s.percentile(0.99),
-                    "requests": s.requests,
-                }
-                for (system, clients), s in self.samples.items()
-            },
-            "replay_ms": {"p50": self.replay.percentile(0.5), "p99": self.replay.percentile(0.99)},
-            "claim_empty_ms": {
-                "p50": self.claim_empty.percentile(0.5),
-                "p99": self.claim_empty.percentile(0.99),
-            },
-            "claim_full_ms": {
-                "p50": self.claim_full.percentile(0.5),
-                "p99": self.claim_full.percentile(0.99),
-            },
-            "keys_stored": self.args.keys,
-        }
-
-    def plot(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        for system in SYSTEMS:
-            rates = [self.samples[(system, c)].rate for c in self.concurrency]
-            p99 = [self.samples[(system, c)].percentile(0.99) for c in self.concurrency]
-            left.plot(self.concurrency, rates, marker="o", label=system)
-            right.plot(self.concurrency, p99, marker="o", label=system)
-        left.set(
-            title="Throughput (fresh key per request)",
-            xlabel="concurrent clients",
-            ylabel="requests/s",
-            xscale="log",
+def measure_claims(
+    empty_url: str,
+    big_url: str,
+    args: argparse.Namespace,
+    meter: Meter,
+    progress: Progress,
+    run_index: int,
+) -> dict[str, dict[str, float | None]]:
+    """The claim alone in the empty table and (if any) the big one, in turns."""
+    claimers = {"empty": claims.Claimer(empty_url)}
+    if big_url:
+        claimers["stored"] = claims.Claimer(big_url)
+    try:
+        # Warm both: caches, prepared statements, the big index's upper levels.
+        for claimer in claimers.values():
+            for _ in range(300):
+                claimer.run(fresh_key())
+        windows = interleaved(
+            {n: c.run for n, c in claimers.items()},
+            {n: fresh_key for n in claimers},
+            {n: "postgres" for n in claimers},
+            args.claims,
+            meter,
+            progress,
+            f"run {run_index + 1}/{args.runs} claims",
         )
-        right.set(title="p99 latency", xlabel="concurrent clients", ylabel="ms", xscale="log")
-        for ax in (left, right):
-            ax.set_xticks(self.concurrency, [str(c) for c in self.concurrency])
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+    finally:
+        for claimer in claimers.values():
+            claimer.close()
+        claims.forget_claims(empty_url, big=False)
+        if big_url:
+            claims.forget_claims(big_url, big=True)
+    return figures(windows)
 
 
 if __name__ == "__main__":

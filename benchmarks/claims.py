@@ -1,0 +1,146 @@
+"""The claim statement alone, in an empty key table and in one holding many finished keys.
+
+The stored keys share the measured claims' scope and operation, and their key strings are
+spread evenly over the space of UUID strings, so a claim's fresh uuid4 lands among them in
+the unique index (as in a busy service's table), not in a corner of its own. They are
+inserted in ascending order, which keeps the fill fast (every index insert goes to the
+right-most page); the unique index is then rebuilt at the leaf density random inserts
+leave: about 20 s per million keys in all on this 2-core machine. The filled database is
+kept between runs (``rp_bench_keys_<count>``) so the fill happens once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+import recoverypoint as rp
+from recoverypoint import store
+from recoverypoint.migrate import upgrade
+
+SCOPE, OPERATION = "bench", "claim_only"
+CHUNK = 1_000_000
+
+FILL = """
+    INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version,
+        request_method, request_path, request_params, fingerprint, recovery_point,
+        response_status, response_body, finished_at)
+    SELECT %(scope)s, %(operation)s,
+        lpad(to_hex(i * 4294967296 / %(count)s), 8, '0') || '-0000-4000-8000-'
+            || lpad(to_hex(i), 12, '0'),
+        1, 'POST', '/x', '{}', 'fill', 'finished', 201, '{}',
+        now() - interval '1 day' + i * interval '1 day' / %(count)s
+    FROM generate_series(%(low)s::bigint, %(high)s::bigint) AS i
+"""
+
+# The marker of a finished fill; its name changes with the fill's recipe, so that a database
+# filled by an older recipe is filled again.
+MARKER = "rp_bench_fill_v2"
+
+
+def big_database_name(count: int) -> str:
+    return f"rp_bench_keys_{count}"
+
+
+def ensure_filled(
+    admin_url: str, url: str, count: int, fresh: bool, progress: Callable[[str], None]
+) -> float:
+    """Make sure the database at ``url`` (named by :func:`big_database_name`) holds
+    ``count`` finished keys; returns the seconds spent filling (0 when cached)."""
+    import time
+
+    name = sa.make_url(url).database
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if exists and fresh:
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            exists = None
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    upgrade(url)  # a cached database follows the checkout's migrations
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {MARKER} (keys bigint NOT NULL, last_id bigint NOT NULL)"
+        )
+        row = conn.execute(f"SELECT keys FROM {MARKER}").fetchone()
+        if row is not None and row[0] == count:
+            return 0.0
+        began = time.perf_counter()
+        conn.execute(f"TRUNCATE idempotency_keys, {MARKER}")
+        conn.execute("SET synchronous_commit = off")
+        for low in range(0, count, CHUNK):
+            high = min(count, low + CHUNK) - 1
+            progress(f"storing {count:,} keys: {low:,} so far")
+            conn.execute(
+                FILL,
+                {
+                    "scope": SCOPE,
+                    "operation": OPERATION,
+                    "count": count,
+                    "low": low,
+                    "high": high,
+                },
+            )
+        # Ascending inserts leave the unique index's leaves 90% full, where random keys
+        # (a service's uuid4s) leave them about 70% full: rebuild it at that density, or
+        # nearly every measured claim would split a page.
+        unique = conn.execute(
+            "SELECT indexrelid::regclass::text FROM pg_index "
+            "WHERE indrelid = 'idempotency_keys'::regclass AND indisunique AND NOT indisprimary"
+        ).fetchall()
+        for (index,) in unique:
+            progress(f"storing {count:,} keys: REINDEX {index} at 70% leaf fill")
+            conn.execute(f"ALTER INDEX {index} SET (fillfactor = 70)")
+            conn.execute(f"REINDEX INDEX {index}")
+        progress(f"storing {count:,} keys: VACUUM ANALYZE")
+        conn.execute("VACUUM ANALYZE idempotency_keys")
+        # Flush the fill's dirty pages now, so the measurement does not pay for the
+        # checkpoint it would trigger (nor for the full-page writes after one).
+        conn.execute("CHECKPOINT")
+        conn.execute(
+            f"INSERT INTO {MARKER} SELECT %s, coalesce(max(id), 0) FROM idempotency_keys",
+            (count,),
+        )
+        return time.perf_counter() - began
+
+
+def forget_claims(url: str, big: bool) -> None:
+    """Delete the rows the measured claims inserted, so the next run starts from the same
+    table: everything in the empty table, the rows after the fill in the big one."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        if big:
+            conn.execute(f"DELETE FROM idempotency_keys WHERE id > (SELECT last_id FROM {MARKER})")
+        else:
+            conn.execute("TRUNCATE idempotency_keys")
+
+
+class Claimer:
+    """The claim statement in its own SERIALIZABLE transaction (the engine's own retry
+    loop), fresh key each time, through the engine's internals (``store.claim``)."""
+
+    def __init__(self, url: str) -> None:
+        self.db = sa.create_engine(url, pool_size=2)
+        self.engine = rp.Engine(self.db)
+        with self.db.connect():
+            pass  # open the connection before anything is timed
+
+    def run(self, key: str) -> Any:
+        request = store.ClaimRequest(
+            scope=SCOPE,
+            operation=OPERATION,
+            key=key,
+            version=1,
+            method="POST",
+            path="/x",
+            params_json="{}",
+            fingerprint="f",
+            token=uuid.uuid4(),
+        )
+        return self.engine._transact(lambda conn: store.claim(conn, request))
+
+    def close(self) -> None:
+        self.db.dispose()
