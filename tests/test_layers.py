@@ -3,7 +3,8 @@ downward, nothing imports the CLI, and no module imports itself in a circle.
 
 Layers, lowest first (a module may import its own layer and those below):
 
-0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema
+0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
+   observe (the hooks every layer calls)
 1. plumbing: database, migrate, testing, embedded, jobs
 2. the connection and the request path's queries: _pg, store, phase_guard, context (what
    a phase receives wraps the connection), and the planned sql
@@ -28,7 +29,18 @@ PACKAGE = "recoverypoint"
 
 LAYERS = {
     **dict.fromkeys(
-        ["errors", "keys", "operation", "exits", "logfmt", "backoff", "schema", "_decide"], 0
+        [
+            "errors",
+            "keys",
+            "operation",
+            "exits",
+            "logfmt",
+            "backoff",
+            "schema",
+            "_decide",
+            "observe",
+        ],
+        0,
     ),
     **dict.fromkeys(["database", "migrate", "testing", "embedded", "jobs"], 1),
     **dict.fromkeys(

@@ -29,6 +29,7 @@ from psycopg.rows import RowFactory
 
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
+from .observe import NO_OBSERVER, Observer
 
 T = TypeVar("T")
 Row = TypeVar("Row")
@@ -78,7 +79,7 @@ class Transaction:
         cursor = connection.cursor(row_factory=row_factory) if row_factory else connection.cursor()
         if self._began:
             return cursor.execute(sql, params)
-        with self.connection.pipeline():  # BEGIN and the statement: one round trip
+        with _pipeline(self.connection):  # BEGIN and the statement: one round trip
             self.connection.execute(_BEGIN)
             cursor.execute(sql, params)
         self._began = True
@@ -94,7 +95,7 @@ class Transaction:
         trip; return the row ``sql`` returned. Should ``sql`` fail, the COMMIT is skipped
         and the transaction rolls back."""
         with self.connection.cursor() as cursor, self.connection.cursor() as jobs_cursor:
-            with self.connection.pipeline():
+            with _pipeline(self.connection):
                 if not self._began:
                     self.connection.execute(_BEGIN)
                     self._began = True
@@ -139,11 +140,16 @@ class Transaction:
             self._sqlalchemy = None
 
 
-def serializable(db: sa.Engine, work: Callable[[Transaction], T], retries: int) -> T:
+def serializable(
+    db: sa.Engine,
+    work: Callable[[Transaction], T],
+    retries: int,
+    observer: Observer = NO_OBSERVER,
+) -> T:
     """Run ``work`` in one SERIALIZABLE transaction on a connection of ``db``'s pool, again
     on serialization failure or deadlock with capped, jittered backoff, then
     :class:`ConcurrentUpdate`. ``work`` commits with its last write, or it is committed
-    for it when it returns."""
+    for it when it returns. ``observer`` hears of each retry and of running out."""
     with borrowed(db) as (pooled, connection):
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
@@ -152,15 +158,34 @@ def serializable(db: sa.Engine, work: Callable[[Transaction], T], retries: int) 
                 tx.commit()
                 return result
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
-                if sqlstate(exc) not in RETRYABLE_SQLSTATES:
+                state = sqlstate(exc)
+                if state not in RETRYABLE_SQLSTATES:
                     raise
                 if attempt == retries:
+                    observer.serialization_exhausted(state)
                     raise ConcurrentUpdate() from exc
+                observer.serialization_retry(attempt + 1, state)
             finally:
                 _finish(tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def _pipeline(connection: psycopg.Connection[Any]) -> Iterator[None]:
+    """psycopg's pipeline, with a failure the server reported inside the block left for the
+    sync at its end, which raises it again: an error escaping the block would make psycopg
+    log "error ignored terminating <Pipeline>" on every serialization failure. The body's
+    remaining statements (a COMMIT) are skipped all the same."""
+    with connection.pipeline():
+        try:
+            yield
+        except psycopg.Error as exc:
+            # Only what the server answered: the sync raises it again. An error of the
+            # client's own (a parameter it could not adapt) was never sent: raise it now.
+            if exc.sqlstate is None and not isinstance(exc, psycopg.errors.PipelineAborted):
+                raise
 
 
 def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from . import phase_guard
 from ._pg import Transaction
 from .keys import canonical_json, derived_key
+from .observe import NO_OBSERVER, Observer
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class StagedJob:
     name: str
     args_json: str
     job_key: str
+    trace_context: str | None = None
+    """The W3C traceparent of the phase that staged it, when an observer traces."""
 
 
 class AtomicContext:
@@ -53,9 +56,15 @@ class AtomicContext:
     """
 
     def __init__(
-        self, tx: Transaction, state: dict[str, Any], identity: KeyIdentity, point: str
+        self,
+        tx: Transaction,
+        state: dict[str, Any],
+        identity: KeyIdentity,
+        point: str,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self._tx = tx
+        self._observer = observer
         self.state = state
         self.key_id = identity.key_id
         self._identity = identity
@@ -76,6 +85,13 @@ class AtomicContext:
         """
         phase_guard.check_statement(query, self._point)
         return self._tx.execute(query, params)  # type: ignore[arg-type]
+
+    def scalar(
+        self, query: str | sql.Composable, params: Mapping[str, Any] | Sequence[Any] | None = None
+    ) -> Any:
+        """The first column of the first row :meth:`execute` returns; ``None`` without rows."""
+        row = self.execute(query, params).fetchone()
+        return None if row is None else row[0]
 
     def cursor(self) -> psycopg.Cursor[Any]:
         """A psycopg cursor in the phase's transaction, for ``executemany``, ``copy``…"""
@@ -112,7 +128,8 @@ class AtomicContext:
         except ValueError as exc:
             raise ValueError(f"the args of job {name!r} are {exc}") from exc
         job_key = self._identity.derive("job", self._point, str(len(self.staged_jobs)), name)
-        self.staged_jobs.append(StagedJob(name, args_json, job_key))
+        trace_context = self._observer.trace_context()  # the consumer's trace links here
+        self.staged_jobs.append(StagedJob(name, args_json, job_key, trace_context))
         return job_key
 
     def close(self) -> None:

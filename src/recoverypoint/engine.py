@@ -37,6 +37,7 @@ from .keys import (
     validate_request,
     validate_scope,
 )
+from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
 from .operation import (
     STARTED,
     Operation,
@@ -87,6 +88,10 @@ class Engine:
         Where the enqueuer publishes staged jobs, e.g. :class:`~recoverypoint.jobs.InProcessBackend`
         or :class:`~recoverypoint.integrations.celery.CeleryBackend`; also settable later
         as ``engine.jobs``. The workers find everything they need on the engine.
+    observer:
+        Hears of every run, phase, retry and staged job, and of the workers' work (see
+        :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
+        your own; several at once with :func:`recoverypoint.observe.combine`.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class Engine:
         retry_base: float = 2.0,
         retry_cap: float = 3600.0,
         jobs: JobBackend | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.db = create_engine(database)
         if self.db.dialect.driver != "psycopg":
@@ -112,6 +118,7 @@ class Engine:
         self.retry_base = retry_base
         self.retry_cap = retry_cap
         self.jobs = jobs
+        self.observer = NO_OBSERVER if observer is None else observer
         self._operations: dict[tuple[str, int], Operation[Any]] = {}
 
     def register(self, *operations: Operation[Any]) -> None:
@@ -168,6 +175,21 @@ class Engine:
         :class:`IdempotencyError` for bad input (nothing stored), a key in use or reused
         with other params, and re-raises what a phase raised once the lease is released.
         """
+        observing = self.observer.run(
+            operation.name, operation.version, by=CLIENT, scope=scope, key=key
+        )
+        with observing as observed:
+            return observed.finished(self._run(observed, operation, key, params, scope, request))
+
+    def _run(
+        self,
+        observed: RunObservation,
+        operation: Operation[Any],
+        key: str,
+        params: Any,
+        scope: str,
+        request: Request | None,
+    ) -> Outcome:
         if self._operations.get((operation.name, operation.version)) is not operation:
             self.operation(operation.name, operation.version)  # raises: not registered
             raise OperationNotRegistered(
@@ -190,7 +212,9 @@ class Engine:
             fingerprint=fingerprint(method, path, params_json),
             token=uuid.uuid4(),
         )
-        first = self._transact(lambda tx: self._claim(tx, operation, claim_request, params))
+        first = self._transact(
+            lambda tx: self._claim(tx, operation, claim_request, params, observed)
+        )
         if isinstance(first, Outcome):
             return first
         run, step = first
@@ -214,18 +238,28 @@ class Engine:
         operation = self.operation(*ident)
         token = token or uuid.uuid4()
         lock_timeout = operation.lock_timeout.total_seconds()  # of the key's own version
-        record = self._transact(lambda tx: store.claim_by_id(tx, key_id, token, lock_timeout))
-        if record is None:
-            raise LookupError(f"key record {key_id} was deleted")
-        if record.claimed:
-            return self._drive(_Run(self, operation, record, token), None)
-        if record.response_status is not None:
-            return _replay(record)
-        lease_left = record.lease_left(lock_timeout)
-        raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
+        observing = self.observer.run(
+            operation.name, operation.version, by=COMPLETER, scope=None, key=None
+        )
+        with observing as observed:
+            record = self._transact(lambda tx: store.claim_by_id(tx, key_id, token, lock_timeout))
+            if record is None:
+                raise LookupError(f"key record {key_id} was deleted")
+            if record.claimed:
+                run = _Run(self, operation, record, token, observed)
+                return observed.finished(self._drive(run, None))
+            if record.response_status is not None:
+                return observed.finished(_replay(record))
+            lease_left = record.lease_left(lock_timeout)
+            raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
     def _claim(
-        self, tx: Transaction, operation: Operation[Any], request: ClaimRequest, params: Any
+        self,
+        tx: Transaction,
+        operation: Operation[Any],
+        request: ClaimRequest,
+        params: Any,
+        observed: RunObservation,
     ) -> Outcome | tuple[_Run, _Step | None]:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
@@ -250,10 +284,11 @@ class Engine:
             if record is None or not record.claimed:
                 lease_left = 1 if record is None else max(1, record.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
-        run = _Run(self, operation, record, request.token)
+        run = _Run(self, operation, record, request.token, observed)
         if record.inserted and operation.phases[0].atomic:
             store.held(tx, run.key, record)
-            return run, run.atomic(tx, operation.phases[0], {})
+            with observed.phase(operation.phases[0].point, True):
+                return run, run.atomic(tx, operation.phases[0], {})
         return run, None
 
     def _started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
@@ -316,16 +351,23 @@ class Engine:
 
     def _transact(self, work: Callable[[Transaction], T]) -> T:
         """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`)."""
-        return _pg.serializable(self.db, work, self.serialization_retries)
+        return _pg.serializable(self.db, work, self.serialization_retries, self.observer)
 
 
 class _Run:
     """One attempt at one key record: runs phases and commits their results, fenced."""
 
     def __init__(
-        self, engine: Engine, operation: Operation[Any], record: KeyRecord, token: uuid.UUID
+        self,
+        engine: Engine,
+        operation: Operation[Any],
+        record: KeyRecord,
+        token: uuid.UUID,
+        observed: RunObservation = NO_RUN,
     ) -> None:
         self.engine = engine
+        self.observed = observed
+        observed.claimed(record.id, record.recovery_point, record.attempts + 1, record.inserted)
         self.operation = operation
         self.record = record
         self.key = store.KeyRef(record.id, token, record.ctid)
@@ -342,11 +384,13 @@ class _Run:
     def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
         """Run ``phase`` from ``state``; a foreign step takes the atomic phase after it along."""
         if phase.atomic:
-            return self.engine._transact(lambda tx: self.fenced(tx, phase, state))
+            with self.observed.phase(phase.point, True):
+                return self.engine._transact(lambda tx: self.fenced(tx, phase, state))
         # Outside any transaction, and no pooled connection is held meanwhile.
         if faults.active:
             faults.hit("before_foreign", phase.point)
-        result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        with self.observed.phase(phase.point, False):
+            result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
         if isinstance(result, Response):
@@ -369,7 +413,8 @@ class _Run:
         # per step. Should that phase fail, the result is committed on its own before the
         # error propagates, so a retry resumes after the step all the same.
         try:
-            return self.engine._transact(lambda tx: self.fenced(tx, following, new_state))
+            with self.observed.phase(following.point, True):
+                return self.engine._transact(lambda tx: self.fenced(tx, following, new_state))
         except LockLost:
             raise
         except BaseException:
@@ -392,7 +437,9 @@ class _Run:
         """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
         began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
-        ctx = AtomicContext(tx, json.loads(canonical_json(state)), self.identity, phase.point)
+        ctx = AtomicContext(
+            tx, json.loads(canonical_json(state)), self.identity, phase.point, self.engine.observer
+        )
         with phase_guard.guarding(tx, phase.point):
             result = phase.fn(ctx, self.params)
         ctx.close()
@@ -405,12 +452,15 @@ class _Run:
         if faults.active:
             faults.hit("before_commit", phase.point)
         try:
-            return self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
+            step = self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
         except LockLost:
             # The point is written only in the transaction the phase began in; phase code
             # that ended it and wrote again makes the write miss.
             phase_guard.check_same_transaction(phase.point, began, store.current_transaction(tx))
             raise
+        for job in ctx.staged_jobs:  # committed: _commit's last write carries the COMMIT
+            self.engine.observer.job_staged(self.operation.name, job.name)
+        return step
 
     def _commit(
         self,

@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, text
 
+from .observe import NO_OBSERVER, Observer
+
 F = TypeVar("F", bound=Callable[["Job"], object])
 
 
@@ -28,6 +30,10 @@ class Job:
     args: dict[str, Any]
     job_key: str
     """Stable across retries and re-publishes: the message id consumers dedupe on."""
+    trace_context: str | None = None
+    """The W3C ``traceparent`` of the phase that staged the job, when the engine traces:
+    hand it to :func:`consume_once` (a backend may carry it in the message) so that the
+    consumer's span links to the request."""
 
 
 class JobBackend(Protocol):
@@ -78,7 +84,14 @@ _MARK_PROCESSED = text(
 )
 
 
-def consume_once(connection: Connection, consumer: str, message_id: str) -> bool:
+def consume_once(
+    connection: Connection,
+    consumer: str,
+    message_id: str,
+    *,
+    observer: Observer = NO_OBSERVER,
+    trace_context: str | None = None,
+) -> bool:
     """Record that ``consumer`` processes ``message_id``; ``False`` if it already did.
 
     Call it first inside the transaction that does the message's work, and do the work
@@ -91,12 +104,19 @@ def consume_once(connection: Connection, consumer: str, message_id: str) -> bool
 
     ``consumer`` names the piece of work: two consumers of one message each run once. The
     reaper deletes records older than its ``processed_retention``.
+
+    ``observer`` (e.g. ``engine.observer``) counts processed and duplicate messages and
+    traces the call, linked to the request that staged the job by ``trace_context``
+    (:attr:`Job.trace_context`).
     """
     if not consumer or not message_id:
         raise ValueError("consume_once needs a consumer name and a message id")
-    return (
-        connection.execute(
-            _MARK_PROCESSED, {"consumer": consumer, "message_id": message_id}
-        ).first()
-        is not None
-    )
+    with observer.consuming(consumer, message_id, trace_context):
+        processed = (
+            connection.execute(
+                _MARK_PROCESSED, {"consumer": consumer, "message_id": message_id}
+            ).first()
+            is not None
+        )
+        observer.consumed(consumer, processed)
+    return processed

@@ -82,6 +82,12 @@ idempotency_keys = Table(
         "finished_at",
         postgresql_where=text("finished_at IS NOT NULL"),
     ),
+    # The metrics collector's count of abandoned keys, read at every scrape.
+    Index(
+        "idempotency_keys_abandoned",
+        "operation",
+        postgresql_where=text("abandoned_at IS NOT NULL"),
+    ),
 )
 
 staged_jobs = Table(
@@ -105,6 +111,8 @@ staged_jobs = Table(
         "next_attempt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
     ),
     Column("last_error", Text),
+    # The W3C traceparent of the phase that staged the job, when the engine traces.
+    Column("trace_context", Text),
     Index("staged_jobs_idempotency_key_id", "idempotency_key_id"),
     # The enqueuer's claim: due jobs, oldest first.
     Index("staged_jobs_next_attempt_at", "next_attempt_at"),

@@ -187,8 +187,8 @@ _WITHDRAW = _by_ctid_and_by_id(
 )
 
 _STAGE_JOB = """
-    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id)
-    VALUES (%(name)s, %(args)s::jsonb, %(job_key)s, %(key_id)s)
+    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, trace_context)
+    VALUES (%(name)s, %(args)s::jsonb, %(job_key)s, %(key_id)s, %(trace_context)s)
 """
 
 
@@ -409,4 +409,10 @@ def _written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
 
 
 def _job_row(job: StagedJob, key_id: int) -> dict[str, Any]:
-    return {"name": job.name, "args": job.args_json, "job_key": job.job_key, "key_id": key_id}
+    return {
+        "name": job.name,
+        "args": job.args_json,
+        "job_key": job.job_key,
+        "key_id": key_id,
+        "trace_context": job.trace_context,
+    }

@@ -22,6 +22,7 @@ from .demo import add_demo
 from .doctor import add_doctor
 from .jobs import add_jobs
 from .keys import add_keys
+from .metrics import add_metrics
 from .migrate import add_migrate
 from .worker import add_worker
 
@@ -31,6 +32,7 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     add_keys,
     add_jobs,
     add_doctor,
+    add_metrics,
     add_demo,
 )
 

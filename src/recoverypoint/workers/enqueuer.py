@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,7 +33,8 @@ from .loop import Result, Worker, describe
 # Due jobs, oldest first; jobs another enqueuer holds are skipped, not waited for.
 _CLAIM_JOBS = text(
     """
-    SELECT id, job_name, job_args, job_key, attempts
+    SELECT id, job_name, job_args, job_key, attempts, trace_context,
+           extract(epoch FROM clock_timestamp() - created_at)::float8 AS age
     FROM staged_jobs
     WHERE next_attempt_at <= now()
     ORDER BY next_attempt_at, id
@@ -102,20 +104,25 @@ class Enqueuer(Worker[EnqueuerResult]):
             claimed = self._batch(result)
             if claimed < self.batch_size:
                 break
+        self.engine.observer.worker_pass(self.name)
         return result
 
     def _batch(self, result: EnqueuerResult) -> int:
         """Publish one batch in one transaction; returns how many jobs it claimed."""
         with self.db.begin() as conn:
             rows = conn.execute(_CLAIM_JOBS, {"batch_size": self.batch_size}).all()
+            claimed_at = time.monotonic()  # a job's lag: its age at the claim, plus since
+            observer = self.engine.observer
             published: list[int] = []
             failures: list[dict[str, object]] = []
             first_failure: dict[str, object] = {}
             for row in rows:
-                job = Job(row.job_name, row.job_args, row.job_key)
+                job = Job(row.job_name, row.job_args, row.job_key, row.trace_context)
                 try:
-                    self.backend.publish(job)
+                    with observer.publishing(job.name, job.job_key, job.trace_context):
+                        self.backend.publish(job)
                 except Exception as exc:
+                    observer.job_publish_failed(job.name)
                     error = describe(exc)
                     delay = backoff_delay(row.attempts, base=self.retry_base, cap=self.retry_cap)
                     failures.append({"id": row.id, "error": error[:2000], "retry_in": delay})
@@ -129,6 +136,7 @@ class Enqueuer(Worker[EnqueuerResult]):
                     }
                 else:
                     published.append(row.id)
+                    observer.job_published(job.name, row.age + time.monotonic() - claimed_at)
                     if faults.active:
                         # Published, not yet deleted: a crash here re-publishes the batch.
                         faults.hit("after_publish", row.job_name)

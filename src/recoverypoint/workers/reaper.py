@@ -132,6 +132,8 @@ class Reaper(Worker[ReaperResult]):
             result.messages += deleted
             if deleted < self.batch_size:
                 break
+        self.engine.observer.reaped(result.finished, result.abandoned, result.messages)
+        self.engine.observer.worker_pass(self.name)
         return result
 
     def _batch(
