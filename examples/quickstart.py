@@ -52,10 +52,10 @@ rides = rp.Operation("create_ride", params=RideParams)
 
 @rides.atomic_phase("ride_created")
 def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
-    (tx.state["ride_id"],) = tx.execute(
+    tx.state["ride_id"] = tx.scalar(
         "INSERT INTO rides (origin, target) VALUES (%(origin)s, %(target)s) RETURNING id",
         params.model_dump(),
-    ).fetchone()
+    )
 
 
 @rides.foreign_step("charge_created")

@@ -1,4 +1,4 @@
-"""examples/rocket_rides as a user runs it: ``python -m examples.rocket_rides`` processes
+"""src/recoverypoint/demo/rocket_rides as a user runs it: ``python -m recoverypoint.demo.rocket_rides`` processes
 (migrate, the fake provider, the API, the simulator) on loopback, on a database of their own.
 
 Three provider/API pairs share that database: a healthy one (slowed by 200 ms, so that
@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 
 def _example(*args: str) -> list[str]:
-    return [sys.executable, "-m", "examples.rocket_rides", *args]
+    return [sys.executable, "-m", "recoverypoint.demo.rocket_rides", *args]
 
 
 def _start(

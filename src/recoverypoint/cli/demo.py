@@ -71,17 +71,14 @@ def _demo(args: argparse.Namespace) -> int:
         # Here, not at the top: the demo's dependencies (httpx, the example's FastAPI) are
         # an extra, and the other commands must run without them.
         from ..demo.harness import DemoConfig, run
-        from ..demo.processes import NotACheckout, find_checkout
         from ..demo.progress import ProgressBar
     except ImportError as exc:
-        return fail(
-            "demo", EXIT_USAGE, f"{exc}: install the demo's extra: pip install -e '.[demo]'"
-        )
+        hint = "install the demo's extra: pip install 'recoverypoint[demo]'"
+        return fail("demo", EXIT_USAGE, f"{exc}: {hint}")
     try:
-        find_checkout()
         faults = FaultMix.from_percent(args.faults)
         url = normalize_url(args.database_url) if args.database_url else None
-    except (NotACheckout, ValueError) as exc:
+    except ValueError as exc:
         return fail("demo", EXIT_USAGE, str(exc))
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     config = DemoConfig(

@@ -10,7 +10,7 @@ from ..testing import BOUNDARIES
 # after_publish is the enqueuer's own).
 API_BOUNDARIES = tuple(b for b in BOUNDARIES if b != "after_publish")
 # A ride request meets about this many boundaries per attempt: before and after each
-# of its two commits, before and after its foreign step (see examples/rocket_rides/api.py).
+# of its two commits, before and after its foreign step (see demo/rocket_rides/api.py).
 _BOUNDARIES_PER_ATTEMPT = 6
 
 

@@ -1,7 +1,7 @@
 """The demo's run, start to end: migrate, start the processes, drive the load, let the
 completer and the enqueuer finish, stop everything, check.
 
-The processes, each from the Rocket Rides example in the repository checkout:
+The processes, each from the Rocket Rides example shipped in ``recoverypoint.demo.rocket_rides``:
 
 - the fake payment provider, failing before and after charges at the mix's rates;
 - ``api_processes`` API processes sharing one listening socket, which this process holds:
@@ -32,10 +32,10 @@ from ..database import create_engine
 from .checks import check
 from .faults import FaultMix
 from .load import Load, LoadResult
-from .processes import Supervised, find_checkout, python_module, wait_until_serving
+from .processes import Supervised, python_module, wait_until_serving
 from .report import Report
 
-WORKERS_APP = "examples.rocket_rides.workers:engine"
+WORKERS_APP = "recoverypoint.demo.rocket_rides.workers:engine"
 _DECLINED_CUSTOMER = "cus_declined"  # the provider declines this customer's card
 
 _UNSETTLED = sa.text(
@@ -82,13 +82,12 @@ def run(
 ) -> Report:
     """Run the demo on ``database_url`` (a database of its own: the checks count every
     row), with logs in ``workdir``; ``midway`` runs once when half the load is done."""
-    checkout = find_checkout()
     # NullPool: no connection outlives a database restart.
     db = create_engine(database_url, poolclass=NullPool)
     try:
-        users = prepare(db, checkout)
+        users = prepare(db)
         with ExitStack() as stack:
-            services = _start(config, database_url, checkout, workdir, stack)
+            services = _start(config, database_url, workdir, stack)
 
             def on_done(done: int, result: LoadResult) -> None:
                 restarts = services.groups["API"].restarts
@@ -127,17 +126,16 @@ class _Services:
     """provider, API, completer, enqueuer."""
 
 
-def prepare(db: sa.Engine, checkout: Path) -> tuple[tuple[str, bool], ...]:
+def prepare(db: sa.Engine) -> tuple[tuple[str, bool], ...]:
     """Create recoverypoint's and Rocket Rides' tables; return the users, as (email,
     whether the provider declines their card)."""
     migrated = subprocess.run(
         python_module(
-            "examples.rocket_rides",
+            "recoverypoint.demo.rocket_rides",
             "migrate",
             "--database-url",
             db.url.render_as_string(hide_password=False),
         ),
-        cwd=checkout,
         capture_output=True,
         text=True,
         check=False,
@@ -150,7 +148,7 @@ def prepare(db: sa.Engine, checkout: Path) -> tuple[tuple[str, bool], ...]:
 
 
 def _start(
-    config: DemoConfig, database_url: str, checkout: Path, workdir: Path, stack: ExitStack
+    config: DemoConfig, database_url: str, workdir: Path, stack: ExitStack
 ) -> _Services:
     """Start the provider, the API processes and the workers; stopped with ``stack``."""
     faults, seed = config.faults, config.seed
@@ -184,7 +182,7 @@ def _start(
         supervised = Supervised(
             name,
             command,
-            cwd=checkout,
+            cwd=workdir,
             log=workdir / f"{name}.log",
             env=env,
             count=count,
@@ -196,7 +194,7 @@ def _start(
     provider = group(
         "provider",
         lambda start: python_module(
-            "examples.rocket_rides",
+            "recoverypoint.demo.rocket_rides",
             "provider",
             *db,
             "--port",
@@ -215,7 +213,7 @@ def _start(
     api = group(
         "API",
         lambda start: python_module(
-            "examples.rocket_rides",
+            "recoverypoint.demo.rocket_rides",
             "api",
             *db,
             "--provider-url",

@@ -1,5 +1,5 @@
-"""The demo's processes: where the Rocket Rides example is, and a supervisor that restarts
-whatever an injected fault (or anything else) kills."""
+"""The demo's processes: a supervisor that restarts whatever an injected fault (or anything
+else) kills."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from typing import IO
 
 import httpx
 
-import recoverypoint
-
 from ..testing import FAULT_EXIT_STATUS
 
 # How long a process that exited for another reason than a fault waits before it is
@@ -24,22 +22,6 @@ from ..testing import FAULT_EXIT_STATUS
 # of restarts would only burn the CPU the rest of the demo needs.
 _RESTART_DELAY = 0.5
 _POLL = 0.05
-
-
-class NotACheckout(Exception):
-    """The demo needs examples/rocket_rides, which only a source checkout has."""
-
-
-def find_checkout() -> Path:
-    """The repository checkout recoverypoint was installed from (``pip install -e``)."""
-    root = Path(recoverypoint.__file__).resolve().parents[2]
-    if not (root / "examples" / "rocket_rides" / "__main__.py").is_file():
-        raise NotACheckout(
-            "the demo runs the Rocket Rides example, which is not part of the installed "
-            "package: clone the repository and install it with `pip install -e '.[demo]'`, "
-            "then run `recoverypoint demo` from there"
-        )
-    return root
 
 
 @dataclass

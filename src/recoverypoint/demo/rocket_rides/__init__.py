@@ -1,6 +1,6 @@
 """Rocket Rides: the reference service of Stripe-like idempotency keys, rebuilt on recoverypoint.
 
-Three processes, each started with ``python -m examples.rocket_rides COMMAND`` from the
+Three processes, each started with ``python -m recoverypoint.demo.rocket_rides COMMAND`` from the
 repository root:
 
 - ``provider``: a fake payment provider over HTTP (:mod:`.provider`), with fault knobs;

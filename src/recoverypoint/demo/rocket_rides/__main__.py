@@ -1,4 +1,5 @@
-"""``python -m examples.rocket_rides provider|api|simulate|migrate``; ``--help`` on each."""
+"""``python -m recoverypoint.demo.rocket_rides provider|api|simulate|migrate``; ``--help``
+on each."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from recoverypoint.database import DATABASE_URL_ENV
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m examples.rocket_rides",
+        prog="python -m recoverypoint.demo.rocket_rides",
         description="Rocket Rides, the reference service of idempotency keys, on recoverypoint.",
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)

@@ -58,12 +58,12 @@ def ride_operation(
     @rides.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
         coordinates = params.model_dump(exclude={"user_id"})
-        (tx.state["ride_id"],) = tx.execute(
+        tx.state["ride_id"] = tx.scalar(
             "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
             "target_lon, user_id) VALUES (%(key_id)s, %(origin_lat)s, %(origin_lon)s, "
             "%(target_lat)s, %(target_lon)s, %(user_id)s) RETURNING id",
             {"key_id": tx.key_id, "user_id": params.user_id, **coordinates},
-        ).fetchone()
+        )
         tx.execute(
             "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
             "resource_type, user_id) VALUES ('ride.created', CAST(%(data)s AS jsonb), "
@@ -75,9 +75,9 @@ def ride_operation(
                 "user_id": params.user_id,
             },
         )
-        (tx.state["customer"],) = tx.execute(
+        tx.state["customer"] = tx.scalar(
             "SELECT customer_id FROM users WHERE id = %s", (params.user_id,)
-        ).fetchone()
+        )
 
     @rides.foreign_step("charge_created")
     def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:

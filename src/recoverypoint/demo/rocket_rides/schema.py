@@ -97,5 +97,5 @@ def require(db: sa.Engine, *tables: str) -> None:
     if missing:
         raise SystemExit(
             f"missing tables {', '.join(missing)}: run "
-            "python -m examples.rocket_rides migrate --database-url URL first"
+            "python -m recoverypoint.demo.rocket_rides migrate --database-url URL first"
         )

@@ -3,8 +3,8 @@
 From the repository root, with the same settings as the API::
 
     export RECOVERYPOINT_DATABASE_URL=postgresql://…   ROCKET_RIDES_PROVIDER_URL=http://127.0.0.1:8001
-    recoverypoint worker completer --app examples.rocket_rides.workers:engine
-    recoverypoint worker enqueuer --app examples.rocket_rides.workers:engine
+    recoverypoint worker completer --app recoverypoint.demo.rocket_rides.workers:engine
+    recoverypoint worker enqueuer --app recoverypoint.demo.rocket_rides.workers:engine
 
 ``ROCKET_RIDES_LOCK_TIMEOUT`` (seconds, default 90) must equal the API's ``--lock-timeout``:
 the completer takes over a key once that lease has expired.
