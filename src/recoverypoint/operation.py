@@ -112,6 +112,10 @@ class Operation(Generic[P]):
         phase renews it; make it longer than your slowest foreign step.
     max_attempts:
         Failed attempts after which the completer abandons a key.
+    retention:
+        How long the reaper keeps a finished key of this operation for replays (the window
+        in which a client may still retry); ``None`` takes the reaper's ``--retention``.
+        An abandoned key is kept at least the reaper's ``--abandoned-retention``.
     """
 
     @overload
@@ -123,6 +127,7 @@ class Operation(Generic[P]):
         version: int = 1,
         lock_timeout: timedelta = ...,
         max_attempts: int = 10,
+        retention: timedelta | None = None,
     ) -> None: ...
 
     @overload
@@ -134,6 +139,7 @@ class Operation(Generic[P]):
         version: int = 1,
         lock_timeout: timedelta = ...,
         max_attempts: int = 10,
+        retention: timedelta | None = None,
     ) -> None: ...
 
     def __init__(
@@ -144,6 +150,7 @@ class Operation(Generic[P]):
         version: int = 1,
         lock_timeout: timedelta = timedelta(seconds=90),
         max_attempts: int = 10,
+        retention: timedelta | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or len(name) > 200 or not _storable(name):
             raise DeclarationError(
@@ -155,10 +162,13 @@ class Operation(Generic[P]):
             raise DeclarationError(f"operation {name!r}: lock_timeout must be positive")
         if max_attempts < 1:
             raise DeclarationError(f"operation {name!r}: max_attempts must be >= 1")
+        if retention is not None and retention <= timedelta(0):
+            raise DeclarationError(f"operation {name!r}: retention must be positive")
         self.name = name
         self.version = version
         self.lock_timeout = lock_timeout
         self.max_attempts = max_attempts
+        self.retention = retention
         self.phases: list[Phase] = []
         self._adapter: TypeAdapter[P] | None = TypeAdapter(params) if params is not None else None
         # Sets dump in hash-seed order, which differs between processes: sorted when present.

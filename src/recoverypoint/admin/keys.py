@@ -280,11 +280,16 @@ def _mark(index: int, at: int) -> str:
 
 
 def _reaped_after(admin: Admin, row: KeyRow) -> datetime | None:
+    """As the reaper decides: the operation's own retention, else the reaper's; an
+    abandoned key not before ``abandoned_retention`` either."""
     if row.finished_at is None:
         return None
+    operation = admin.operation(row.operation, row.version)
+    retention = (operation and operation.retention) or admin.retention
+    after = row.finished_at + retention
     if row.abandoned_at is not None:
-        return row.abandoned_at + admin.abandoned_retention
-    return row.finished_at + admin.retention
+        return max(after, row.abandoned_at + admin.abandoned_retention)
+    return after
 
 
 @dataclass(frozen=True)

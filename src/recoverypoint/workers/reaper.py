@@ -1,11 +1,11 @@
 """The reaper: deletes keys once no client can still retry them, and old consume-once records.
 
-Only finished keys are ever deleted, by the age of ``finished_at``: after ``retention``
-(72 hours, the retry window clients and the completer have) or, for keys the completer
-abandoned, after the longer ``abandoned_retention`` (30 days), so a human has time to look
-at them. An unfinished key is never deleted, however old: the completer finishes or
-abandons it first. Staged jobs of a deleted key keep their row, unlinked from it
-(``idempotency_key_id`` set to NULL in the same statement).
+Only finished keys are ever deleted, by the age of ``finished_at``: after their operation's
+``retention``, else the reaper's ``retention`` (72 hours, the retry window clients and the
+completer have); keys the completer abandoned not before the longer ``abandoned_retention``
+(30 days) either, so a human has time to look at them. An unfinished key is never deleted,
+however old: the completer finishes or abandons it first. Staged jobs of a deleted key keep
+their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement).
 """
 
 from __future__ import annotations
@@ -27,17 +27,26 @@ DEFAULT_ABANDONED_RETENTION = timedelta(days=30)
 # a record is small: keep them longer than the keys.
 DEFAULT_PROCESSED_RETENTION = timedelta(days=7)
 
-# One batch of finished keys past their retention; the partial index on finished_at finds
-# them. Rows locked elsewhere are skipped, so reapers never wait for each other.
+# One batch of finished keys past their retention: their operation's own (``Operation(
+# retention=...)``, a table from three arrays) or the reaper's. The partial index on
+# finished_at finds them by the shortest retention; each row is then held to its own. Rows
+# locked elsewhere are skipped, so reapers never wait for each other.
 _REAP_KEYS = text(
     """
-    WITH doomed AS (
-        SELECT id FROM idempotency_keys
-        WHERE finished_at < now() - make_interval(secs => :retention)
-          AND (abandoned_at IS NULL
-               OR abandoned_at < now() - make_interval(secs => :abandoned_retention))
+    WITH own AS (
+        SELECT * FROM unnest(
+            CAST(:operations AS text[]), CAST(:versions AS integer[]),
+            CAST(:retentions AS double precision[])
+        ) AS o(operation, version, retention)
+    ), doomed AS (
+        SELECT k.id FROM idempotency_keys AS k
+        LEFT JOIN own ON own.operation = k.operation AND own.version = k.operation_version
+        WHERE k.finished_at < now() - make_interval(secs => :shortest)
+          AND k.finished_at < now() - make_interval(secs => coalesce(own.retention, :retention))
+          AND (k.abandoned_at IS NULL
+               OR k.abandoned_at < now() - make_interval(secs => :abandoned_retention))
         LIMIT :batch_size
-        FOR UPDATE SKIP LOCKED
+        FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
         WHERE k.id = doomed.id
@@ -84,9 +93,10 @@ class ReaperResult(Result):
 
 
 class Reaper(Worker[ReaperResult]):
-    """Deletes finished keys past ``retention``, abandoned ones past
-    ``abandoned_retention`` (which may not be shorter) and consume-once records past
-    ``processed_retention``, one transaction per batch."""
+    """Deletes finished keys past their retention (their operation's ``retention``, else
+    ``retention``), abandoned ones also past ``abandoned_retention`` (which may not be
+    shorter than ``retention``) and consume-once records past ``processed_retention``, one
+    transaction per batch."""
 
     name: ClassVar[str] = "reaper"
     default_batch_size: ClassVar[int] = 1000
@@ -116,8 +126,14 @@ class Reaper(Worker[ReaperResult]):
 
     def run_once(self) -> ReaperResult:
         result = ReaperResult()
+        own = [op for op in self.engine.operations if op.retention is not None]
+        retentions = [op.retention.total_seconds() for op in own if op.retention is not None]
         keys = {
+            "operations": [op.name for op in own],
+            "versions": [op.version for op in own],
+            "retentions": retentions,
             "retention": self.retention.total_seconds(),
+            "shortest": min([self.retention.total_seconds(), *retentions]),
             "abandoned_retention": self.abandoned_retention.total_seconds(),
         }
         while not self.stopping:
@@ -137,7 +153,7 @@ class Reaper(Worker[ReaperResult]):
         return result
 
     def _batch(
-        self, statement: TextClause, params: dict[str, float], result: ReaperResult
+        self, statement: TextClause, params: dict[str, Any], result: ReaperResult
     ) -> Sequence[Any]:
         """Delete one batch in its own transaction; what the statement returned per row."""
         with self.db.begin() as conn:
