@@ -56,6 +56,13 @@ def ratios(run: dict[str, Any], concurrency: list[int], systems: list[str]) -> d
             c,
         )
         ratio(
+            "rate recoverypoint-observed/recoverypoint",
+            "recoverypoint-observed",
+            "recoverypoint",
+            "requests_per_second",
+            c,
+        )
+        ratio(
             "client cpu recoverypoint/reference", "recoverypoint", "reference", "client_cpu_ms", c
         )
         ratio(

@@ -54,13 +54,20 @@ from measure import Meter, PostgresCPU, Progress, RedisCPU, Window, drive
 from report import Report
 
 import recoverypoint as rp
+from recoverypoint import observe as rp_observe
 from recoverypoint.database import normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.migrate import upgrade
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-SYSTEMS = ("reference", "recoverypoint", "recoverypoint-sqlalchemy", "dbos")
+SYSTEMS = (
+    "reference",
+    "recoverypoint",
+    "recoverypoint-sqlalchemy",
+    "recoverypoint-observed",
+    "dbos",
+)
 
 Clients = list[Callable[[str], Any]]
 
@@ -104,15 +111,24 @@ class ReferenceSystem(System):
 
 
 class RecoveryPointSystem(System):
-    def __init__(self, url: str, *, fast: bool) -> None:
-        self.url, self.fast = url, fast
-        self.name = "recoverypoint" if fast else "recoverypoint-sqlalchemy"
+    """``fast``: phases on ``tx.execute``, else on SQLAlchemy. ``observed``: the fast path
+    with the Prometheus and OpenTelemetry observers on, to show what the extras cost."""
+
+    def __init__(self, url: str, *, fast: bool, observed: bool = False) -> None:
+        self.url, self.fast, self.observed = url, fast, observed
+        self.name = (
+            "recoverypoint-observed"
+            if observed
+            else "recoverypoint"
+            if fast
+            else "recoverypoint-sqlalchemy"
+        )
         self.db: sa.Engine | None = None
 
     def open(self, clients: int) -> Clients:
         # A pool as large as the number of clients, opened now: nothing connects in the window.
         self.db = sa.create_engine(normalize_url(self.url), pool_size=clients + 4, max_overflow=4)
-        engine = rp.Engine(self.db)
+        engine = rp.Engine(self.db, observer=observers() if self.observed else None)
         operation = ride_operation(
             "bench_create_ride" if self.fast else "bench_create_ride_sa", fast=self.fast
         )
@@ -125,6 +141,18 @@ class RecoveryPointSystem(System):
         if self.db is not None:
             self.db.dispose()
             self.db = None
+
+
+def observers() -> rp_observe.Observer:
+    """Both observers, as ``pip install 'recoverypoint[metrics,otel]'`` gives them: metrics
+    into a registry, spans through the OpenTelemetry API, which records nothing until the
+    application installs an SDK (that cost is the SDK's, and the application's choice)."""
+    from prometheus_client import CollectorRegistry
+
+    from recoverypoint.integrations.otel import OtelObserver
+    from recoverypoint.integrations.prometheus import PrometheusObserver
+
+    return rp_observe.combine(PrometheusObserver(CollectorRegistry()), OtelObserver())
 
 
 class DBOSSystem(System):
@@ -430,7 +458,13 @@ def main() -> None:
             elif name == "dbos":
                 systems.append(DBOSSystem(url, dbos_url))
             else:
-                systems.append(RecoveryPointSystem(url, fast=name == "recoverypoint"))
+                systems.append(
+                    RecoveryPointSystem(
+                        url,
+                        fast=name != "recoverypoint-sqlalchemy",
+                        observed=name == "recoverypoint-observed",
+                    )
+                )
 
         runs: list[dict[str, Any]] = []
         try:

@@ -22,8 +22,8 @@ observers; :func:`combine` runs several side by side.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -231,7 +231,7 @@ class _Observers(Observer):
     def publishing(
         self, job: str, job_key: str, trace_context: str | None
     ) -> AbstractContextManager[object]:
-        return _all([o.publishing(job, job_key, trace_context) for o in self.observers])
+        return _All([o.publishing(job, job_key, trace_context) for o in self.observers])
 
     def job_published(self, job: str, lag: float) -> None:
         for o in self.observers:
@@ -256,7 +256,7 @@ class _Observers(Observer):
     def consuming(
         self, consumer: str, message_id: str, trace_context: str | None
     ) -> AbstractContextManager[object]:
-        return _all([o.consuming(consumer, message_id, trace_context) for o in self.observers])
+        return _All([o.consuming(consumer, message_id, trace_context) for o in self.observers])
 
     def consumed(self, consumer: str, processed: bool) -> None:
         for o in self.observers:
@@ -286,7 +286,7 @@ class _RunObservations(RunObservation):
             run.claimed(key_id, point, attempt, new)
 
     def phase(self, point: str, atomic: bool) -> AbstractContextManager[object]:
-        return _all([run.phase(point, atomic) for run in self.runs])
+        return _All([run.phase(point, atomic) for run in self.runs])
 
     def finished(self, outcome: Outcome) -> Outcome:
         for run in self.runs:
@@ -294,10 +294,22 @@ class _RunObservations(RunObservation):
         return outcome
 
 
-@contextmanager
-def _all(scopes: list[AbstractContextManager[object]]) -> Iterator[None]:
-    """Enter every scope, the first outermost."""
-    with ExitStack() as stack:
-        for scope in scopes:
-            stack.enter_context(scope)
-        yield
+class _All(AbstractContextManager[object]):
+    """Every scope entered, the first outermost (an ExitStack on ``with``)."""
+
+    def __init__(self, scopes: list[AbstractContextManager[object]]) -> None:
+        self._scopes = scopes
+        self._stack = ExitStack()
+
+    def __enter__(self) -> object:
+        for scope in self._scopes:
+            self._stack.enter_context(scope)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        return bool(self._stack.__exit__(exc_type, exc, tb))

@@ -23,7 +23,7 @@ The scope and the client's idempotency key are recorded only when you opt in
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -171,8 +171,15 @@ class _Run(RunObservation):
             }
         )
 
+    def phase(self, point: str, atomic: bool) -> AbstractContextManager[object]:
+        if not self._span.is_recording():
+            # No SDK, or the run was not sampled: its phases would not be either, and making
+            # their spans would only cost the request time.
+            return nullcontext()
+        return self._phase(point, atomic)
+
     @contextmanager
-    def phase(self, point: str, atomic: bool) -> Iterator[None]:
+    def _phase(self, point: str, atomic: bool) -> Iterator[None]:
         with self._tracer.start_as_current_span(
             f"recoverypoint.phase {point}",
             attributes={
