@@ -7,6 +7,7 @@ planted violations.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,6 @@ from recoverypoint.demo.checks import check
 from recoverypoint.demo.faults import FaultMix
 from recoverypoint.demo.harness import DemoConfig, prepare, run
 from recoverypoint.demo.load import LoadResult, Sent
-from recoverypoint.demo.processes import find_checkout
 from recoverypoint.demo.report import Report
 from recoverypoint.embedded import embedded_server
 from recoverypoint.testing import temporary_database
@@ -47,6 +47,17 @@ def assert_sound(report: Report) -> None:
     assert figures["receipts sent"] == booked, report.table()
 
 
+def assert_workers_never_crashed(report: Report, workdir: Path) -> None:
+    """The completer and the enqueuer ended only by an injected fault: each other exit of
+    theirs was a start that found the database down (exit 1, in one line)."""
+    for name in ("completer", "enqueuer"):
+        log = (workdir / f"{name}.log").read_text()
+        failed_starts = log.count("recoverypoint worker: error: ")
+        assert report.process_exits[name]["other"] == failed_starts, report.process_exits
+        assert "event=crashed" not in log
+        assert not re.search("^Traceback", log, re.MULTILINE), log  # an uncaught exception
+
+
 @pytest.mark.parametrize("mix", MIXES.values(), ids=MIXES.keys())
 def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_path: Path) -> None:
     config = DemoConfig(requests=REQUESTS, concurrency=6, faults=mix, seed=11)
@@ -54,9 +65,11 @@ def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_
         report = run(config, url, tmp_path)
 
     assert_sound(report)
-    killed = report.figures()
-    assert killed["API processes killed"] > 0 or not mix.api_exit, report.table()
-    assert killed["retries"] > 0, report.table()
+    figures = report.figures()
+    assert figures["API processes killed"] > 0 or not mix.api_exit, report.table()
+    assert figures["retries"] > 0, report.table()
+    # The database stays up: no process ends but by an injected fault.
+    assert figures["other process exits"] == 0, report.process_exits
 
 
 def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> None:
@@ -74,6 +87,9 @@ def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> No
 
     assert restarts == [2.0]
     assert_sound(report)
+    # The completer's passes failed while the server was down, and it lived on.
+    assert "event=error worker=completer " in (tmp_path / "completer.log").read_text()
+    assert_workers_never_crashed(report, tmp_path)
 
 
 def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
@@ -98,7 +114,7 @@ def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
 def rocket_rides_db(server_url: str) -> Iterator[sa.Engine]:
     with temporary_database(server_url, prefix="rp_chaos") as url:
         db = create_engine(url, poolclass=NullPool)
-        prepare(db, find_checkout())
+        prepare(db)
         yield db
         db.dispose()
 

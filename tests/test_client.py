@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
+from statistics import mean
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -22,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from recoverypoint import client as client_module
 from recoverypoint.client import AsyncClient, Attempts, Client, Retry, RetryPolicy
 
 FAST = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, total_timeout=30)
@@ -162,6 +165,52 @@ def test_a_refused_connection_is_retried_then_raised() -> None:
     ):
         client.post("/anything")
     assert len(retries) == 2 and len({r.key for r in retries}) == 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_waits_the_client_makes_grow_and_are_jittered(
+    script_server: tuple[str, Script], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The client's own sleeps, recorded instead of slept, over 20 logical requests that
+    each fail 5 times: the n-th wait is drawn from 0 to min(max_delay, base_delay * 2**(n-1)),
+    so waits grow on average and differ from request to request."""
+    base_url, script = script_server
+    waits: list[float] = []
+
+    async def async_sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    # The client module's own `time` and `anyio`: nothing else stops sleeping.
+    monkeypatch.setattr(
+        client_module, "time", SimpleNamespace(sleep=waits.append, monotonic=time.monotonic)
+    )
+    monkeypatch.setattr(client_module, "anyio", SimpleNamespace(sleep=async_sleep))
+    policy = RetryPolicy(max_attempts=6, base_delay=1.0, max_delay=8.0, total_timeout=3600)
+    requests, plan = 20, "/script/503,503,503,503,503"
+
+    if kind == "sync":
+        with Client(base_url, policy=policy) as client:
+            keys = [client.post(plan).json()["key"] for _ in range(requests)]
+    else:
+
+        async def send() -> list[str]:
+            async with AsyncClient(base_url, policy=policy) as client:
+                return [(await client.post(plan)).json()["key"] for _ in range(requests)]
+
+        keys = asyncio.run(send())
+
+    assert all(len(script.attempts[key]) == 6 for key in keys)
+    assert len(waits) == requests * 5  # a wait before every retry
+    by_retry = [waits[n::5] for n in range(5)]
+    ceilings = [1.0, 2.0, 4.0, 8.0, 8.0]
+    for ceiling, drawn in zip(ceilings, by_retry, strict=True):
+        assert all(0 <= wait <= ceiling for wait in drawn)
+        # Full jitter: spread over the whole range, no two alike.
+        assert min(drawn) < ceiling / 2 < max(drawn)
+        assert len(set(drawn)) == requests
+    means = [mean(drawn) for drawn in by_retry]
+    assert means[0] < means[1] < means[2] < means[3]  # about 0.5, 1, 2, 4
+    assert 2.5 < means[4] < 5.5  # capped at max_delay: about 4 again
 
 
 # -- the policy, without I/O -------------------------------------------------------------

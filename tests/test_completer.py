@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from recoverypoint.workers import ABANDONED_RESPONSE, Completer
 
 TESTS = Path(__file__).resolve().parent
 ACCEPTED = rp.Request("POST", "/test")
+OLD = "now() - interval '1 day'"
 
 
 def make_engine(db: sa.Engine, *, retry_base: float = 2.0, **options: Any) -> rp.Engine:
@@ -129,7 +131,8 @@ def test_backs_off_per_key_then_abandons_with_a_replayed_error_and_one_log_line(
     assert key(worker_db, key_id).attempts == 1
 
     make_due(worker_db, key_id)
-    assert completer.run_once().failed == 1
+    result = completer.run_once()
+    assert (result.failed, result.abandoned) == (1, 0)  # attempts left: not abandoned
     second = key(worker_db, key_id)
     assert second.attempts == 2
     assert second.lock_token is None
@@ -152,6 +155,7 @@ def test_backs_off_per_key_then_abandons_with_a_replayed_error_and_one_log_line(
     assert f"key_id={key_id} " in line
     assert "operation=steps version=1 " in line
     assert "idempotency_key=k1 " in line
+    assert "recovery_point=reserved attempts=3 " in line
     assert 'last_error="RuntimeError: card network down"' in line
 
     # A client that retries gets the stored error; nothing runs again.
@@ -163,15 +167,91 @@ def test_backs_off_per_key_then_abandons_with_a_replayed_error_and_one_log_line(
     assert not completer.run_once()
 
 
-def test_a_key_out_of_attempts_is_abandoned_without_another_run(worker_db: sa.Engine) -> None:
+def test_the_backoff_of_a_key_never_exceeds_the_engines_retry_cap(worker_db: sa.Engine) -> None:
+    engine = rp.Engine(worker_db, retry_base=1.0, retry_cap=5.0)
+    engine.register(steps_operation("steps", Recorder(worker_db), max_attempts=100))
+    failing = {"params": {"fail": "charged"}}
+    [key_id] = plant_keys(worker_db, "steps", 1, **failing)
+    # One that failed so often that the uncapped delay would be out of any range.
+    [veteran] = plant_keys(worker_db, "steps", 1, attempts="80", **failing)
+    completer = Completer(engine, min_age=0)
+
+    waits = []
+    for attempt in range(1, 8):
+        make_due(worker_db, key_id)
+        make_due(worker_db, veteran)
+        assert completer.run_once().failed == 2
+        row, old = key(worker_db, key_id), key(worker_db, veteran)
+        assert (row.attempts, old.attempts) == (attempt, 80 + attempt)
+        assert timedelta(seconds=2.4) < old.due_in <= timedelta(seconds=5)
+        waits.append(row.due_in)
+
+    # 1, 2, 4 s (half of it fixed, half jittered), then the cap of 5 s every time.
+    assert timedelta(seconds=0.4) < waits[0] <= timedelta(seconds=1)
+    assert all(timedelta(seconds=2.4) < wait <= timedelta(seconds=5) for wait in waits[3:])
+
+
+def test_keys_out_of_attempts_are_abandoned_without_another_run(worker_db: sa.Engine) -> None:
     engine = make_engine(worker_db, max_attempts=2)
-    [key_id] = plant_keys(worker_db, "steps", 1, attempts="2", last_error="'Boom'")
+    ids = plant_keys(worker_db, "steps", 2, attempts="2", last_error="'Boom'")
+
+    result = Completer(engine, min_age=0, batch_size=1).run_once()
+
+    assert (result.abandoned, result.failed, result.finished) == (2, 0, 0)
+    assert result.batches == 3  # one key a batch, then an empty one
+    assert all(key(worker_db, key_id).abandoned_at is not None for key_id in ids)
+    assert rows(worker_db, "SELECT * FROM step_calls") == []
+
+
+def test_keys_their_clients_took_between_the_claim_and_the_resume_are_skipped(
+    worker_db: sa.Engine,
+) -> None:
+    """While the completer runs the first key of its batch, a client finishes the second
+    and takes over the third (as if their leases had expired): the completer leaves both
+    to their clients."""
+    engine = rp.Engine(worker_db)
+    [first] = plant_keys(worker_db, "steps", 1, next_attempt_at=OLD)  # the batch's first
+    finished, taken = plant_keys(worker_db, "steps", 2)
+    client_token = "11111111-1111-1111-1111-111111111111"
+
+    def clients_meanwhile() -> None:
+        with worker_db.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE idempotency_keys SET finished_at = now(), response_status = 202, "
+                    "recovery_point = 'finished', locked_at = NULL, lock_token = NULL "
+                    "WHERE id = :f AND finished_at IS NULL"
+                ),
+                {"f": finished},
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE idempotency_keys SET locked_at = now(), lock_token = :t WHERE id = :i"
+                ),
+                {"t": client_token, "i": taken},
+            )
+
+    engine.register(steps_operation("steps", Recorder(worker_db, on_step=clients_meanwhile)))
 
     result = Completer(engine, min_age=0).run_once()
 
-    assert (result.abandoned, result.failed, result.finished) == (1, 0, 0)
-    assert key(worker_db, key_id).abandoned_at is not None
-    assert rows(worker_db, "SELECT * FROM step_calls") == []
+    assert (result.finished, result.skipped, result.failed, result.errors) == (1, 2, 0, 0)
+    assert key(worker_db, first).response_status == 201
+    assert key(worker_db, finished).response_status == 202  # the client's answer stands
+    assert str(key(worker_db, taken).lock_token) == client_token  # the client's lease stands
+    calls = rows(worker_db, "SELECT key_id FROM step_calls")
+    assert [c.key_id for c in calls] == [first]
+
+
+def test_a_stop_shared_with_other_workers_stops_the_completer(worker_db: sa.Engine) -> None:
+    stop = threading.Event()
+    completer = Completer(make_engine(worker_db), min_age=0, stop_event=stop)
+    plant_keys(worker_db, "steps", 2)
+
+    stop.set()
+
+    assert completer.stopping and not completer.run_once()
+    assert rows(worker_db, "SELECT * FROM idempotency_keys WHERE finished_at IS NOT NULL") == []
 
 
 def test_keys_of_unregistered_operations_or_versions_are_reported_and_never_touched(
@@ -276,3 +356,85 @@ def test_three_completer_processes_finish_1000_keys_each_once(
             for name in totals:
                 totals[name] += int(fields[name])
     assert totals == {"finished": 1000, "skipped": 0}, errors
+
+
+# -- one operation, or one key, never stalls the others ------------------------------------
+
+
+def completer_log(caplog: pytest.LogCaptureFixture, event: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"event={event} " in r.getMessage()]
+
+
+def test_an_operation_whose_claim_fails_sits_the_pass_out_and_the_others_complete(
+    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A lease that never expires, as someone may well declare it: the claim's
+    # `now() - lock_timeout` is then out of PostgreSQL's range for a leased key of it.
+    engine = make_engine(worker_db)
+    engine.register(steps_operation("forever", Recorder(worker_db), lock_timeout=timedelta.max))
+    leased = plant_keys(
+        worker_db,
+        "forever",
+        2,
+        last_run_at=OLD,
+        next_attempt_at=OLD,  # due first: the combined claim meets them whatever the plan
+        locked_at=OLD,
+        lock_token="gen_random_uuid()",
+    )
+    ids = plant_keys(worker_db, "steps", 5)
+    snapshot = "SELECT xmin::text, k.* FROM idempotency_keys k WHERE id = ANY(:ids) ORDER BY id"
+    before = rows(worker_db, snapshot, ids=leased)
+
+    with caplog.at_level(logging.INFO, logger="recoverypoint.workers"):
+        result = Completer(engine, min_age=0, batch_size=2).run_once()
+
+    assert (result.finished, result.failed, result.errors) == (5, 0, 1)
+    done = rows(worker_db, "SELECT count(*) FROM idempotency_keys WHERE response_status = 201")
+    assert done[0][0] == 5
+    assert len(rows(worker_db, "SELECT * FROM step_calls WHERE key_id = ANY(:i)", i=ids)) == 5
+    assert rows(worker_db, snapshot, ids=leased) == before  # never touched
+    [line] = completer_log(caplog, "claim_failed")
+    assert "worker=completer operation=forever version=1 " in line
+    assert "timestamp out of range" in line
+
+
+def test_a_key_that_cannot_be_abandoned_does_not_stall_the_others(
+    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(worker_db)
+    engine.register(steps_operation("doomed", Recorder(worker_db), max_attempts=1))
+    with worker_db.begin() as conn:
+        # A database error of that operation's keys alone, when they are abandoned.
+        conn.exec_driver_sql(
+            """
+            CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+                $$ BEGIN RAISE EXCEPTION 'doomed keys may not be abandoned'; END $$;
+            CREATE TRIGGER refuse_abandon BEFORE UPDATE ON idempotency_keys FOR EACH ROW
+                WHEN (NEW.abandoned_at IS NOT NULL AND NEW.operation = 'doomed')
+                EXECUTE FUNCTION refuse();
+            """
+        )
+    # Out of attempts and due first: the first keys of the batch, every pass.
+    doomed = plant_keys(worker_db, "doomed", 2, attempts="1", next_attempt_at=OLD)
+    ids = plant_keys(worker_db, "steps", 4)
+    completer = Completer(engine, min_age=0)
+
+    with caplog.at_level(logging.INFO, logger="recoverypoint.workers"):
+        result = completer.run_once()
+
+    assert (result.finished, result.abandoned, result.errors) == (4, 0, 2)
+    finished = rows(
+        worker_db, "SELECT id FROM idempotency_keys WHERE response_status = 201 ORDER BY id"
+    )
+    assert [r.id for r in finished] == ids
+    assert rows(worker_db, "SELECT * FROM step_calls WHERE key_id = ANY(:i)", i=doomed) == []
+    lines = completer_log(caplog, "key_failed")
+    assert len(lines) == 2
+    for key_id in doomed:
+        [line] = [line for line in lines if f" key_id={key_id} " in line]
+        assert "operation=doomed version=1 " in line
+        assert "doomed keys may not be abandoned" in line
+    # They keep the pass's lease, so they are not tried again on every pass.
+    leased = rows(worker_db, "SELECT lock_token FROM idempotency_keys WHERE id = ANY(:i)", i=doomed)
+    assert all(r.lock_token is not None for r in leased)
+    assert not completer.run_once()

@@ -3,6 +3,7 @@ publishes kept and retried, and three enqueuer processes, one of them killed mid
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -22,7 +23,9 @@ from recoverypoint.workers import Enqueuer
 TESTS = Path(__file__).resolve().parent
 
 
-def test_a_failed_publish_stays_staged_backs_off_and_is_retried(worker_db: sa.Engine) -> None:
+def test_a_failed_publish_stays_staged_backs_off_and_is_retried(
+    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = stage_jobs(worker_db, 10)
     recorder = Recorder(worker_db)
     broker_down = [True]
@@ -35,9 +38,16 @@ def test_a_failed_publish_stays_staged_backs_off_and_is_retried(worker_db: sa.En
     engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: publish}))
     enqueuer = Enqueuer(engine, batch_size=4, retry_base=10.0)
 
-    result = enqueuer.run_once()
+    with caplog.at_level(logging.INFO, logger="recoverypoint.workers"):
+        result = enqueuer.run_once()
 
     assert (result.published, result.failed, result.batches) == (9, 1, 3)
+    # One line for the batch, on the first failure of it.
+    [line] = [r.getMessage() for r in caplog.records if "event=publish_failed" in r.getMessage()]
+    [failed] = rows(worker_db, "SELECT id, job_key FROM staged_jobs")
+    assert f"worker=enqueuer failed=1 job_id={failed.id} job_name={JOB} " in line
+    assert f" job_key={failed.job_key} attempts=1 retry_in=" in line
+    assert line.endswith(' error="ConnectionError: broker went away"')
     [left] = rows(
         worker_db,
         "SELECT job_args, attempts, last_error, next_attempt_at - now() AS due_in FROM staged_jobs",
@@ -54,6 +64,35 @@ def test_a_failed_publish_stays_staged_backs_off_and_is_retried(worker_db: sa.En
     assert rows(worker_db, "SELECT * FROM staged_jobs") == []
     published = [r.job_key for r in rows(worker_db, "SELECT job_key FROM published")]
     assert sorted(published) == keys
+
+
+def test_the_backoff_of_a_job_never_exceeds_the_retry_cap(worker_db: sa.Engine) -> None:
+    stage_jobs(worker_db, 1)
+
+    def broker_down(job: Job) -> None:
+        raise ConnectionError("broker went away")
+
+    engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: broker_down}))
+    enqueuer = Enqueuer(engine, retry_base=1.0, retry_cap=5.0)
+    due_now = "UPDATE staged_jobs SET next_attempt_at = now()"
+    job = "SELECT attempts, next_attempt_at - now() AS due_in FROM staged_jobs"
+
+    waits = []
+    for attempt in range(1, 7):
+        with worker_db.begin() as conn:
+            conn.execute(sa.text(due_now))
+        assert enqueuer.run_once().failed == 1
+        [row] = rows(worker_db, job)
+        assert row.attempts == attempt
+        waits.append(row.due_in)
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("UPDATE staged_jobs SET attempts = 80, next_attempt_at = now()"))
+    assert enqueuer.run_once().failed == 1
+    [row] = rows(worker_db, job)
+    waits.append(row.due_in)
+
+    assert timedelta(seconds=0.4) < waits[0] <= timedelta(seconds=1)  # from retry_base
+    assert all(timedelta(seconds=2.4) < wait <= timedelta(seconds=5) for wait in waits[3:])
 
 
 def test_an_enqueuer_needs_a_job_backend(worker_db: sa.Engine) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -88,3 +89,23 @@ def test_retentions_are_settable_and_abandoned_keys_are_kept_at_least_as_long(
     assert hour_old != abandoned
     with pytest.raises(ValueError, match="abandoned_retention"):
         Reaper(engine, retention=timedelta(days=40))
+
+
+def test_retentions_may_be_zero_or_equal_never_negative(worker_db: sa.Engine) -> None:
+    engine = rp.Engine(worker_db)
+    Reaper(engine, retention=timedelta(0), abandoned_retention=timedelta(0))
+    Reaper(engine, retention=timedelta(hours=1), abandoned_retention=timedelta(hours=1))
+    for negative in ("retention", "abandoned_retention", "processed_retention"):
+        with pytest.raises(ValueError, match="retentions must be >= 0"):
+            Reaper(engine, **{negative: timedelta(seconds=-1)})
+
+
+def test_a_stop_shared_with_other_workers_stops_the_reaper(worker_db: sa.Engine) -> None:
+    stop = threading.Event()
+    reaper = Reaper(rp.Engine(worker_db), stop_event=stop)
+    plant_keys(worker_db, "op", 2, **finished("73 hours"))
+
+    stop.set()
+
+    assert reaper.stopping and not reaper.run_once()
+    assert len(rows(worker_db, "SELECT * FROM idempotency_keys")) == 2

@@ -10,6 +10,10 @@ retrying client gets replayed, and reported in one log line.
 
 Only keys of operations registered with the engine, at the stored version, are claimed;
 others are counted and reported, never locked or written.
+
+One operation, or one key, that fails in a way nobody planned for never stalls the
+others: when the claim fails, each operation claims on its own and only those whose claim
+fails sit the pass out; an error with one key is logged and counted, and the pass goes on.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class CompleterResult(Result):
     """Keys a client took over between the claim and the resume."""
     unregistered: int = 0
     """Due keys of operations (or versions) this engine does not have; left alone."""
+    errors: int = 0
+    """Keys, and operations' claims, that failed in an unexpected way; each is logged."""
 
 
 @dataclass(frozen=True)
@@ -169,19 +175,12 @@ class Completer(Worker[CompleterResult]):
 
     def run_once(self) -> CompleterResult:
         result = CompleterResult()
-        registered = self._registered()
+        operations = list(self.engine.operations)
         with self.db.connect() as conn:
-            result.unregistered = self._report_unregistered(conn, registered)
+            result.unregistered = self._report_unregistered(conn, self._registered(operations))
         while not self.stopping:
             token = uuid.uuid4()
-            with self.db.begin() as conn:
-                batch = [
-                    _Claimed(*row)
-                    for row in conn.execute(
-                        _CLAIM_DUE,
-                        {**registered, "batch_size": self.batch_size, "token": token},
-                    )
-                ]
+            batch, operations = self._claim(operations, token, result)
             result.batches += 1
             done = 0
             try:
@@ -197,10 +196,10 @@ class Completer(Worker[CompleterResult]):
                     self._release([k.id for k in batch[done:]], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
+        self.engine.observer.worker_pass(self.name)
         return result
 
-    def _registered(self) -> dict[str, Any]:
-        operations = self.engine.operations
+    def _registered(self, operations: list[Operation[Any]]) -> dict[str, Any]:
         return {
             "operations": [op.name for op in operations],
             "versions": [op.version for op in operations],
@@ -208,7 +207,67 @@ class Completer(Worker[CompleterResult]):
             "min_age": self.min_age,
         }
 
+    def _claim(
+        self, operations: list[Operation[Any]], token: uuid.UUID, result: CompleterResult
+    ) -> tuple[list[_Claimed], list[Operation[Any]]]:
+        """A batch of due keys of ``operations``, and the operations left for the pass.
+
+        One statement claims for every operation. Should it fail, each operation claims on
+        its own, and those whose claim fails sit the rest of the pass out, logged: one
+        operation's keys must not stall the others'. When every one fails (the database is
+        down, say) the error ends the pass.
+        """
+        try:
+            return self._claim_due(operations, token, self.batch_size), operations
+        except Exception:
+            if len(operations) < 2:
+                raise
+        batch: list[_Claimed] = []
+        healthy: list[Operation[Any]] = []
+        error: Exception | None = None
+        for operation in operations:
+            room = self.batch_size - len(batch)
+            try:
+                # With no room left, the next combined claim tells whether it fails too.
+                batch += self._claim_due([operation], token, room) if room else []
+            except Exception as exc:
+                error = exc
+                result.errors += 1
+                self.log_error(
+                    "claim_failed", exc, operation=operation.name, version=operation.version
+                )
+            else:
+                healthy.append(operation)
+        if error is not None and not healthy:
+            raise error
+        return batch, healthy
+
+    def _claim_due(
+        self, operations: list[Operation[Any]], token: uuid.UUID, limit: int
+    ) -> list[_Claimed]:
+        """Take the leases of up to ``limit`` due keys of ``operations``, in one transaction."""
+        params = {**self._registered(operations), "batch_size": limit, "token": token}
+        with self.db.begin() as conn:
+            return [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, params)]
+
     def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
+        """Resume one key; whatever goes wrong with it stays with it."""
+        try:
+            self._resume(key, token, result)
+        except Exception as exc:
+            # Not a phase's failure (the engine counts those) but one here: abandoning the
+            # key failed, say. The key keeps the lease this pass took (unless the engine
+            # gave it up), so it is tried again once that expires, not on every pass.
+            result.errors += 1
+            self.log_error(
+                "key_failed",
+                exc,
+                key_id=key.id,
+                operation=key.operation,
+                version=key.operation_version,
+            )
+
+    def _resume(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
         operation = self.engine.operation(key.operation, key.operation_version)
         if key.attempts >= operation.max_attempts:
             # Out of attempts already (its client's): abandon it without another run.
@@ -243,6 +302,7 @@ class Completer(Worker[CompleterResult]):
             ).one_or_none()
         if row is None:
             return 0
+        self.engine.observer.key_abandoned(operation.name)
         self.log(
             logging.ERROR,
             "abandoned",

@@ -132,8 +132,7 @@ class Worker(ABC, Generic[R]):
             try:
                 result = self.run_once()
             except Exception as exc:
-                fields = {"worker": self.name, "error": describe(exc)}
-                log_event(logging.ERROR, "error", fields, exc_info=True)
+                self.log_error("error", exc)
             else:
                 if result:
                     self.log_pass(result, seconds=round(time.monotonic() - began, 3))
@@ -142,6 +141,11 @@ class Worker(ABC, Generic[R]):
 
     def log(self, level: int, event: str, **fields: object) -> None:
         log_event(level, event, {"worker": self.name, **fields})
+
+    def log_error(self, event: str, exc: BaseException, **fields: object) -> None:
+        """Log ``exc`` as an error event, in one line, its traceback as the ``exc`` field."""
+        fields = {"worker": self.name, **fields, "error": describe(exc)}
+        log_event(logging.ERROR, event, fields, exc_info=True)
 
     def log_pass(self, result: Result, **fields: object) -> None:
         log_event(logging.INFO, "pass", {"worker": self.name, **result.counts(), **fields})
