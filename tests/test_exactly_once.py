@@ -628,3 +628,36 @@ def test_a_withdrawn_first_step_leaves_no_key_and_a_later_one_is_a_failure(
     assert (row["recovery_point"], row["attempts"]) == ("checked", 1)
     withdraw_at[:] = []
     assert engine.run(op, key="k", params={"a": 2}, scope=scope).status == 201
+
+
+# -- the pipelined COMMIT never follows a write that missed its row ---------------------------
+
+
+def test_a_phase_that_moves_its_own_key_row_commits_nothing(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    def end(tx: rp.AtomicContext) -> None:
+        # A new row version: the point's write, addressed by the fence's ctid, misses it.
+        tx.execute("UPDATE idempotency_keys SET attempts = attempts WHERE id = %s", (tx.key_id,))
+
+    op = counting_op("moves_its_key_row", end)
+    engine.register(op)
+    with pytest.raises(rp.LockLost, match="idempotency_keys"):
+        engine.run(op, key="k", params={"scope": scope}, scope=scope)
+    # The COMMIT queued behind the write did not run: the audit record went with it.
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+    assert keys_in(db, scope) == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lock_timeout": timedelta.max},
+        {"lock_timeout": timedelta(days=366)},
+        {"retention": timedelta(days=40000)},
+    ],
+    ids=["lock-timeout-max", "lock-timeout-over-a-year", "retention-over-a-century"],
+)
+def test_leases_and_retentions_sql_cannot_add_are_refused(options: dict[str, Any]) -> None:
+    with pytest.raises(rp.DeclarationError, match="at most"):
+        rp.Operation("too_long", **options)

@@ -455,8 +455,11 @@ class _Run:
             step = self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
         except LockLost:
             # The point is written only in the transaction the phase began in; phase code
-            # that ended it and wrote again makes the write miss.
-            phase_guard.check_same_transaction(phase.point, began, store.current_transaction(tx))
+            # that ended it and began another makes the write miss.
+            if tx.open:
+                phase_guard.check_same_transaction(
+                    phase.point, began, store.current_transaction(tx)
+                )
             raise
         for job in ctx.staged_jobs:  # committed: _commit's last write carries the COMMIT
             self.engine.observer.job_staged(self.operation.name, job.name)

@@ -25,6 +25,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 STARTED = "started"
 FINISHED = "finished"
 
+# Leases and retentions are added to timestamps in SQL: beyond a few thousand years that
+# overflows, and a key would fail forever. A lease of a year is already "never".
+MAX_LOCK_TIMEOUT = timedelta(days=365)
+MAX_RETENTION = timedelta(days=36500)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -158,12 +163,18 @@ class Operation(Generic[P]):
             )
         if version < 1:
             raise DeclarationError(f"operation {name!r}: version must be >= 1, got {version}")
-        if lock_timeout <= timedelta(0):
-            raise DeclarationError(f"operation {name!r}: lock_timeout must be positive")
+        if not timedelta(0) < lock_timeout <= MAX_LOCK_TIMEOUT:
+            raise DeclarationError(
+                f"operation {name!r}: lock_timeout must be positive and at most "
+                f"{MAX_LOCK_TIMEOUT.days} days, got {lock_timeout}"
+            )
         if max_attempts < 1:
             raise DeclarationError(f"operation {name!r}: max_attempts must be >= 1")
-        if retention is not None and retention <= timedelta(0):
-            raise DeclarationError(f"operation {name!r}: retention must be positive")
+        if retention is not None and not timedelta(0) < retention <= MAX_RETENTION:
+            raise DeclarationError(
+                f"operation {name!r}: retention must be positive and at most "
+                f"{MAX_RETENTION.days} days, got {retention}"
+            )
         self.name = name
         self.version = version
         self.lock_timeout = lock_timeout

@@ -379,7 +379,13 @@ def _commit_fenced(
         try:
             row = tx.commit_with(sql.checked, params, staged)
         except psycopg.errors.DivisionByZero:
-            raise LockLost() from None
+            # The write missed the row its own transaction locked: the phase itself changed
+            # the key row, or ended the transaction. Nothing was committed.
+            tx.connection.rollback()
+            raise LockLost(
+                "the key row changed under the phase (phase code must not write to "
+                "idempotency_keys); nothing was committed: retry with the same key"
+            ) from None
     else:  # a foreign step's result, committed on its own: it stages no jobs
         with _waiting_for_key():
             row = tx.execute(sql.by_ctid, params).fetchone()

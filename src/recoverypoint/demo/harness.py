@@ -147,9 +147,7 @@ def prepare(db: sa.Engine) -> tuple[tuple[str, bool], ...]:
     return tuple((email, bool(declined)) for email, declined in rows)
 
 
-def _start(
-    config: DemoConfig, database_url: str, workdir: Path, stack: ExitStack
-) -> _Services:
+def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStack) -> _Services:
     """Start the provider, the API processes and the workers; stopped with ``stack``."""
     faults, seed = config.faults, config.seed
     with socket.socket() as probe:
