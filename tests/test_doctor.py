@@ -5,6 +5,7 @@ off and a skewed clock are warned about with what to do."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import sqlalchemy as sa
@@ -29,8 +30,8 @@ def test_a_ready_database_passes(
     status, found = checks(worker_database_url, capsys)
 
     assert status == 0
-    assert list(found) == ["database", "schema", "clock", "autovacuum", "staged jobs", "keys",
-                           "pooler"]  # fmt: skip
+    assert list(found) == ["database", "schema", "clock", "autovacuum", "workers",
+                           "staged jobs", "keys", "pooler"]  # fmt: skip
     for name in ("database", "schema", "clock", "staged jobs", "keys", "pooler"):
         assert found[name]["status"] == "ok", found[name]
     assert "(head)" in found["schema"]["detail"]
@@ -97,3 +98,47 @@ def test_one_connection_answered_by_one_backend_is_no_pooler(worker_database_url
     finally:
         db.dispose()
     assert check.status == "ok"
+
+
+def test_each_workers_last_pass_is_reported(
+    worker_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    import recoverypoint as rp
+    from recoverypoint.jobs import InProcessBackend
+    from recoverypoint.workers import Completer, Enqueuer, Reaper
+
+    _, found = checks(worker_database_url, capsys)
+    assert found["workers"]["status"] == "warn"
+    assert "no completer pass ever" in found["workers"]["detail"]
+    assert "recoverypoint worker all" in found["workers"]["hint"]
+
+    engine = rp.Engine(worker_database_url, jobs=InProcessBackend())
+    try:
+        for worker in (Completer(engine), Enqueuer(engine), Reaper(engine)):
+            # run_forever records each pass; stop it after the first.
+            threading.Timer(0.5, worker.stop).start()
+            worker.run_forever(interval=0.1)
+    finally:
+        engine.dispose()
+    _, found = checks(worker_database_url, capsys)
+    assert found["workers"]["status"] == "ok", found["workers"]
+    for kind in ("completer", "enqueuer", "reaper"):
+        assert re.search(rf"{kind} [0-9]s ago", found["workers"]["detail"])
+
+    db = create_engine(worker_database_url)
+    try:
+        with db.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE worker_passes SET last_pass_at = now() - interval '1 hour', "
+                    "last_error = 'OperationalError: connection refused' WHERE worker = 'reaper'"
+                )
+            )
+    finally:
+        db.dispose()
+    _, found = checks(worker_database_url, capsys)
+    assert found["workers"]["status"] == "warn"
+    assert "reaper late" in found["workers"]["detail"]
+    assert "failing: OperationalError: connection refused" in found["workers"]["detail"]

@@ -128,3 +128,15 @@ processed_messages = Table(
     Column("processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Index("processed_messages_processed_at", "processed_at"),
 )
+
+# When each kind of worker last ran a pass, per host (workers.loop); `recoverypoint doctor`
+# reads it.
+worker_passes = Table(
+    "worker_passes",
+    metadata,
+    Column("worker", Text, primary_key=True),
+    Column("host", Text, primary_key=True),
+    Column("pid", Integer, nullable=False),
+    Column("last_pass_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("last_error", Text),
+)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
@@ -25,6 +26,17 @@ MAX_SKEW = 2.0
 """Seconds between this host's clock and the database's before the doctor warns."""
 OLD_JOB = 300.0
 """Seconds a staged job may wait before the doctor asks whether an enqueuer runs."""
+OLD_PASS = 300.0
+"""Seconds since a kind of worker's last pass before the doctor asks whether it runs."""
+WORKERS = ("completer", "enqueuer", "reaper")
+
+_PASSES = sa.text(
+    """
+    SELECT worker, host, pid, extract(epoch FROM now() - last_pass_at)::float8 AS age,
+           last_error
+    FROM worker_passes ORDER BY last_pass_at DESC
+    """
+)
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,33 @@ def _keys(admin: Admin) -> Check:
     return Check("keys", OK, detail)
 
 
+def _workers(admin: Admin) -> Check:
+    """Each kind of worker's last pass (``recoverypoint worker`` records them)."""
+    with admin.db.connect() as conn:
+        passes = conn.execute(_PASSES).all()
+    latest: dict[str, sa.Row[Any]] = {}
+    for row in passes:  # newest first: the first row of a kind is its last pass
+        latest.setdefault(row.worker, row)
+    missing = [kind for kind in WORKERS if kind not in latest]
+    late = [kind for kind, row in latest.items() if row.age > OLD_PASS]
+    failing = [kind for kind, row in latest.items() if row.last_error]
+    detail = ", ".join(
+        f"{kind} {row.age:.0f}s ago on {row.host} (pid {row.pid})"
+        + (f", failing: {row.last_error}" if row.last_error else "")
+        for kind, row in sorted(latest.items())
+    )
+    if missing or late or failing:
+        problems = [*(f"no {kind} pass ever" for kind in missing), *(f"{k} late" for k in late)]
+        return Check(
+            "workers",
+            WARN,
+            "; ".join(filter(None, [", ".join(problems), detail])),
+            "run `recoverypoint worker all --app module:engine` (or each worker); "
+            "a failing pass logs event=error with what went wrong",
+        )
+    return Check("workers", OK, detail)
+
+
 def _pooler(admin: Admin) -> Check:
     """Three transactions on one client connection: more than one server backend answering
     them means a pooler in transaction (or statement) mode sits in between."""
@@ -198,6 +237,7 @@ _CHECKS: tuple[Callable[[Admin], Check], ...] = (
     _schema,
     _clock,
     _autovacuum,
+    _workers,
     _jobs,
     _keys,
     _pooler,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import signal
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,6 +28,17 @@ import sqlalchemy as sa
 from ..engine import Engine
 
 logger = logging.getLogger("recoverypoint.workers")
+
+_HOST = socket.gethostname()
+_RECORD_PASS = sa.text(
+    """
+    INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error)
+    VALUES (:worker, :host, :pid, now(), :error)
+    ON CONFLICT (worker, host) DO UPDATE
+    SET pid = excluded.pid, last_pass_at = excluded.last_pass_at,
+        last_error = excluded.last_error
+    """
+)
 
 
 @dataclass
@@ -133,11 +146,23 @@ class Worker(ABC, Generic[R]):
                 result = self.run_once()
             except Exception as exc:
                 self.log_error("error", exc)
+                self._record_pass(describe(exc))
             else:
                 if result:
                     self.log_pass(result, seconds=round(time.monotonic() - began, 3))
+                self._record_pass(None)
             self.stop_event.wait(interval + random.uniform(0, jitter))
         self.log(logging.INFO, "stopped")
+
+    def _record_pass(self, error: str | None) -> None:
+        """Note the pass in ``worker_passes`` for ``recoverypoint doctor``; a database that
+        cannot take it (the pass failed for that reason) is not worth another log line."""
+        fields = {"worker": self.name, "host": _HOST, "pid": os.getpid(), "error": error}
+        try:
+            with self.db.begin() as conn:
+                conn.execute(_RECORD_PASS, fields)
+        except sa.exc.DBAPIError:
+            logger.debug("could not record the pass of %s", self.name, exc_info=True)
 
     def log(self, level: int, event: str, **fields: object) -> None:
         log_event(level, event, {"worker": self.name, **fields})
