@@ -19,7 +19,7 @@ from workload import Recorder, plant_keys, rows, stage_jobs, steps_operation
 import recoverypoint as rp
 from recoverypoint import admin
 from recoverypoint.admin import key_actions
-from recoverypoint.workers import Completer, reaper
+from recoverypoint.workers import Completer
 
 # Columns (SQL expressions) of a key in each state, as time and requests leave them.
 LIVE = {"locked_at": "now() - interval '10 seconds'", "lock_token": "gen_random_uuid()"}
@@ -189,11 +189,6 @@ def test_stats_count_by_operation_state_and_point(ops: admin.Admin) -> None:
     }
     assert figures.staged_jobs == 4 and figures.failing_jobs == 0
     assert figures.oldest_unfinished is not None and figures.oldest_unfinished >= 0
-
-
-def test_the_retention_defaults_are_the_reapers() -> None:
-    assert admin.DEFAULT_RETENTION == reaper.DEFAULT_RETENTION
-    assert admin.DEFAULT_ABANDONED_RETENTION == reaper.DEFAULT_ABANDONED_RETENTION
 
 
 # -- actions -----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ DEFAULT_LOCK_TIMEOUT = timedelta(seconds=90)
 
 DEFAULT_STUCK_AFTER = timedelta(minutes=5)
 
-# Equal to the reaper's (a test holds them equal); here because admin sits below workers.
+# The reaper's defaults, here so that `keys show` and the reaper read the same ones.
 DEFAULT_RETENTION = timedelta(hours=72)
 DEFAULT_ABANDONED_RETENTION = timedelta(days=30)
 

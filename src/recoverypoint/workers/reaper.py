@@ -18,11 +18,10 @@ from typing import Any, ClassVar
 
 from sqlalchemy import TextClause, text
 
+from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..engine import Engine
 from .loop import Result, Worker
 
-DEFAULT_RETENTION = timedelta(hours=72)
-DEFAULT_ABANDONED_RETENTION = timedelta(days=30)
 # A duplicate delivery can come late (a broker outage, a consumer down for a weekend), and
 # a record is small: keep them longer than the keys.
 DEFAULT_PROCESSED_RETENTION = timedelta(days=7)
