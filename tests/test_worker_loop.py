@@ -12,7 +12,7 @@ import pytest
 
 import recoverypoint as rp
 from recoverypoint.workers import Result, Worker
-from recoverypoint.workers.loop import logfmt
+from recoverypoint.logfmt import logfmt
 
 
 class WaitsRecorded(threading.Event):

@@ -27,10 +27,11 @@ from sqlalchemy.exc import DBAPIError
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..engine import Engine
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
+from ..logfmt import logfmt
 from ..migrate import VERSION_TABLE, migrations_dir
 from ..workers.completer import Completer
 from ..workers.enqueuer import Enqueuer
-from ..workers.loop import STRUCTURED, Worker, log_event, logfmt, on_stop
+from ..workers.loop import STRUCTURED, Worker, log_event, on_stop
 from ..workers.reaper import Reaper
 from ._app import UsageError, load_engine
 from ._common import Subparsers as _Subparsers

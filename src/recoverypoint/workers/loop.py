@@ -26,6 +26,7 @@ from typing import ClassVar, Generic, TypeVar
 import sqlalchemy as sa
 
 from ..engine import Engine
+from ..logfmt import logfmt
 
 logger = logging.getLogger("recoverypoint.workers")
 
@@ -56,20 +57,6 @@ class Result:
 
 R = TypeVar("R", bound=Result)
 
-
-def logfmt(**fields: object) -> str:
-    """``key=value`` pairs on one line; values with spaces, quotes, ``=`` or line breaks
-    are quoted and escaped."""
-    parts = []
-    for name, value in fields.items():
-        text = str(value)
-        if not text or any(c in text for c in ' "=\n\r\\'):
-            text = '"' + text.translate(_ESCAPES) + '"'
-        parts.append(f"{name}={text}")
-    return " ".join(parts)
-
-
-_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r"})
 
 STRUCTURED = "recoverypoint_logfmt"
 """Set on log records whose message is already logfmt (see :func:`log_event`)."""
