@@ -368,10 +368,14 @@ def completer_log(caplog: pytest.LogCaptureFixture, event: str) -> list[str]:
 def test_an_operation_whose_claim_fails_sits_the_pass_out_and_the_others_complete(
     worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A lease that never expires, as someone may well declare it: the claim's
-    # `now() - lock_timeout` is then out of PostgreSQL's range for a leased key of it.
+    # An operation whose claim the database refuses. Declarations now refuse a lock timeout
+    # SQL cannot add (timedelta.max); one set on the object afterwards still gets through,
+    # and stands for any failure of one operation's claim: `now() - lock_timeout` is out of
+    # PostgreSQL's range for a leased key of it.
     engine = make_engine(worker_db)
-    engine.register(steps_operation("forever", Recorder(worker_db), lock_timeout=timedelta.max))
+    forever = steps_operation("forever", Recorder(worker_db))
+    forever.lock_timeout = timedelta.max
+    engine.register(forever)
     leased = plant_keys(
         worker_db,
         "forever",
