@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import sqlalchemy as sa
@@ -106,6 +107,21 @@ _ABANDON = sa.text(
     WHERE k.id = s.id AND k.finished_at IS NULL
       AND (NOT {LIVE} OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
     RETURNING k.id
+    """
+)
+
+# The completer's own abandonment: only while the key is unfinished, out of attempts, and
+# its lease is the completer's or free (a client may have taken it since the attempt
+# failed; then the client's attempt decides).
+_ABANDON_EXHAUSTED = sa.text(
+    """
+    UPDATE idempotency_keys
+    SET finished_at = now(), abandoned_at = now(), response_status = :status,
+        response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
+        locked_at = NULL, lock_token = NULL
+    WHERE id = :id AND finished_at IS NULL AND attempts >= :max_attempts
+      AND (lock_token IS NULL OR lock_token = :token)
+    RETURNING idempotency_key, recovery_point, attempts, last_error
     """
 )
 
@@ -279,6 +295,23 @@ def abandon(
         status=status,
         body=body,
     )
+
+
+def abandon_exhausted(
+    db: sa.Engine, key_id: int, token: UUID, max_attempts: int, status: int, body: Any
+) -> sa.Row[Any] | None:
+    """Abandon key ``key_id`` as the completer does, fenced by its lease ``token``: if it
+    is still unfinished and has failed ``max_attempts`` times. The key's row (its key,
+    point, attempts and last error), or ``None`` when it was not abandoned."""
+    params = {
+        "id": key_id,
+        "token": token,
+        "max_attempts": max_attempts,
+        "status": status,
+        "body": canonical_json(body),
+    }
+    with db.begin() as conn:
+        return conn.execute(_ABANDON_EXHAUSTED, params).one_or_none()
 
 
 def reopen(

@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, text
 
+from ..admin.key_actions import abandon_exhausted
 from ..engine import Engine
 from ..errors import KeyInUse, LockLost
-from ..keys import canonical_json
 from ..operation import Operation, Response
 from .loop import Result, Worker
 
@@ -94,21 +94,6 @@ _UNREGISTERED = text(
                       WHERE r.operation = k.operation AND r.version = k.operation_version)
     GROUP BY k.operation, k.operation_version
     ORDER BY k.operation, k.operation_version
-    """
-)
-
-# Give a key up for good: finish it with the abandonment response. Only while it is
-# unfinished, out of attempts, and its lease is ours or free (a client may have taken it
-# since our attempt failed; then the client's attempt decides).
-_ABANDON = text(
-    """
-    UPDATE idempotency_keys
-    SET finished_at = now(), abandoned_at = now(), response_status = :status,
-        response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
-        locked_at = NULL, lock_token = NULL
-    WHERE id = :id AND finished_at IS NULL AND attempts >= :max_attempts
-      AND (lock_token IS NULL OR lock_token = :token)
-    RETURNING idempotency_key, recovery_point, attempts, last_error
     """
 )
 
@@ -289,17 +274,14 @@ class Completer(Worker[CompleterResult]):
 
     def _abandon(self, key_id: int, operation: Operation[Any], token: uuid.UUID) -> int:
         """Abandon the key if it is out of attempts; 1 if it was, else 0."""
-        with self.db.begin() as conn:
-            row = conn.execute(
-                _ABANDON,
-                {
-                    "id": key_id,
-                    "token": token,
-                    "max_attempts": operation.max_attempts,
-                    "status": ABANDONED_RESPONSE.status,
-                    "body": canonical_json(ABANDONED_RESPONSE.body),
-                },
-            ).one_or_none()
+        row = abandon_exhausted(
+            self.db,
+            key_id,
+            token,
+            operation.max_attempts,
+            ABANDONED_RESPONSE.status,
+            ABANDONED_RESPONSE.body,
+        )
         if row is None:
             return 0
         self.engine.observer.key_abandoned(operation.name)
