@@ -471,6 +471,14 @@ def _raw(tx: rp.AtomicContext) -> Any:
     return tx.connection.connection.driver_connection
 
 
+def _session_rollback_then_write(tx: rp.AtomicContext) -> None:
+    tx.session.execute(sa.text("SELECT 1"))
+    tx.session.rollback()
+    tx.execute(
+        "INSERT INTO audit_records (scope, action, key_id) VALUES ('leaked', 'after', 0)"
+    )
+
+
 def _write_again(tx: rp.AtomicContext) -> None:
     tx.connection.execute(sa.text("SELECT pg_current_xact_id()"))
 
@@ -487,6 +495,9 @@ ENDINGS = {
         lambda tx: (_raw(tx).rollback(), _write_again(tx)),
         "rolled back",
     ),
+    # The ORM Session joins the phase's transaction and its rollback() ends it: the write
+    # after it must not run, in autocommit, on its own.
+    "session rollback, then more": (lambda tx: _session_rollback_then_write(tx), "rolled back"),
 }
 
 
@@ -503,6 +514,7 @@ def test_a_phase_that_ends_the_transaction_fails_and_records_no_point(
     # Refused up front: nothing happened. Found after: the writes the phase committed stand
     # (nothing can undo them), but no recovery point claims them.
     assert audits == (1 if fate == "committed" else 0)
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = 'leaked'") == 0
     rows = count(
         db,
         "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND recovery_point <> 'started'",

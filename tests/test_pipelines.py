@@ -79,3 +79,29 @@ def rollbacks(db: sa.Engine) -> int:
                 )
             ).scalar_one()
         )
+
+
+def test_a_connection_is_handed_back_to_the_pool_as_it_came(
+    database_url: str, business_tables: None, scope: str
+) -> None:
+    """An application's own engine in autocommit stays in autocommit after a request, and
+    one that is not stays not: the request path switches psycopg's mode for itself only."""
+    for isolation in ("AUTOCOMMIT", "READ COMMITTED"):
+        db = create_engine(database_url, pool_size=1, max_overflow=0, isolation_level=isolation)
+        try:
+            engine = rp.Engine(db)
+            op: rp.Operation[Any] = rp.Operation(f"pool_mode_{isolation.split()[0].lower()}")
+
+            @op.atomic_phase("finished")
+            def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+                return rp.Response(200)
+
+            engine.register(op)
+            with db.connect() as conn:
+                before = conn.connection.driver_connection.autocommit  # type: ignore[union-attr]
+            engine.run(op, key="k", params={}, scope=scope)
+            with db.connect() as conn:
+                after = conn.connection.driver_connection.autocommit  # type: ignore[union-attr]
+            assert after == before == (isolation == "AUTOCOMMIT")
+        finally:
+            db.dispose()

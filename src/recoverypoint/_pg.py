@@ -17,6 +17,7 @@ use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import RowFactory
 
 from .backoff import backoff_delay
-from .errors import ConcurrentUpdate
+from .errors import ConcurrentUpdate, TransactionEnded
 from .observe import NO_OBSERVER, Observer
 
 T = TypeVar("T")
@@ -75,6 +76,10 @@ class Transaction:
         params: dict[str, Any] | Sequence[Any] | None,
         row_factory: RowFactory[Any] | None,
     ) -> psycopg.Cursor[Any]:
+        if self._began and not self.open:
+            # Phase code ended the transaction (a Session's rollback...): in autocommit, any
+            # further statement would commit on its own, without a recovery point.
+            raise TransactionEnded()
         connection = self.connection
         cursor = connection.cursor(row_factory=row_factory) if row_factory else connection.cursor()
         if self._began:
@@ -92,8 +97,8 @@ class Transaction:
         jobs: tuple[str, Sequence[dict[str, Any]]] | None = None,
     ) -> tuple[Any, ...] | None:
         """Insert ``jobs`` (a statement and its rows), run ``sql`` and COMMIT, in one round
-        trip; return the row ``sql`` returned. Should ``sql`` fail, the COMMIT is skipped
-        and the transaction rolls back."""
+        trip; return the row ``sql`` returned. Should ``sql`` fail, the COMMIT is skipped,
+        and the caller (or :func:`serializable`) rolls the transaction back."""
         with self.connection.cursor() as cursor, self.connection.cursor() as jobs_cursor:
             with _pipeline(self.connection):
                 if not self._began:
@@ -166,7 +171,7 @@ def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                _finish(tx)
+                _roll_back_leftovers(tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     raise AssertionError("unreachable")
@@ -174,18 +179,28 @@ def serializable(
 
 @contextmanager
 def _pipeline(connection: psycopg.Connection[Any]) -> Iterator[None]:
-    """psycopg's pipeline, with a failure the server reported inside the block left for the
-    sync at its end, which raises it again: an error escaping the block would make psycopg
-    log "error ignored terminating <Pipeline>" on every serialization failure. The body's
-    remaining statements (a COMMIT) are skipped all the same."""
-    with connection.pipeline():
-        try:
-            yield
-        except psycopg.Error as exc:
-            # Only what the server answered: the sync raises it again. An error of the
-            # client's own (a parameter it could not adapt) was never sent: raise it now.
-            if exc.sqlstate is None and not isinstance(exc, psycopg.errors.PipelineAborted):
-                raise
+    """psycopg's pipeline, where a failure the server reported inside the block is raised
+    once the pipeline has ended: raised from inside, it would make psycopg log "error
+    ignored terminating <Pipeline>" at every serialization failure. The body's remaining
+    statements (a COMMIT) are skipped all the same."""
+    kept: list[psycopg.Error] = []
+    try:
+        with connection.pipeline():
+            try:
+                yield
+            except psycopg.Error as exc:
+                # An error of the client's own (a parameter it could not adapt) was never
+                # sent: raise it at once.
+                if exc.sqlstate is None and not isinstance(exc, psycopg.errors.PipelineAborted):
+                    raise
+                kept.append(exc)
+    except psycopg.errors.PipelineAborted:
+        if not kept:
+            raise
+    # The end of the pipeline raises nothing more, or only "aborted", for what was raised
+    # inside: that first failure (a 40001 to retry) is the one to report.
+    if kept:
+        raise kept[0]
 
 
 def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
@@ -194,30 +209,31 @@ def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
     return getattr(error, "sqlstate", None)
 
 
-def _finish(tx: Transaction) -> None:
+def _roll_back_leftovers(tx: Transaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
-    if not tx.connection.closed and tx.connection.info.transaction_status != TransactionStatus.IDLE:
-        tx.connection.rollback()
+    connection = tx.connection
+    if not connection.closed and connection.info.transaction_status != TransactionStatus.IDLE:
+        # A connection that broke cannot roll back: borrowed() drops it from the pool.
+        with contextlib.suppress(psycopg.Error):
+            connection.rollback()
     tx._end_sqlalchemy()
 
 
 @contextmanager
 def borrowed(db: sa.Engine) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
-    """A connection of ``db``'s pool in autocommit mode, handed back as the pool gave it."""
+    """A connection of ``db``'s pool in autocommit mode, handed back as the pool gave it (an
+    application's engine may be in autocommit itself), or dropped if it broke."""
     pooled = db.raw_connection()
     connection = cast("psycopg.Connection[Any]", pooled.driver_connection)
+    was = connection.autocommit
     try:
         connection.autocommit = True
         yield pooled, connection
-    except BaseException:
-        if connection.closed or connection.broken:
-            pooled.invalidate()  # the server went away: never hand this one out again
-        raise
     finally:
         if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
-            connection.autocommit = False
+            connection.autocommit = was
         else:
-            pooled.invalidate()
+            pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
         pooled.close()
 
 

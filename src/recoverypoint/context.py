@@ -83,6 +83,7 @@ class AtomicContext:
                 "INSERT INTO rides (origin) VALUES (%(origin)s) RETURNING id", params
             ).fetchone()[0]
         """
+        phase_guard.check_still_open(self._tx, self._point)
         phase_guard.check_statement(query, self._point)
         return self._tx.execute(query, params)  # type: ignore[arg-type]
 

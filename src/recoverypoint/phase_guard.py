@@ -11,10 +11,13 @@ record a point for writes that never happened. So, while a phase runs:
   ``ABORT``, ``PREPARE TRANSACTION``) executed through SQLAlchemy; ``ROLLBACK TO
   SAVEPOINT`` is fine;
 
-and once it returns, :func:`check_same_transaction` catches what slipped past (a commit
-on the driver's connection, a multi-statement string, an ORM ``Session.rollback()``), so
-the engine fails the attempt rather than record a point for writes outside the phase's
-transaction.
+once the transaction has ended anyway (a commit on the driver's connection, a
+multi-statement string, an ORM ``Session.rollback()``), no further statement of the phase
+runs through ``tx.execute`` or ``tx.connection`` (the connection is in autocommit: each
+would commit on its own); and once the phase returns, :func:`check_still_open` and
+:func:`check_same_transaction` fail the attempt rather than record a point. Writes made
+before the slip and committed by it stand, which no engine can undo: a retry runs the phase
+again.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ def check_same_transaction(point: str, began: str | None, now: str | None) -> No
 def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     phase = _PHASE.get()
     if phase is not None and conn is phase[0].sqlalchemy_made:
+        if not phase[0].open:
+            # Ended already (a Session's rollback): in autocommit, this statement would
+            # commit on its own, without a recovery point.
+            raise TransactionEnded(_message(phase[1]))
         check_statement(statement, phase[1])
 
 

@@ -104,16 +104,18 @@ _FINISHED = f"""
       AND finished_at IS NOT NULL
 """
 
+# The transaction a connection is in, once it wrote (phase_guard's last check).
+_CURRENT_TRANSACTION = "SELECT pg_current_xact_id_if_assigned()::text"
+
 # Which operation and version a key record belongs to (Engine.resume looks it up by id).
 _KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
 
-# The fenced statements below end with {where}, written out twice when the module loads:
-# by address first, by id when the address is stale.
-# Each returns the row's new address and the transaction it ran in, which must be the
-# phase's own (see phase_guard).
-_RETURNING = "RETURNING ctid::text, pg_current_xact_id()::text"
-_BY_CTID = f"ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s {_RETURNING}"
-_BY_ID = f"id = %(id)s AND lock_token = %(token)s {_RETURNING}"
+# The fenced statements below end with {where}, written out when the module loads: by
+# address first, by id when the address is stale. Each returns the row's new address and
+# the transaction it ran in (which must be the phase's own, see phase_guard), then what
+# the statement names in ``returning``.
+_BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
+_BY_ID = "id = %(id)s AND lock_token = %(token)s"
 
 
 class _Fenced(NamedTuple):
@@ -125,17 +127,22 @@ class _Fenced(NamedTuple):
     pipeline never runs."""
 
 
-def _by_ctid_and_by_id(sql: str) -> _Fenced:
-    by_ctid = sql.format(where=_BY_CTID)
+def _by_ctid_and_by_id(sql: str, returning: str = "") -> _Fenced:
+    def written_out(where: str) -> str:
+        return f"{sql.format(where=where)} RETURNING ctid::text, pg_current_xact_id()::text" + (
+            f", {returning}" if returning else ""
+        )
+
+    by_ctid = written_out(_BY_CTID)
     # Also in the phase's own transaction: phase code that ended it cannot have the point
     # recorded in another.
-    same_transaction = sql.format(where=f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
+    same_transaction = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
     checked = f"""
         WITH written AS ({same_transaction})
         SELECT written.* FROM (SELECT 1 / count(*) AS one FROM written) AS matched
         LEFT JOIN written ON matched.one = 1
     """
-    return _Fenced(by_ctid, sql.format(where=_BY_ID), checked)
+    return _Fenced(by_ctid, written_out(_BY_ID), checked)
 
 
 # Renew the lease, if still ours, and lock the row for the rest of the transaction.
@@ -152,8 +159,9 @@ _ADVANCE = _by_ctid_and_by_id(
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
         locked_at = clock_timestamp(), last_run_at = now()
-    WHERE recovery_point = %(from_point)s AND {where}, state
-"""
+    WHERE recovery_point = %(from_point)s AND {where}
+""",
+    returning="state",
 )
 
 # Finish the key with its response and give the lease up. The state and the body come back
@@ -166,8 +174,9 @@ _FINISH = _by_ctid_and_by_id(
         response_status = %(status)s, response_headers = %(headers)s::jsonb,
         response_body = %(body)s::jsonb, finished_at = now(),
         locked_at = NULL, lock_token = NULL, last_run_at = now()
-    WHERE {where}, response_body
-"""
+    WHERE {where}
+""",
+    returning="response_body",
 )
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
@@ -342,9 +351,6 @@ def current_transaction(tx: Transaction) -> str | None:
     """The id of the transaction ``tx``'s connection is in, if it has written anything."""
     row = tx.connection.execute(_CURRENT_TRANSACTION).fetchone()
     return None if row is None else cast("str | None", row[0])
-
-
-_CURRENT_TRANSACTION = "SELECT pg_current_xact_id_if_assigned()::text"
 
 
 @contextmanager
