@@ -29,7 +29,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import RowFactory
 
 from .backoff import backoff_delay
-from .errors import ConcurrentUpdate, TransactionEnded
+from .errors import ConcurrentUpdate
 from .observe import NO_OBSERVER, Observer
 
 T = TypeVar("T")
@@ -76,10 +76,6 @@ class Transaction:
         params: dict[str, Any] | Sequence[Any] | None,
         row_factory: RowFactory[Any] | None,
     ) -> psycopg.Cursor[Any]:
-        if self._began and not self.open:
-            # Phase code ended the transaction (a Session's rollback...): in autocommit, any
-            # further statement would commit on its own, without a recovery point.
-            raise TransactionEnded()
         connection = self.connection
         cursor = connection.cursor(row_factory=row_factory) if row_factory else connection.cursor()
         if self._began:

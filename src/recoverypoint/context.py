@@ -83,6 +83,8 @@ class AtomicContext:
                 "INSERT INTO rides (origin) VALUES (%(origin)s) RETURNING id", params
             ).fetchone()[0]
         """
+        # Once the transaction ended (a Session's rollback...), a statement would commit
+        # on its own in autocommit, without a recovery point.
         phase_guard.check_still_open(self._tx, self._point)
         phase_guard.check_statement(query, self._point)
         return self._tx.execute(query, params)  # type: ignore[arg-type]

@@ -266,11 +266,10 @@ class _Observers(Observer):
 class _RunObservations(RunObservation):
     def __init__(self, runs: list[RunObservation]) -> None:
         self.runs = runs
-        self._stack = ExitStack()
+        self._scopes = _All(list(runs))
 
     def __enter__(self) -> Self:
-        for run in self.runs:
-            self._stack.enter_context(run)
+        self._scopes.__enter__()
         return self
 
     def __exit__(
@@ -279,7 +278,7 @@ class _RunObservations(RunObservation):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._stack.__exit__(exc_type, exc, tb)
+        self._scopes.__exit__(exc_type, exc, tb)
 
     def claimed(self, key_id: int, point: str, attempt: int, new: bool) -> None:
         for run in self.runs:
