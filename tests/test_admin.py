@@ -257,7 +257,8 @@ def test_an_action_leaves_a_key_whose_lease_changed_since_it_was_read(ops: admin
         (key_actions._ABANDON, {"force": False, "status": 500, "body": "{}"}),
         (key_actions._DELETE, {"force": True}),
     ]:
-        assert key_actions._apply(ops, statement, [seen], params) == ()
+        changed, _ = key_actions._apply(ops, "keys.test", statement, [seen], params, matched=1)
+        assert changed == ()
     assert snapshot(ops.db) == before
 
 

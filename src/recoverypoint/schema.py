@@ -20,7 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 metadata = MetaData()
 
@@ -88,6 +88,8 @@ idempotency_keys = Table(
         "operation",
         postgresql_where=text("abandoned_at IS NOT NULL"),
     ),
+    # A search by the client's key alone (the console's, a support ticket's): no scope.
+    Index("idempotency_keys_key", "idempotency_key"),
 )
 
 staged_jobs = Table(
@@ -139,4 +141,21 @@ worker_passes = Table(
     Column("pid", Integer, nullable=False),
     Column("last_pass_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("last_error", Text),
+)
+
+# One row per operator action (recoverypoint.admin, so the CLI and the console alike),
+# written in the action's own transaction: who, through what, did what, to which rows.
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("actor", Text, nullable=False),
+    Column("via", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("matched", Integer, nullable=False),
+    # The rows the action changed (keys, or staged jobs for jobs.*); those it selected
+    # but left alone are only counted.
+    Column("ids", ARRAY(BigInteger), nullable=False),
+    Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
 )

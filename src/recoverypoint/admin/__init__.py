@@ -9,10 +9,12 @@ metrics collector and a web console share one implementation::
     for row in admin.list_keys(ops, admin.KeyFilter(states=("stuck",))):
         admin.retry(ops, row.id)
 
-Actions are fenced like the engine's own writes (see :mod:`.key_actions`) and logged on the
+Actions are fenced like the engine's own writes (see :mod:`.key_actions`), recorded in the
+``audit_log`` table in their own transaction (see :mod:`.audit`) and logged on the
 ``recoverypoint.admin`` logger.
 """
 
+from .audit import AuditEntry, audit_entries, find_audit_entry
 from .base import (
     ABANDONED,
     DEFAULT_ABANDONED_RETENTION,
@@ -28,13 +30,14 @@ from .base import (
     NotFound,
     Refused,
 )
-from .doctor import Check, diagnose
+from .doctor import Check, WorkerPass, diagnose, worker_passes
 from .jobs import JobActionResult, JobFilter, delete_jobs, find_job, list_jobs, retry_jobs
 from .key_actions import (
     DEFAULT_ABANDON_MESSAGE,
     DEFAULT_ABANDON_STATUS,
     ActionResult,
     abandon,
+    available,
     delete,
     purge,
     release,
@@ -54,6 +57,7 @@ from .keys import (
     stats,
 )
 from .mask import mask, mask_json
+from .overview import Hour, Overview, overview
 
 __all__ = [
     "ABANDONED",
@@ -70,7 +74,9 @@ __all__ = [
     "UNFINISHED",
     "ActionResult",
     "Admin",
+    "AuditEntry",
     "Check",
+    "Hour",
     "Job",
     "JobActionResult",
     "JobFilter",
@@ -78,24 +84,31 @@ __all__ = [
     "KeyFilter",
     "KeyRow",
     "NotFound",
+    "Overview",
     "Phase",
     "Refused",
     "Stats",
     "StatsRow",
+    "WorkerPass",
     "abandon",
+    "audit_entries",
+    "available",
     "delete",
     "delete_jobs",
     "diagnose",
+    "find_audit_entry",
     "find_job",
     "find_key",
     "list_jobs",
     "list_keys",
     "mask",
     "mask_json",
+    "overview",
     "purge",
     "release",
     "reopen",
     "retry",
     "retry_jobs",
     "stats",
+    "worker_passes",
 ]

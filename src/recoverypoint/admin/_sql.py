@@ -77,10 +77,33 @@ _FILTERS = {
     "until": "k.created_at < :until",
     "status": "k.response_status = :status",
     "states": f"({STATE}) = ANY(CAST(:states AS text[]))",
+    # The client's key, or a key record's id: what a support ticket quotes.
+    "search": "(k.idempotency_key = :search OR k.id = CAST(:search_id AS bigint))",
+    # Keyset pagination: the page after the key with this id, newest first.
+    "before": "k.id < :before",
+}
+
+# What a state implies about indexed columns. The CASE above decides; these only let the
+# planner reach the few unfinished or abandoned keys through their partial indexes instead
+# of reading every finished key on the way.
+_UNFINISHED_HINT = "k.finished_at IS NULL"
+_STATE_HINTS = {
+    "in-flight": f"{_UNFINISHED_HINT} AND k.locked_at IS NOT NULL",
+    "stuck": f"""{_UNFINISHED_HINT} AND k.next_attempt_at
+        < now() - make_interval(secs => CAST(:stuck_after AS double precision))""",
+    "unfinished": _UNFINISHED_HINT,
+    "finished": "k.finished_at IS NOT NULL",
+    "abandoned": "k.abandoned_at IS NOT NULL",
 }
 
 
 def where(criteria: dict[str, Any]) -> str:
     """The WHERE condition for the filters set in ``criteria`` (name → bound value)."""
-    clauses = [_FILTERS[name] for name, value in criteria.items() if value is not None]
+    clauses = [
+        _FILTERS[name] for name, value in criteria.items() if value is not None and name in _FILTERS
+    ]
+    states = criteria.get("states")
+    if states:
+        hints = sorted({_STATE_HINTS[state] for state in states})
+        clauses.append("(" + " OR ".join(f"({hint})" for hint in hints) + ")")
     return " AND ".join(clauses) or "true"

@@ -78,7 +78,9 @@ class Admin:
         How long past its next attempt an unleased unfinished key waits before it counts
         as stuck.
     actor:
-        Who is acting, written into every audit line.
+        Who is acting, written into every audit record.
+    via:
+        Through what (``cli``, ``console``, ``library``), written beside the actor.
     lock_wait:
         Seconds an action waits for a running phase's row lock before refusing.
     """
@@ -87,6 +89,7 @@ class Admin:
     operations: tuple[Operation[Any], ...] = ()
     stuck_after: timedelta = DEFAULT_STUCK_AFTER
     actor: str = field(default_factory=default_actor)
+    via: str = "library"
     lock_wait: float = 5.0
     retention: timedelta = DEFAULT_RETENTION
     abandoned_retention: timedelta = DEFAULT_ABANDONED_RETENTION

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
@@ -184,13 +183,30 @@ def _keys(admin: Admin) -> Check:
     return Check("keys", OK, detail)
 
 
-def _workers(admin: Admin) -> Check:
-    """Each kind of worker's last pass (``recoverypoint worker`` records them)."""
+@dataclass(frozen=True)
+class WorkerPass:
+    """A kind of worker's last pass, on whichever host ran it last."""
+
+    worker: str
+    host: str
+    pid: int
+    age: float
+    """Seconds ago, on the database's clock."""
+    last_error: str | None
+
+
+def worker_passes(admin: Admin) -> dict[str, WorkerPass]:
+    """Each kind of worker's last pass (``recoverypoint worker`` records them), by kind."""
     with admin.db.connect() as conn:
         passes = conn.execute(_PASSES).all()
-    latest: dict[str, sa.Row[Any]] = {}
+    latest: dict[str, WorkerPass] = {}
     for row in passes:  # newest first: the first row of a kind is its last pass
-        latest.setdefault(row.worker, row)
+        latest.setdefault(row.worker, WorkerPass(**row._mapping))
+    return latest
+
+
+def _workers(admin: Admin) -> Check:
+    latest = worker_passes(admin)
     missing = [kind for kind in WORKERS if kind not in latest]
     late = [kind for kind, row in latest.items() if row.age > OLD_PASS]
     failing = [kind for kind, row in latest.items() if row.last_error]

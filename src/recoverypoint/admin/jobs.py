@@ -29,6 +29,8 @@ class JobFilter:
     """Jobs staged by this key record."""
     failing: bool = False
     """Only jobs whose publish failed at least once."""
+    before: int | None = None
+    """Only jobs older than the job with this id: the next page of a listing."""
     limit: int | None = 50
 
     def is_empty(self) -> bool:
@@ -57,7 +59,8 @@ _SELECT = sa.text(
       AND (CAST(:name AS text) IS NULL OR j.job_name = :name)
       AND (CAST(:key_id AS bigint) IS NULL OR j.idempotency_key_id = :key_id)
       AND (NOT :failing OR j.attempts > 0)
-    ORDER BY j.created_at DESC, j.id DESC
+      AND (CAST(:before AS bigint) IS NULL OR j.id < :before)
+    ORDER BY j.id DESC
     LIMIT :limit
     """
 )
@@ -77,7 +80,7 @@ _DELETE = sa.text(f"DELETE FROM staged_jobs WHERE id IN ({_FREE}) RETURNING id")
 
 
 def list_jobs(admin: Admin, filters: JobFilter) -> list[Job]:
-    """Staged jobs, newest first."""
+    """Staged jobs, newest first (by id, as keys are listed)."""
     params = dataclasses.asdict(filters)
     params["ids"] = list(filters.ids) or None
     with admin.db.connect() as conn:
@@ -119,10 +122,10 @@ def _act(
     if dry_run:
         return JobActionResult(action, ids, (), True, tuple(jobs[:SAMPLE_SIZE]))
     changed: tuple[int, ...] = ()
-    if ids:
-        with admin.db.begin() as conn:
+    with admin.db.begin() as conn:
+        if ids:
             changed = tuple(sorted(conn.execute(statement, {**params, "ids": list(ids)}).scalars()))
-    audit.record(admin.actor, action, changed, matched=len(ids), **params)
+        audit.record(conn, admin, action, changed, matched=len(ids), **params)
     if isinstance(target, int) and not changed:
         raise Refused(
             f"job {target} is being published by an enqueuer right now (or just was): "

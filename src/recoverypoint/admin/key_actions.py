@@ -57,6 +57,8 @@ class ActionResult:
     dry_run: bool = False
     sample: tuple[KeyRow, ...] = ()
     """A dry run's first eligible keys."""
+    audit_id: int | None = None
+    """The action's row in ``audit_log`` (``None`` for a dry run)."""
 
     @property
     def skipped(self) -> tuple[int, ...]:
@@ -250,6 +252,18 @@ def _live_lease(row: KeyRow, verb: str) -> str:
     )
 
 
+def available(row: KeyRow) -> tuple[str, ...]:
+    """The actions (``retry``, ``release``, ``abandon``, ``reopen``) that apply to ``row``
+    as it was read, unforced: what a console offers for the key."""
+    checks = {
+        "retry": _retryable,
+        "release": _releasable,
+        "abandon": _abandonable,
+        "reopen": _reopenable,
+    }
+    return tuple(name for name, check in checks.items() if check(row, False) is None)
+
+
 def retry(
     admin: Admin,
     target: int | KeyFilter,
@@ -364,14 +378,18 @@ def purge(
         deleted += batch
         if len(batch) < batch_size:
             break
-    audit.record(
-        admin.actor,
-        "keys.purge",
-        deleted,
-        older_than=f"{older_than.total_seconds():g}s",
-        abandoned=include_abandoned,
-    )
-    return ActionResult("keys.purge", matched, tuple(deleted), tuple(deleted))
+    # Batches commit one by one, as the reaper's do: the record follows the last one.
+    with admin.db.begin() as conn:
+        entry = audit.record(
+            conn,
+            admin,
+            "keys.purge",
+            deleted,
+            matched=matched,
+            older_than=f"{older_than.total_seconds():g}s",
+            abandoned=include_abandoned,
+        )
+    return ActionResult("keys.purge", matched, tuple(deleted), tuple(deleted), audit_id=entry)
 
 
 def _act(
@@ -398,31 +416,42 @@ def _act(
     ids = tuple(row.id for row in eligible)
     if dry_run:
         return ActionResult(action, len(rows), ids, (), True, tuple(eligible[:SAMPLE_SIZE]))
-    changed = _apply(admin, statement, eligible, params) if eligible else ()
-    fields = {name: value for name, value in params.items() if name != "body"}
-    audit.record(admin.actor, action, changed, matched=len(rows), **fields)
+    changed, entry = _apply(admin, action, statement, eligible, params, matched=len(rows))
     if isinstance(target, int) and not changed:
         raise Refused(
             f"key {target} changed since it was read (its lease or state moved on): "
             f"nothing was done; look again with `recoverypoint keys show {target}`"
         )
-    return ActionResult(action, len(rows), ids, changed)
+    return ActionResult(action, len(rows), ids, changed, audit_id=entry)
 
 
 def _apply(
-    admin: Admin, statement: sa.TextClause, rows: Sequence[KeyRow], params: dict[str, Any]
-) -> tuple[int, ...]:
-    seen = {"ids": [r.id for r in rows], "tokens": [r.lock_token for r in rows]}
+    admin: Admin,
+    action: str,
+    statement: sa.TextClause,
+    eligible: Sequence[KeyRow],
+    params: dict[str, Any],
+    *,
+    matched: int,
+) -> tuple[tuple[int, ...], int]:
+    """Apply ``statement`` to the eligible rows, fenced, and record it in the same
+    transaction: the ids it changed and the audit entry's id."""
+    seen = {"ids": [r.id for r in eligible], "tokens": [r.lock_token for r in eligible]}
+    fields = {name: value for name, value in params.items() if name != "body"}
     try:
         with admin.db.begin() as conn:
-            # A running phase holds its key's row lock until it commits: wait that long
-            # at most, never behind a stuck transaction.
-            conn.execute(
-                sa.text("SELECT set_config('lock_timeout', :wait, true)"),
-                {"wait": f"{int(admin.lock_wait * 1000)}ms"},
-            )
-            changed = conn.execute(statement, {**admin.params(), **params, **seen}).scalars()
-            return tuple(sorted(changed))
+            changed: tuple[int, ...] = ()
+            if eligible:
+                # A running phase holds its key's row lock until it commits: wait that
+                # long at most, never behind a stuck transaction.
+                conn.execute(
+                    sa.text("SELECT set_config('lock_timeout', :wait, true)"),
+                    {"wait": f"{int(admin.lock_wait * 1000)}ms"},
+                )
+                found = conn.execute(statement, {**admin.params(), **params, **seen}).scalars()
+                changed = tuple(sorted(found))
+            entry = audit.record(conn, admin, action, changed, matched=matched, **fields)
+            return changed, entry
     except OperationalError as exc:
         if isinstance(exc.orig, psycopg.errors.LockNotAvailable):
             raise Refused(

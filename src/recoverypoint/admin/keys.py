@@ -7,6 +7,7 @@ database on its own clock, as the engine judges leases; never by the caller's cl
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,6 +20,8 @@ from ..operation import STARTED, Operation
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
 from .base import ABANDONED, FINISHED, STATES, Admin, NotFound
 from .mask import mask, mask_json
+
+_AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,10 @@ class KeyFilter:
     until: datetime | None = None
     """Created before."""
     status: int | None = None
+    search: str | None = None
+    """The client's idempotency key, or a key record's id (digits)."""
+    before: int | None = None
+    """Only keys older than the key with this id: the next page of a listing."""
     limit: int | None = 50
     """Newest first; ``None`` for no limit."""
 
@@ -56,7 +63,10 @@ class KeyFilter:
         del values["limit"]
         for name in ("ids", "states"):
             values[name] = list(values[name]) or None
-        return {name: value for name, value in values.items() if value is not None}
+        criteria = {name: value for name, value in values.items() if value is not None}
+        if self.search is not None:  # bound even when None: the search's SQL names it
+            criteria["search_id"] = int(self.search) if _AN_ID.fullmatch(self.search) else None
+        return criteria
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ _SELECT = f"""
     WITH {REGISTERED}
     SELECT {KEY_COLUMNS} FROM idempotency_keys AS k
     WHERE {{where}}
-    ORDER BY k.created_at DESC, k.id DESC
+    ORDER BY k.id DESC
     LIMIT :limit
 """
 
@@ -169,21 +179,21 @@ _JOBS_OF_KEY = sa.text(
     f"SELECT {JOB_COLUMNS} FROM staged_jobs AS j WHERE j.idempotency_key_id = :id ORDER BY j.id"
 )
 
-_STATS = sa.text(
-    f"""
+STATS = f"""
     WITH {REGISTERED}
     SELECT k.operation, k.operation_version AS version, {STATE} AS state,
            k.recovery_point AS point, count(*) AS keys,
            extract(epoch FROM now() - min(k.created_at))::float8 AS oldest
     FROM idempotency_keys AS k
+    WHERE {{where}}
     GROUP BY 1, 2, 3, 4
     ORDER BY 1, 2, 3, 4
-    """
-)
+"""
 
-_JOB_STATS = sa.text(
+JOB_STATS = sa.text(
     """
     SELECT count(*) AS jobs, count(*) FILTER (WHERE attempts > 0) AS failing,
+           count(*) FILTER (WHERE next_attempt_at <= now()) AS due,
            extract(epoch FROM now() - min(created_at))::float8 AS oldest
     FROM staged_jobs
     """
@@ -191,7 +201,9 @@ _JOB_STATS = sa.text(
 
 
 def list_keys(admin: Admin, filters: KeyFilter, *, reveal: bool = False) -> list[KeyRow]:
-    """The keys ``filters`` selects, newest first; scopes masked unless ``reveal``."""
+    """The keys ``filters`` selects, newest first (by id: ids are given in the order keys
+    are claimed, and the primary key serves the order without a sort); scopes masked
+    unless ``reveal``."""
     criteria = filters.criteria()
     sql = sa.text(_SELECT.format(where=where(criteria)))
     with admin.db.connect() as conn:
@@ -314,13 +326,22 @@ class Stats:
     failing_jobs: int
     """Staged jobs whose publish failed at least once."""
     oldest_job: float | None
+    due_jobs: int = 0
+    """Staged jobs the enqueuer may publish now."""
 
 
-def stats(admin: Admin) -> Stats:
-    """Counts of keys by operation, state and recovery point, and of staged jobs."""
+def stats(admin: Admin, *, include_finished: bool = True) -> Stats:
+    """Counts of keys by operation, state and recovery point, and of staged jobs.
+
+    Every key is read, unless ``include_finished`` is false: then only unfinished and
+    abandoned keys are, through their partial indexes, however many finished ones the
+    table holds (the console's overview; ``finished`` counts 0).
+    """
+    where = "true" if include_finished else "(k.finished_at IS NULL OR k.abandoned_at IS NOT NULL)"
     with admin.db.connect() as conn:
-        groups = tuple(StatsRow(**r._mapping) for r in conn.execute(_STATS, admin.params()))
-        jobs = conn.execute(_JOB_STATS).one()
+        found = conn.execute(sa.text(STATS.format(where=where)), admin.params())
+        groups = tuple(StatsRow(**r._mapping) for r in found)
+        jobs = conn.execute(JOB_STATS).one()
     by_state = dict.fromkeys(STATES, 0)
     for group in groups:
         by_state[group.state] += group.keys
@@ -332,4 +353,5 @@ def stats(admin: Admin) -> Stats:
         staged_jobs=jobs.jobs,
         failing_jobs=jobs.failing,
         oldest_job=jobs.oldest,
+        due_jobs=jobs.due,
     )

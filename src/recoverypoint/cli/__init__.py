@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from ..exits import EXIT_BROKEN_PIPE
 from ._common import Handler, Subparsers
+from .console import add_console
 from .demo import add_demo
 from .doctor import add_doctor
 from .jobs import add_jobs
@@ -33,6 +34,7 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     add_jobs,
     add_doctor,
     add_metrics,
+    add_console,
     add_demo,
 )
 

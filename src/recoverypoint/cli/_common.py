@@ -28,7 +28,7 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
 
 
-def add_database_options(parser: argparse.ArgumentParser) -> None:
+def add_database_options(parser: argparse.ArgumentParser, *, json: bool = True) -> None:
     parser.add_argument(
         "--database-url",
         metavar="URL",
@@ -42,7 +42,8 @@ def add_database_options(parser: argparse.ArgumentParser) -> None:
         help="your recoverypoint Engine (as for `recoverypoint worker`): its operations give "
         "keys their lock timeout, phases and downstream keys",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    if json:
+        parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
 
 
 def add_stuck_after(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def admin_for(args: argparse.Namespace) -> Iterator[Admin]:
     stuck_after = timedelta(seconds=getattr(args, "stuck_after", 300.0))
     operations = tuple(engine.operations) if engine is not None else ()
     try:
-        yield Admin(db, operations, stuck_after=stuck_after)
+        yield Admin(db, operations, stuck_after=stuck_after, via="cli")
     finally:
         if args.database_url:  # ours; the --app engine's pool is the application's
             db.dispose()
@@ -115,6 +116,15 @@ def confirm(question: str, yes: bool) -> None:
     answer = input(f"{question} [y/N] ").strip().lower()
     if answer not in ("y", "yes"):
         raise Refused("not confirmed: nothing was done")
+
+
+def address(bind: str, example: str) -> tuple[str, int]:
+    """``--bind HOST:PORT`` (an IPv6 host in brackets) as a host and a port."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--bind must be HOST:PORT, e.g. {example}; got {bind!r}")
+    return host, int(port)
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")

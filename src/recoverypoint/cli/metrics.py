@@ -22,7 +22,7 @@ from ..exits import EXIT_OK, EXIT_USAGE, fail
 from ..operation import Operation
 from ..workers.loop import on_stop
 from ._app import UsageError, load_engine
-from ._common import Subparsers, add_stuck_after
+from ._common import Subparsers, add_stuck_after, address
 
 DEFAULT_BIND = "127.0.0.1:9464"  # 9464: the port OpenTelemetry's Prometheus exporter uses
 
@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
             "prometheus_client is missing: pip install 'recoverypoint[metrics]'",
         )
     try:
-        host, port = _address(args.bind)
+        host, port = address(args.bind, DEFAULT_BIND)
         db, operations = _database(args)
     except (UsageError, ValueError) as exc:
         return fail("metrics", EXIT_USAGE, str(exc))
@@ -94,14 +94,6 @@ def _serve(args: argparse.Namespace) -> int:
         if args.database_url:  # ours; the --app engine's pool is the application's
             db.dispose()
     return EXIT_OK
-
-
-def _address(bind: str) -> tuple[str, int]:
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        raise UsageError(f"--bind must be HOST:PORT, e.g. {DEFAULT_BIND}; got {bind!r}")
-    return host, int(port)
 
 
 def _database(args: argparse.Namespace) -> tuple[sa.Engine, tuple[Operation[Any], ...]]:
