@@ -1,15 +1,18 @@
-"""The psycopg transaction under every request: BEGIN, pipelines, COMMIT, and the retry of a
+"""The psycopg transaction under every request: BEGIN, COMMIT, and the retry of a
 transaction that hit a serialization failure or a deadlock.
 
 The request path borrows a connection from the SQLAlchemy engine's pool (the application's
-own settings apply), switches psycopg to autocommit so that psycopg sends nothing by itself,
-and writes the transaction out:
+own settings apply) and hands it back as it came. While borrowed, psycopg is in autocommit,
+so it sends nothing by itself, and a :class:`Transaction` writes out:
 
-- ``BEGIN ISOLATION LEVEL SERIALIZABLE`` travels with the transaction's first statement, in
-  one round trip, and nothing about the session changes;
-- ``COMMIT`` travels with its last write (:meth:`Transaction.commit_with`);
-- a statement before ``BEGIN`` (:meth:`Transaction.lookup`) runs on its own, the way a
-  replay needs it: one round trip, no transaction to commit.
+- a statement before the transaction (:meth:`Transaction.lookup`) runs on its own, the way
+  a replay needs it: one round trip, nothing to commit;
+- ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes just before the transaction's first statement
+  (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`), straight through libpq;
+- ``COMMIT`` is :meth:`Transaction.commit`, after the write that records the phase.
+
+Nothing is pipelined: on loopback psycopg's pipeline costs more client CPU than the round
+trips it saves (benchmarks/README.md, "Round trips or CPU").
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -25,8 +28,8 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
-from psycopg.rows import RowFactory
+from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.rows import RowFactory, tuple_row
 
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
@@ -38,8 +41,7 @@ Row = TypeVar("Row")
 # SQLSTATEs that mean "the same transaction may succeed if run again".
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
-_BEGIN = "BEGIN ISOLATION LEVEL SERIALIZABLE"
-_COMMIT = "COMMIT"
+_BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
 
 
 class Transaction:
@@ -50,68 +52,52 @@ class Transaction:
         self._db = db
         self._pooled = pooled
         self._began = False
-        self._done = False
         self._sqlalchemy: sa.Connection | None = None
+        # The engine's own statements share one cursor: making a cursor costs about half
+        # as much client CPU as running a statement. Phase code gets a cursor of its own
+        # per statement, which it may keep.
+        self._cursor = connection.cursor()
 
     @property
     def open(self) -> bool:
         """Whether the server still has this transaction open."""
-        return self.connection.info.transaction_status == TransactionStatus.INTRANS
+        # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
+        return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
     def lookup(self, sql: str, params: dict[str, Any], row_factory: RowFactory[Row]) -> Row | None:
         """One row read on its own, before the transaction begins."""
         assert not self._began, "a lookup runs before the transaction"
-        with self.connection.cursor(row_factory=row_factory) as cursor:
-            return cursor.execute(sql, params).fetchone()
+        self._cursor.row_factory = row_factory
+        return cast("Row | None", self._cursor.execute(sql, params).fetchone())
 
     def execute(
         self, sql: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.Cursor[Any]:
-        """Run one statement in the transaction; the first takes the BEGIN along."""
-        return self.fetch(sql, params, None)
+        """Run one statement of phase code in the transaction, on a cursor of its own."""
+        self._begin()
+        return self.connection.cursor().execute(sql, params)
 
-    def fetch(
-        self,
-        sql: str,
-        params: dict[str, Any] | Sequence[Any] | None,
-        row_factory: RowFactory[Any] | None,
-    ) -> psycopg.Cursor[Any]:
-        connection = self.connection
-        cursor = connection.cursor(row_factory=row_factory) if row_factory else connection.cursor()
-        if self._began:
-            return cursor.execute(sql, params)
-        with _pipeline(self.connection):  # BEGIN and the statement: one round trip
-            self.connection.execute(_BEGIN)
-            cursor.execute(sql, params)
-        self._began = True
-        return cursor
-
-    def commit_with(
-        self,
-        sql: str,
-        params: dict[str, Any],
-        jobs: tuple[str, Sequence[dict[str, Any]]] | None = None,
-    ) -> tuple[Any, ...] | None:
-        """Insert ``jobs`` (a statement and its rows), run ``sql`` and COMMIT, in one round
-        trip; return the row ``sql`` returned. Should ``sql`` fail, the COMMIT is skipped,
-        and the caller (or :func:`serializable`) rolls the transaction back."""
-        with self.connection.cursor() as cursor, self.connection.cursor() as jobs_cursor:
-            with _pipeline(self.connection):
-                if not self._began:
-                    self.connection.execute(_BEGIN)
-                    self._began = True
-                if jobs:
-                    jobs_cursor.executemany(*jobs)
-                cursor.execute(sql, params)
-                self.connection.execute(_COMMIT)
-            self._done = True
-            return cursor.fetchone()
+    def fetchone(
+        self, sql: str, params: dict[str, Any], row_factory: RowFactory[Any] = tuple_row
+    ) -> Any:
+        """Run one of the engine's statements in the transaction; its first row."""
+        self._begin()
+        self._cursor.row_factory = row_factory
+        return self._cursor.execute(sql, params).fetchone()
 
     def commit(self) -> None:
         """COMMIT, if anything began; read-only work costs no round trip."""
-        if self._began and not self._done:
-            self.connection.execute(_COMMIT)
-        self._done = True
+        if self._began:
+            self.connection.commit()
+
+    def _begin(self) -> None:
+        if not self._began:
+            # Through libpq, as psycopg sends its own BEGIN: a cursor would cost as much
+            # client CPU as a statement, and switching autocommit off and on again more.
+            result = self.connection.pgconn.exec_(_BEGIN)
+            if result.status != ExecStatus.COMMAND_OK:
+                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            self._began = True
 
     @property
     def sqlalchemy_made(self) -> sa.Connection | None:
@@ -126,7 +112,7 @@ class Transaction:
         """
         if self._sqlalchemy is None:
             if not self._began:
-                self.execute("SELECT 1")  # begins the transaction the Connection joins
+                self.fetchone("SELECT 1", {})  # begins the transaction the Connection joins
             conn = sa.Connection(self._db, connection=self._pooled)
             conn.begin()  # SQLAlchemy's view of the transaction already open; sends nothing
             self._sqlalchemy = conn
@@ -149,8 +135,8 @@ def serializable(
 ) -> T:
     """Run ``work`` in one SERIALIZABLE transaction on a connection of ``db``'s pool, again
     on serialization failure or deadlock with capped, jittered backoff, then
-    :class:`ConcurrentUpdate`. ``work`` commits with its last write, or it is committed
-    for it when it returns. ``observer`` hears of each retry and of running out."""
+    :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
+    committed for it when it returns. ``observer`` hears of each retry and of running out."""
     with borrowed(db) as (pooled, connection):
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
@@ -171,32 +157,6 @@ def serializable(
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     raise AssertionError("unreachable")
-
-
-@contextmanager
-def _pipeline(connection: psycopg.Connection[Any]) -> Iterator[None]:
-    """psycopg's pipeline, where a failure the server reported inside the block is raised
-    once the pipeline has ended: raised from inside, it would make psycopg log "error
-    ignored terminating <Pipeline>" at every serialization failure. The body's remaining
-    statements (a COMMIT) are skipped all the same."""
-    kept: list[psycopg.Error] = []
-    try:
-        with connection.pipeline():
-            try:
-                yield
-            except psycopg.Error as exc:
-                # An error of the client's own (a parameter it could not adapt) was never
-                # sent: raise it at once.
-                if exc.sqlstate is None and not isinstance(exc, psycopg.errors.PipelineAborted):
-                    raise
-                kept.append(exc)
-    except psycopg.errors.PipelineAborted:
-        if not kept:
-            raise
-    # The end of the pipeline raises nothing more, or only "aborted", for what was raised
-    # inside: that first failure (a 40001 to retry) is the one to report.
-    if kept:
-        raise kept[0]
 
 
 def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
@@ -223,11 +183,13 @@ def borrowed(db: sa.Engine) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
     connection = cast("psycopg.Connection[Any]", pooled.driver_connection)
     was = connection.autocommit
     try:
-        connection.autocommit = True
+        if not was:  # psycopg's setter costs a wait: only when it changes something
+            connection.autocommit = True
         yield pooled, connection
     finally:
         if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
-            connection.autocommit = was
+            if not was:
+                connection.autocommit = False
         else:
             pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
         pooled.close()

@@ -62,7 +62,8 @@ _NO_CONTENT = Response(204)
 @dataclass(frozen=True)
 class _Advanced:
     point: str
-    state: dict[str, Any]
+    state: str
+    """As stored, JSON text: each phase parses its own copy."""
 
 
 _Step = _Advanced | Outcome
@@ -288,7 +289,7 @@ class Engine:
         if record.inserted and operation.phases[0].atomic:
             store.held(tx, run.key, record)
             with observed.phase(operation.phases[0].point, True):
-                return run, run.atomic(tx, operation.phases[0], {})
+                return run, run.atomic(tx, operation.phases[0], "{}")
         return run, None
 
     def _started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
@@ -379,16 +380,18 @@ class _Run:
     def params(self) -> Any:
         """The params as phases see them; built on first use, so that stored params the
         operation no longer accepts fail inside the run (lease released, attempt counted)."""
-        return self.operation.load_params(canonical_json(self.record.request_params))
+        return self.operation.load_params(self.record.request_params)
 
-    def next(self, phase: Phase, state: dict[str, Any]) -> _Step:
-        """Run ``phase`` from ``state``; a foreign step takes the atomic phase after it along."""
+    def next(self, phase: Phase, state_json: str) -> _Step:
+        """Run ``phase`` from the state stored as ``state_json``; a foreign step takes the
+        atomic phase after it along."""
         if phase.atomic:
             with self.observed.phase(phase.point, True):
-                return self.engine._transact(lambda tx: self.fenced(tx, phase, state))
+                return self.engine._transact(lambda tx: self.fenced(tx, phase, state_json))
         # Outside any transaction, and no pooled connection is held meanwhile.
         if faults.active:
             faults.hit("before_foreign", phase.point)
+        state = json.loads(state_json)
         with self.observed.phase(phase.point, False):
             result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
@@ -409,12 +412,13 @@ class _Run:
         following = self.operation.phases[self.operation.next_phase(phase.point)]
         if isinstance(result, Response) or not following.atomic:
             return self.engine._transact(commit_step)
+        new_state_json = _state_json(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less
         # per step. Should that phase fail, the result is committed on its own before the
         # error propagates, so a retry resumes after the step all the same.
         try:
             with self.observed.phase(following.point, True):
-                return self.engine._transact(lambda tx: self.fenced(tx, following, new_state))
+                return self.engine._transact(lambda tx: self.fenced(tx, following, new_state_json))
         except LockLost:
             raise
         except BaseException:
@@ -426,19 +430,19 @@ class _Run:
                 )
             raise
 
-    def fenced(self, tx: Transaction, phase: Phase, state: dict[str, Any]) -> _Step:
+    def fenced(self, tx: Transaction, phase: Phase, state_json: str) -> _Step:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
         that lost its lease fails with LockLost before its writes can collide with the new
         owner's, and no takeover can happen while the phase runs."""
         store.fence(tx, self.key)
-        return self.atomic(tx, phase, state)
+        return self.atomic(tx, phase, state_json)
 
-    def atomic(self, tx: Transaction, phase: Phase, state: dict[str, Any]) -> _Step:
+    def atomic(self, tx: Transaction, phase: Phase, state_json: str) -> _Step:
         """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
         began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         ctx = AtomicContext(
-            tx, json.loads(canonical_json(state)), self.identity, phase.point, self.engine.observer
+            tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
         )
         with phase_guard.guarding(tx, phase.point):
             result = phase.fn(ctx, self.params)
@@ -461,7 +465,7 @@ class _Run:
                     phase.point, began, store.current_transaction(tx)
                 )
             raise
-        for job in ctx.staged_jobs:  # committed: _commit's last write carries the COMMIT
+        for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
 
@@ -522,11 +526,18 @@ def _replay(record: KeyRecord) -> Outcome:
     return Outcome(record.response_status, body, dict(record.response_headers or {}), True)
 
 
-def _as_answered(stored_body: Any) -> Any:
-    """A body as jsonb stored it, with its keys in the order every answer gives them (jsonb
-    keeps an order of its own). The first answer is built from the stored body as well,
-    so that it equals every replay, types included (jsonb reads 1e16 back as an int)."""
-    return json.loads(canonical_json(stored_body))
+def _as_answered(stored_body: str | None) -> Any:
+    """A body as jsonb stored it (its text), with its keys in the order every answer gives
+    them (jsonb keeps an order of its own). The first answer is built from the stored body
+    as well, so that it equals every replay, types included (jsonb reads 1e16 back as an
+    int)."""
+    if stored_body is None:
+        return None
+    return json.loads(stored_body, object_pairs_hook=_sorted_object)
+
+
+def _sorted_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(sorted(pairs, key=lambda pair: pair[0]))
 
 
 def _fingerprint_as(operation: Operation[Any], request: ClaimRequest, params: Any) -> str | None:

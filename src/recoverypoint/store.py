@@ -15,12 +15,10 @@ with the phase's own writes. Three things keep them cheap:
   that every new key is inserted into, and concurrent requests would keep aborting each
   other with 40001. When the address is stale (a rolled-back attempt, a takeover) the
   statement runs again by ``id``;
-- statements that need not wait for each other are pipelined: a transaction's BEGIN goes
-  out with its first statement; staged jobs, the phase's recovery point and COMMIT go out
-  together. That COMMIT must never follow a write that missed its row, so the write is
-  addressed by the ``ctid`` its own transaction's fence (or claim) returned, which nobody
-  else can change while the row is locked, and is checked in SQL: a miss divides by zero,
-  the pipeline stops before the COMMIT, and the transaction rolls back (:data:`LockLost`).
+- the write that records a phase is addressed by the ``ctid`` its own transaction's fence
+  (or claim) returned, which nobody else can change while the row is locked, and carries
+  the phase's staged jobs in the same statement. A miss means the phase itself changed the
+  key row or ended the transaction: the engine raises :data:`LockLost` and never commits.
 """
 
 from __future__ import annotations
@@ -35,16 +33,17 @@ from uuid import UUID
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import class_row
+from psycopg.rows import args_row
 
 from ._pg import Transaction, borrowed
 from .context import StagedJob
 from .errors import KeyInUse, LockLost
 
+# JSON columns come back as their text: the engine parses what it uses, once.
 _RECORD_COLUMNS = """
-    id, created_at, operation_version, fingerprint, recovery_point, state, request_params,
-    response_status, response_headers, response_body, attempts, ctid::text AS ctid,
-    pg_current_xact_id_if_assigned()::text AS xid
+    id, created_at, operation_version, fingerprint, recovery_point, state::text,
+    request_params::text, response_status, response_headers, response_body::text, attempts,
+    ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
 """
 
 # How long the lease has been held, in seconds; NULL when it is free. The caller judges it
@@ -121,10 +120,24 @@ _BY_ID = "id = %(id)s AND lock_token = %(token)s"
 class _Fenced(NamedTuple):
     by_ctid: str
     by_id: str
-    checked: str
-    """By ctid, for the last write of a transaction whose fence or claim took the row: it
-    raises division_by_zero (22012) when it matches no row, so the COMMIT after it in the
-    pipeline never runs."""
+    held: str
+    """By ctid, in the transaction whose fence or claim locked the row (see ``xid``): the
+    write that records an atomic phase."""
+    held_staging: str
+    """:attr:`held`, inserting the phase's staged jobs in the same statement."""
+
+
+# The phase's staged jobs, as arrays in job order; inserted only when the write that records
+# the phase found its row.
+_STAGED = """
+    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, trace_context)
+    SELECT job.name, job.args::jsonb, job.job_key, %(id)s, job.trace_context
+    FROM unnest(%(job_names)s::text[], %(job_args)s::text[], %(job_keys)s::text[],
+                %(job_traces)s::text[]) WITH ORDINALITY
+         AS job(name, args, job_key, trace_context, n)
+    WHERE EXISTS (SELECT FROM written)
+    ORDER BY job.n
+"""
 
 
 def _by_ctid_and_by_id(sql: str, returning: str = "") -> _Fenced:
@@ -133,20 +146,22 @@ def _by_ctid_and_by_id(sql: str, returning: str = "") -> _Fenced:
             f", {returning}" if returning else ""
         )
 
-    by_ctid = written_out(_BY_CTID)
     # Also in the phase's own transaction: phase code that ended it cannot have the point
     # recorded in another.
-    same_transaction = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
-    checked = f"""
-        WITH written AS ({same_transaction})
-        SELECT written.* FROM (SELECT 1 / count(*) AS one FROM written) AS matched
-        LEFT JOIN written ON matched.one = 1
-    """
-    return _Fenced(by_ctid, written_out(_BY_ID), checked)
+    held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
+    staging = f"WITH written AS ({held}), staged AS ({_STAGED}) SELECT * FROM written"
+    return _Fenced(written_out(_BY_CTID), written_out(_BY_ID), held, staging)
 
 
-# Renew the lease, if still ours, and lock the row for the rest of the transaction.
-_FENCE = _by_ctid_and_by_id("UPDATE idempotency_keys SET locked_at = now() WHERE {where}")
+# Lock the row for the rest of the transaction, if the lease is still ours. The lease is
+# renewed by the write that commits the phase: a renewal here would be seen by nobody
+# (no other transaction sees it before that write replaces it) and would cost a row version.
+_FENCE = """
+    SELECT ctid::text, pg_current_xact_id()::text FROM idempotency_keys WHERE {where}
+    FOR UPDATE
+"""
+_FENCE_BY_CTID = _FENCE.format(where=_BY_CTID)
+_FENCE_BY_ID = _FENCE.format(where=_BY_ID)
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment
 # (clock_timestamp(), not now(): that is the transaction's start, and a phase that ran for
@@ -161,7 +176,7 @@ _ADVANCE = _by_ctid_and_by_id(
         locked_at = clock_timestamp(), last_run_at = now()
     WHERE recovery_point = %(from_point)s AND {where}
 """,
-    returning="state",
+    returning="state::text",
 )
 
 # Finish the key with its response and give the lease up. The state and the body come back
@@ -176,7 +191,7 @@ _FINISH = _by_ctid_and_by_id(
         locked_at = NULL, lock_token = NULL, last_run_at = now()
     WHERE {where}
 """,
-    returning="response_body",
+    returning="response_body::text",
 )
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
@@ -194,11 +209,6 @@ _RELEASE = _by_ctid_and_by_id(
 _WITHDRAW = _by_ctid_and_by_id(
     "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}"
 )
-
-_STAGE_JOB = """
-    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, trace_context)
-    VALUES (%(name)s, %(args)s::jsonb, %(job_key)s, %(key_id)s, %(trace_context)s)
-"""
 
 
 @dataclass(frozen=True)
@@ -223,11 +233,12 @@ class KeyRecord:
     operation_version: int
     fingerprint: str
     recovery_point: str
-    state: dict[str, Any]
-    request_params: Any
+    state: str
+    """The state as JSON text, and the params and body below likewise."""
+    request_params: str
     response_status: int | None
     response_headers: dict[str, str] | None
-    response_body: Any
+    response_body: str | None
     attempts: int
     ctid: str
     xid: str | None
@@ -259,7 +270,7 @@ class KeyRef:
 def finished_key(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    return tx.lookup(_FINISHED, params, class_row(KeyRecord))
+    return tx.lookup(_FINISHED, params, args_row(KeyRecord))
 
 
 def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
@@ -293,13 +304,13 @@ def key_operation(db: sa.Engine, key_id: int) -> tuple[str, int] | None:
 
 
 def fence(tx: Transaction, key: KeyRef) -> None:
-    """Renew the lease and lock the row, or raise :class:`LockLost`; :class:`KeyInUse` when
+    """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
     params = {"id": key.id, "token": key.token, "ctid": key.ctid}
     with _waiting_for_key():
-        row = tx.execute(_FENCE.by_ctid, params).fetchone()
+        row = tx.fetchone(_FENCE_BY_CTID, params)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = tx.execute(_FENCE.by_id, params).fetchone()
+            row = tx.fetchone(_FENCE_BY_ID, params)
     _written(key, row)
     key.locked_by = tx
 
@@ -369,36 +380,38 @@ def _waiting_for_key() -> Iterator[None]:
 
 def _fetch_record(tx: Transaction, sql: str, params: dict[str, Any]) -> KeyRecord | None:
     with _waiting_for_key():
-        record: KeyRecord | None = tx.fetch(sql, params, class_row(KeyRecord)).fetchone()
+        record: KeyRecord | None = tx.fetchone(sql, params, args_row(KeyRecord))
     return record
 
 
 def _commit_fenced(
     tx: Transaction, key: KeyRef, sql: _Fenced, params: dict[str, Any], jobs: Sequence[StagedJob]
 ) -> Any:
-    """Run a fenced write and COMMIT: in one round trip with the jobs when ``tx`` holds the
-    row already; else (a step's result committed on its own) by address, then by id."""
+    """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
+    jobs; else (a step's result committed on its own) by address, then by id."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid, "xid": key.xid}
-    staged = (_STAGE_JOB, [_job_row(job, key.id) for job in jobs]) if jobs else None
     if key.locked_by is tx:
-        try:
-            row = tx.commit_with(sql.checked, params, staged)
-        except psycopg.errors.DivisionByZero:
+        if jobs:
+            params["job_names"] = [job.name for job in jobs]
+            params["job_args"] = [job.args_json for job in jobs]
+            params["job_keys"] = [job.job_key for job in jobs]
+            params["job_traces"] = [job.trace_context for job in jobs]
+        row = tx.fetchone(sql.held_staging if jobs else sql.held, params)
+        if row is None:
             # The write missed the row its own transaction locked: the phase itself changed
-            # the key row, or ended the transaction. Nothing was committed.
-            tx.connection.rollback()
+            # the key row, or ended the transaction. Nothing is committed.
             raise LockLost(
                 "the key row changed under the phase (phase code must not write to "
                 "idempotency_keys); nothing was committed: retry with the same key"
-            ) from None
+            )
     else:  # a foreign step's result, committed on its own: it stages no jobs
         with _waiting_for_key():
-            row = tx.execute(sql.by_ctid, params).fetchone()
+            row = tx.fetchone(sql.by_ctid, params)
             if row is None:
-                row = tx.execute(sql.by_id, params).fetchone()
-        if row is not None:
-            tx.commit()
+                row = tx.fetchone(sql.by_id, params)
+    if row is not None:
+        tx.commit()  # the phase and its recovery point, together
     return _written(key, row)[2]
 
 
@@ -418,13 +431,3 @@ def _written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
         raise LockLost()
     key.ctid, key.xid = row[0], row[1]
     return row
-
-
-def _job_row(job: StagedJob, key_id: int) -> dict[str, Any]:
-    return {
-        "name": job.name,
-        "args": job.args_json,
-        "job_key": job.job_key,
-        "key_id": key_id,
-        "trace_context": job.trace_context,
-    }
