@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -109,3 +110,45 @@ def test_a_stop_shared_with_other_workers_stops_the_reaper(worker_db: sa.Engine)
 
     assert reaper.stopping and not reaper.run_once()
     assert len(rows(worker_db, "SELECT * FROM idempotency_keys")) == 2
+
+
+def _dead_rows_and_manual_vacuums(db: sa.Engine) -> tuple[int, int]:
+    with db.connect() as conn:
+        conn.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
+        row = conn.execute(
+            sa.text(
+                "SELECT n_dead_tup, vacuum_count FROM pg_stat_user_tables "
+                "WHERE relname = 'idempotency_keys'"
+            )
+        ).one()
+    return row.n_dead_tup, row.vacuum_count
+
+
+def test_a_big_pass_leaves_the_table_vacuumed_when_autovacuum_is_off(worker_db: sa.Engine) -> None:
+    # Off for this table (whatever the server's setting): the reaper must clean up itself.
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE idempotency_keys SET (autovacuum_enabled = off)"))
+    plant_keys(worker_db, "op", 300, **finished("73 hours"))
+    kept = plant_keys(worker_db, "op", 5, **finished("1 hour"))
+    _, vacuums_before = _dead_rows_and_manual_vacuums(worker_db)
+
+    small = Reaper(rp.Engine(worker_db), batch_size=100, vacuum_after=301).run_once()
+    assert (small.finished, small.vacuumed) == (300, 0)  # below the threshold: no vacuum
+    plant_keys(worker_db, "op", 300, **finished("73 hours"))
+    big = Reaper(rp.Engine(worker_db), batch_size=100, vacuum_after=300).run_once()
+
+    assert (big.finished, big.vacuumed) == (300, 1)
+    # Statistics reach pg_stat_user_tables shortly after the statement: poll briefly.
+    deadline = time.monotonic() + 5
+    dead, vacuums = _dead_rows_and_manual_vacuums(worker_db)
+    while vacuums == vacuums_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+        dead, vacuums = _dead_rows_and_manual_vacuums(worker_db)
+    assert (dead, vacuums) == (0, vacuums_before + 1)  # both passes' dead rows are gone
+    assert [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys ORDER BY id")] == kept
+
+
+def test_vacuum_after_must_be_positive_or_none(worker_db: sa.Engine) -> None:
+    with pytest.raises(ValueError, match="vacuum_after"):
+        Reaper(rp.Engine(worker_db), vacuum_after=0)
+    assert Reaper(rp.Engine(worker_db), vacuum_after=None).vacuum_after is None

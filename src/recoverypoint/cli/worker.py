@@ -32,7 +32,7 @@ from ..migrate import VERSION_TABLE, migrations_dir
 from ..workers.completer import Completer
 from ..workers.enqueuer import Enqueuer
 from ..workers.loop import STRUCTURED, Worker, log_event, on_stop
-from ..workers.reaper import Reaper
+from ..workers.reaper import DEFAULT_VACUUM_AFTER, Reaper
 from ._app import UsageError, load_engine
 from ._common import Subparsers as _Subparsers
 
@@ -101,6 +101,14 @@ def add_worker(subparsers: _Subparsers) -> None:
         default=DEFAULT_ABANDONED_RETENTION.total_seconds(),
         metavar="DURATION",
         help="reaper: delete abandoned keys this old (default 30d)",
+    )
+    parser.add_argument(
+        "--vacuum-after",
+        type=int,
+        default=DEFAULT_VACUUM_AFTER,
+        metavar="ROWS",
+        help="reaper: VACUUM (ANALYZE) a table after deleting this many rows from it in one "
+        f"pass, when autovacuum is off for it (default {DEFAULT_VACUUM_AFTER:,}; 0: never)",
     )
     parser.add_argument(
         "--log-level",
@@ -201,6 +209,7 @@ def _workers(engine: Engine, args: argparse.Namespace, stop: threading.Event) ->
             batch_size=args.batch_size,
             retention=timedelta(seconds=args.retention),
             abandoned_retention=timedelta(seconds=args.abandoned_retention),
+            vacuum_after=args.vacuum_after or None,
             stop_event=stop,
         ),
     }

@@ -6,6 +6,11 @@ completer have); keys the completer abandoned not before the longer ``abandoned_
 (30 days) either, so a human has time to look at them. An unfinished key is never deleted,
 however old: the completer finishes or abandons it first. Staged jobs of a deleted key keep
 their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement).
+
+A large pass leaves dead rows behind. Where autovacuum looks after the table it reaped,
+that is autovacuum's work; where it is off (for the server or the table), the reaper runs
+``VACUUM (ANALYZE)`` on that table itself after a pass that deleted ``vacuum_after`` rows
+or more, so the table does not bloat and the planner's estimates stay true.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ from .loop import Result, Worker
 # A duplicate delivery can come late (a broker outage, a consumer down for a weekend), and
 # a record is small: keep them longer than the keys.
 DEFAULT_PROCESSED_RETENTION = timedelta(days=7)
+
+# Rows one pass deletes from a table before the reaper vacuums it (when autovacuum does not).
+DEFAULT_VACUUM_AFTER = 10_000
+
+# Whether autovacuum skips a table: off for the server, or for the table alone.
+_AUTOVACUUM_OFF = text(
+    """
+    SELECT NOT current_setting('autovacuum')::boolean OR EXISTS (
+        SELECT FROM pg_class AS c, unnest(c.reloptions) AS option
+        WHERE c.oid = CAST(:table AS regclass)
+          AND option ~* '^autovacuum_enabled=(false|off|no|n|f|0)$'
+    )
+    """
+)
 
 # One batch of finished keys past their retention: their operation's own (``Operation(
 # retention=...)``, a table from three arrays) or the reaper's. The partial index on
@@ -89,13 +108,16 @@ class ReaperResult(Result):
     """Abandoned keys deleted."""
     messages: int = 0
     """Consume-once records deleted."""
+    vacuumed: int = 0
+    """Tables the reaper vacuumed itself after this pass (autovacuum being off for them)."""
 
 
 class Reaper(Worker[ReaperResult]):
     """Deletes finished keys past their retention (their operation's ``retention``, else
     ``retention``), abandoned ones also past ``abandoned_retention`` (which may not be
     shorter than ``retention``) and consume-once records past ``processed_retention``, one
-    transaction per batch."""
+    transaction per batch; then vacuums a table it deleted ``vacuum_after`` rows or more
+    from, if autovacuum does not (``None``: never)."""
 
     name: ClassVar[str] = "reaper"
     default_batch_size: ClassVar[int] = 1000
@@ -109,6 +131,7 @@ class Reaper(Worker[ReaperResult]):
         retention: timedelta = DEFAULT_RETENTION,
         abandoned_retention: timedelta = DEFAULT_ABANDONED_RETENTION,
         processed_retention: timedelta = DEFAULT_PROCESSED_RETENTION,
+        vacuum_after: int | None = DEFAULT_VACUUM_AFTER,
         stop_event: threading.Event | None = None,
     ) -> None:
         super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
@@ -119,9 +142,12 @@ class Reaper(Worker[ReaperResult]):
                 f"reaper: abandoned_retention ({abandoned_retention}) may not be shorter "
                 f"than retention ({retention}): abandoned keys are kept for a human to see"
             )
+        if vacuum_after is not None and vacuum_after < 1:
+            raise ValueError("reaper: vacuum_after must be >= 1, or None for never")
         self.retention = retention
         self.abandoned_retention = abandoned_retention
         self.processed_retention = processed_retention
+        self.vacuum_after = vacuum_after
 
     def run_once(self) -> ReaperResult:
         result = ReaperResult()
@@ -147,9 +173,24 @@ class Reaper(Worker[ReaperResult]):
             result.messages += deleted
             if deleted < self.batch_size:
                 break
+        for table, deleted in (
+            ("idempotency_keys", result.finished + result.abandoned),
+            ("processed_messages", result.messages),
+        ):
+            if self.vacuum_after is not None and deleted >= self.vacuum_after:
+                result.vacuumed += self._vacuum_unless_autovacuum(table)
         self.engine.observer.reaped(result.finished, result.abandoned, result.messages)
         self.engine.observer.worker_pass(self.name)
         return result
+
+    def _vacuum_unless_autovacuum(self, table: str) -> bool:
+        """``VACUUM (ANALYZE)`` ``table`` if autovacuum skips it; whether it did."""
+        with self.db.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # VACUUM needs it
+            if not conn.execute(_AUTOVACUUM_OFF, {"table": table}).scalar_one():
+                return False
+            conn.execute(text(f"VACUUM (ANALYZE) {table}"))  # a name of ours, not input
+        return True
 
     def _batch(
         self, statement: TextClause, params: dict[str, Any], result: ReaperResult
