@@ -474,7 +474,7 @@ def test_the_readmes_mount_works_word_for_word(
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Web console", 1)[1]
     source = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
-    monkeypatch.setenv("DATABASE_URL", module_database_url)
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", module_database_url)
     scope: dict[str, Any] = {}
     exec(compile(source, "README.md", "exec"), scope)
     [key_id] = plant(db, "from-readme", **STUCK)

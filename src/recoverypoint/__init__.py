@@ -4,8 +4,9 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 :class:`Engine`, and run each request under its idempotency key.
 """
 
-from .context import AtomicContext, StepContext
+from .context import AsyncAtomicContext, AtomicContext, StepContext
 from .engine import Engine
+from .engine_async import AsyncEngine
 from .errors import (
     ConcurrentUpdate,
     DeclarationError,
@@ -20,9 +21,13 @@ from .errors import (
     Retryable,
     TransactionEnded,
 )
+from .idempotent import AbandonedCall, downstream_key, idempotent
 from .operation import Operation, Outcome, RecoveryPoint, Request, Response
 
 __all__ = [
+    "AbandonedCall",
+    "AsyncAtomicContext",
+    "AsyncEngine",
     "AtomicContext",
     "ConcurrentUpdate",
     "DeclarationError",
@@ -43,4 +48,6 @@ __all__ = [
     "Retryable",
     "StepContext",
     "TransactionEnded",
+    "downstream_key",
+    "idempotent",
 ]

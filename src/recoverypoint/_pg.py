@@ -1,14 +1,16 @@
+# Generated from src/recoverypoint/_pg_async.py by tools/async_to_sync.py:
+# edit _pg_async.py, then run tools/async_to_sync.py.
 """The psycopg transaction under every request: BEGIN, COMMIT, and the retry of a
 transaction that hit a serialization failure or a deadlock.
 
 The request path borrows a connection from the SQLAlchemy engine's pool (the application's
 own settings apply) and hands it back as it came. While borrowed, psycopg is in autocommit,
-so it sends nothing by itself, and a :class:`Transaction` writes out:
+so it sends nothing by itself, and the transaction (:class:`Transaction`) writes out:
 
-- a statement before the transaction (:meth:`Transaction.lookup`) runs on its own, the way
-  a replay needs it: one round trip, nothing to commit;
+- a statement before the transaction (:meth:`Transaction.lookup`) runs on its own, the
+  way a replay needs it: one round trip, nothing to commit;
 - ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes just before the transaction's first statement
-  (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`), straight through libpq;
+  (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`);
 - ``COMMIT`` is :meth:`Transaction.commit`, after the write that records the phase.
 
 Nothing is pipelined: on loopback psycopg's pipeline costs more client CPU than the round
@@ -31,6 +33,7 @@ import sqlalchemy as sa
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import RowFactory, tuple_row
 
+from . import sql
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
 from .observe import NO_OBSERVER, Observer
@@ -41,15 +44,13 @@ Row = TypeVar("Row")
 # SQLSTATEs that mean "the same transaction may succeed if run again".
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
-_BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
-
 
 class Transaction:
     """One SERIALIZABLE transaction on a borrowed connection; made by :func:`serializable`."""
 
     def __init__(self, db: sa.Engine, pooled: Any, connection: psycopg.Connection[Any]) -> None:
         self.connection = connection
-        self._db = db
+        self.db = db
         self._pooled = pooled
         self._began = False
         self._sqlalchemy: sa.Connection | None = None
@@ -64,26 +65,30 @@ class Transaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
-    def lookup(self, sql: str, params: dict[str, Any], row_factory: RowFactory[Row]) -> Row | None:
+    def lookup(
+        self, query: str, params: dict[str, Any], row_factory: RowFactory[Row]
+    ) -> Row | None:
         """One row read on its own, before the transaction begins."""
         assert not self._began, "a lookup runs before the transaction"
         self._cursor.row_factory = row_factory
-        return cast("Row | None", self._cursor.execute(sql, params).fetchone())
+        self._cursor.execute(query, params)
+        return cast("Row | None", self._cursor.fetchone())
 
     def execute(
-        self, sql: str, params: dict[str, Any] | Sequence[Any] | None = None
+        self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.Cursor[Any]:
         """Run one statement of phase code in the transaction, on a cursor of its own."""
         self._begin()
-        return self.connection.cursor().execute(sql, params)
+        return self.connection.cursor().execute(query, params)
 
     def fetchone(
-        self, sql: str, params: dict[str, Any], row_factory: RowFactory[Any] = tuple_row
+        self, query: str, params: dict[str, Any], row_factory: RowFactory[Any] = tuple_row
     ) -> Any:
         """Run one of the engine's statements in the transaction; its first row."""
         self._begin()
         self._cursor.row_factory = row_factory
-        return self._cursor.execute(sql, params).fetchone()
+        self._cursor.execute(query, params)
+        return self._cursor.fetchone()
 
     def commit(self) -> None:
         """COMMIT, if anything began; read-only work costs no round trip."""
@@ -94,7 +99,7 @@ class Transaction:
         if not self._began:
             # Through libpq, as psycopg sends its own BEGIN: a cursor would cost as much
             # client CPU as a statement, and switching autocommit off and on again more.
-            result = self.connection.pgconn.exec_(_BEGIN)
+            result = self.connection.pgconn.exec_(sql.BEGIN)
             if result.status != ExecStatus.COMMAND_OK:
                 raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
             self._began = True
@@ -111,9 +116,9 @@ class Transaction:
         :func:`recoverypoint.phase_guard.refusing_to_end`.
         """
         if self._sqlalchemy is None:
-            if not self._began:
-                self.fetchone("SELECT 1", {})  # begins the transaction the Connection joins
-            conn = sa.Connection(self._db, connection=self._pooled)
+            # Phases run once the claim or the fence began the transaction.
+            assert self._began, "a SQLAlchemy Connection joins a transaction already begun"
+            conn = sa.Connection(self.db, connection=self._pooled)
             conn.begin()  # SQLAlchemy's view of the transaction already open; sends nothing
             self._sqlalchemy = conn
         return self._sqlalchemy
@@ -122,9 +127,10 @@ class Transaction:
         # After COMMIT or ROLLBACK psycopg is idle, so SQLAlchemy's own commit sends nothing;
         # it only closes SQLAlchemy's view of the transaction. The pooled connection is
         # checked in by `serializable`, not by this Connection.
-        if self._sqlalchemy is not None:
+        # One that SQLAlchemy invalidated (an interrupted statement) has nothing to close.
+        if self._sqlalchemy is not None and not self._sqlalchemy.invalidated:
             sa.Connection.commit(self._sqlalchemy)
-            self._sqlalchemy = None
+        self._sqlalchemy = None
 
 
 def serializable(
@@ -176,7 +182,9 @@ def _roll_back_leftovers(tx: Transaction) -> None:
 
 
 @contextmanager
-def borrowed(db: sa.Engine) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
+def borrowed(
+    db: sa.Engine,
+) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
     """A connection of ``db``'s pool in autocommit mode, handed back as the pool gave it (an
     application's engine may be in autocommit itself), or dropped if it broke."""
     pooled = db.raw_connection()
@@ -187,15 +195,22 @@ def borrowed(db: sa.Engine) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
             connection.autocommit = True
         yield pooled, connection
     finally:
-        if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
-            if not was:
-                connection.autocommit = False
-        else:
-            pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
-        pooled.close()
+        _hand_back(pooled, connection, was)
 
 
-def run_alone(db: sa.Engine, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+def _hand_back(pooled: Any, connection: psycopg.Connection[Any], was: bool) -> None:
+    if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
+        if not was:
+            # Through the pool's own connection object: in the async pool it is
+            # SQLAlchemy's adapter, which switches psycopg's mode for the pool.
+            pooled.dbapi_connection.autocommit = False
+    elif pooled.is_valid:  # SQLAlchemy drops a connection whose statement was interrupted
+        pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
+    pooled.close()
+
+
+def run_alone(db: sa.Engine, query: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
     """One statement in a transaction of its own (autocommit); its first row."""
     with borrowed(db) as (_, connection):
-        return connection.execute(sql, params).fetchone()
+        cursor = connection.execute(query, params)
+        return cursor.fetchone()

@@ -26,13 +26,26 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import sqlalchemy as sa
+import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy import Connection, event
 
-from ._pg import Transaction
 from .errors import TransactionEnded
+
+C = TypeVar("C")
+
+
+class Transaction(Protocol):
+    """What the guard reads of a transaction, sync (``_pg``) or async (``_pg_async``)."""
+
+    @property
+    def open(self) -> bool: ...
+
+    @property
+    def sqlalchemy_made(self) -> Connection | None: ...
+
 
 _ENDS_TRANSACTION = re.compile(
     r"\s*(?:COMMIT|END|ABORT|PREPARE\s+TRANSACTION"
@@ -45,7 +58,8 @@ _PHASE: ContextVar[tuple[Transaction, str] | None] = ContextVar("recoverypoint_p
 
 
 def install(db: sa.Engine) -> None:
-    """Watch the statements run on ``db``'s connections (once per engine)."""
+    """Watch the statements run on ``db``'s connections (once per engine; an async engine's
+    ``sync_engine``)."""
     if not event.contains(db, "before_cursor_execute", _refuse_ending_statement):
         event.listen(db, "before_cursor_execute", _refuse_ending_statement)
 
@@ -60,15 +74,20 @@ def guarding(tx: Transaction, point: str) -> Iterator[None]:
         _PHASE.reset(reset)
 
 
-def refusing_to_end(conn: Connection, point: str) -> Connection:
+def refusing_to_end(conn: C, point: str) -> C:
     """``conn``, with ``commit()`` and ``rollback()`` raising :class:`TransactionEnded`
     (instance attributes shadow the methods; the engine ends it with the class's own)."""
 
     def refuse() -> NoReturn:
         raise TransactionEnded(_message(point))
 
-    conn.commit = conn.rollback = refuse  # type: ignore[method-assign]
+    conn.commit = conn.rollback = refuse  # type: ignore[attr-defined]
     return conn
+
+
+class AsyncConnection(sa_async.AsyncConnection):
+    """SQLAlchemy's AsyncConnection with room for :func:`refusing_to_end`'s attributes
+    (SQLAlchemy's own has ``__slots__``)."""
 
 
 def check_statement(statement: object, point: str) -> None:

@@ -31,6 +31,9 @@ auth dependency, its 422 for a body that fails validation) is not the key's answ
 step raises :class:`~recoverypoint.operation.Withdrawn`, the key is forgotten, and the
 client may send the request again, fixed, with the same key.
 
+With an async engine (``rp.AsyncEngine``) an async endpoint's operation is async too: its
+step awaits the endpoint on the event loop, in the request's own task.
+
 The endpoint needs the live HTTP request, so only a request can run step 1: the completer,
 which has none, gets :class:`~recoverypoint.Retryable` and backs off; the client's retry
 with the same key runs the endpoint again. Work that must never run twice after a crash
@@ -40,13 +43,14 @@ belongs in phases.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..context import AtomicContext, StepContext
 from ..engine import Engine
@@ -138,28 +142,64 @@ def stored_reply(outcome: Outcome) -> Reply:
 
 
 # The endpoint of the request being served, for the `responded` step; a context variable
-# because the engine calls the step from inside `Engine.run`, in the same thread.
-_RESPONDER: ContextVar[Callable[[], Captured] | None] = ContextVar(
+# because the engine calls the step from inside `Engine.run`, in the same thread (or task).
+_RESPONDER: ContextVar[Callable[[], Any] | None] = ContextVar(
     "recoverypoint_responder", default=None
 )
 
 
-def _respond(step: StepContext, params: Any) -> dict[str, Any]:
+def _responder() -> Callable[[], Any]:
     respond = _RESPONDER.get()
     if respond is None:
         raise Retryable(
             "a single-step request resumes only when its client retries with the same key"
         )
-    captured = respond()
+    return respond
+
+
+def _responded(captured: Captured) -> dict[str, Any]:
     if not captured.endpoint_ran:
         raise Withdrawn(captured)  # nothing was done: forget the key, send this answer
     return {"response": captured.stored()}
+
+
+def _respond(step: StepContext, params: Any) -> dict[str, Any]:
+    return _responded(_responder()())
+
+
+async def _respond_async(step: StepContext, params: Any) -> dict[str, Any]:
+    return _responded(await _responder()())
 
 
 def _finish(tx: AtomicContext, params: Any) -> Response:
     # Out of the state: the response is kept once, as the key's.
     stored = tx.state.pop("response")
     return Response(stored["status"], stored["body"], stored["headers"])
+
+
+async def _finish_async(tx: Any, params: Any) -> Response:
+    return _finish(tx, params)
+
+
+class AsyncRunner(Protocol):
+    """What the integrations need of ``rp.AsyncEngine``."""
+
+    def register(self, *operations: Operation[Any]) -> None: ...
+
+    async def run(
+        self,
+        operation: Operation[Any],
+        *,
+        key: str,
+        params: Any,
+        scope: str = ...,
+        request: KeyRequest | None = ...,
+    ) -> Outcome: ...
+
+
+def is_async(operation: Operation[Any]) -> bool:
+    """Whether ``operation``'s phases are coroutine functions (it runs on an async engine)."""
+    return all(inspect.iscoroutinefunction(phase.fn) for phase in operation.phases)
 
 
 def target(path: str, query: str) -> str:
@@ -180,22 +220,42 @@ class BaseIdempotency(Generic[RequestT]):
         error (401...) to refuse the request before any key is looked at.
     retry_after:
         Seconds sent in ``Retry-After`` with 409 and 503 answers.
+    async_engine:
+        An ``rp.AsyncEngine`` on the same database, for frameworks with async endpoints:
+        operations of async phases and async single-step endpoints run on it, on the event
+        loop; everything else runs on ``engine`` as before.
     """
 
     def __init__(
-        self, engine: Engine, *, scope: Callable[[RequestT], str], retry_after: int = 1
+        self,
+        engine: Engine,
+        *,
+        scope: Callable[[RequestT], str],
+        retry_after: int = 1,
+        async_engine: AsyncRunner | None = None,
     ) -> None:
         if retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
         self.engine = engine
+        self.async_engine = async_engine
         self.scope = scope
         self.retry_after = retry_after
 
-    def _declare_single_step(self, name: str, lock_timeout: timedelta) -> Operation[Any]:
+    def _declare_single_step(
+        self, name: str, lock_timeout: timedelta, *, on_loop: bool = False
+    ) -> Operation[Any]:
+        """The operation of a single-step endpoint; ``on_loop`` for an async endpoint run
+        by the async engine."""
         operation: Operation[Any] = Operation(name, lock_timeout=lock_timeout)
-        operation.foreign_step(RESPONDED)(_respond)
-        operation.atomic_phase(FINISHED)(_finish)
-        self.engine.register(operation)
+        if on_loop:
+            assert self.async_engine is not None
+            operation.foreign_step(RESPONDED)(_respond_async)
+            operation.atomic_phase(FINISHED)(_finish_async)
+            self.async_engine.register(operation)
+        else:
+            operation.foreign_step(RESPONDED)(_respond)
+            operation.atomic_phase(FINISHED)(_finish)
+            self.engine.register(operation)
         return operation
 
     def _serve(
@@ -211,6 +271,20 @@ class BaseIdempotency(Generic[RequestT]):
         """Serve a phased request; ``params`` is called once the key header was read, and
         may refuse the request with an :class:`~recoverypoint.IdempotencyError`."""
         result = self._execute(operation, scope, key_headers, method, target, params)
+        return outcome_reply(result) if isinstance(result, Outcome) else result
+
+    async def _serve_async(
+        self,
+        operation: Operation[Any],
+        *,
+        scope: str,
+        key_headers: Sequence[str],
+        method: str,
+        target: str,
+        params: Callable[[], Any],
+    ) -> Reply:
+        """:meth:`_serve` on the async engine, for an operation of async phases."""
+        result = await self._execute_async(operation, scope, key_headers, method, target, params)
         return outcome_reply(result) if isinstance(result, Outcome) else result
 
     def _serve_single_step(
@@ -239,20 +313,41 @@ class BaseIdempotency(Generic[RequestT]):
         reset = _RESPONDER.set(respond_and_keep)
         try:
             result = self._execute(
-                operation,
-                scope,
-                key_headers,
-                method,
-                target,
-                lambda: single_step_params(body, self.engine.max_params_bytes),
+                operation, scope, key_headers, method, target, self._single_step_params(body)
             )
         finally:
             _RESPONDER.reset(reset)
-        if not isinstance(result, Outcome):
-            return result, False
-        if produced and not result.replayed:
-            return produced[-1].reply(), True  # this request ran the endpoint, finished the key
-        return stored_reply(result), False
+        return _single_step_reply(result, produced)
+
+    async def _serve_single_step_async(
+        self,
+        operation: Operation[Any],
+        *,
+        scope: str,
+        key_headers: Sequence[str],
+        method: str,
+        target: str,
+        body: bytes,
+        respond: Callable[[], Awaitable[Captured]],
+    ) -> tuple[Reply, bool]:
+        """:meth:`_serve_single_step` on the async engine, for an async endpoint."""
+        produced: list[Captured] = []
+
+        async def respond_and_keep() -> Captured:
+            produced.append(await respond())
+            return produced[-1]
+
+        reset = _RESPONDER.set(respond_and_keep)
+        try:
+            result = await self._execute_async(
+                operation, scope, key_headers, method, target, self._single_step_params(body)
+            )
+        finally:
+            _RESPONDER.reset(reset)
+        return _single_step_reply(result, produced)
+
+    def _single_step_params(self, body: bytes) -> Callable[[], Any]:
+        return lambda: single_step_params(body, self.engine.max_params_bytes)
 
     def _execute(
         self,
@@ -273,12 +368,46 @@ class BaseIdempotency(Generic[RequestT]):
                 request=KeyRequest(method, target),
             )
         except Exception as exc:
-            if isinstance(exc, Withdrawn) and isinstance(exc.answer, Captured):
-                return exc.answer.reply()  # the framework's own refusal, as it is, unstored
-            if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
-                # The client gets a problem+json without detail; the operator gets it all.
-                logger.error("%s %s failed; answered 500", method, target, exc_info=exc)
-            return problem_reply(exc, retry_after=self.retry_after)
+            return self._refusal(exc, method, target)
+
+    async def _execute_async(
+        self,
+        operation: Operation[Any],
+        scope: str,
+        key_headers: Sequence[str],
+        method: str,
+        target: str,
+        params: Callable[[], Any],
+    ) -> Outcome | Reply:
+        """:meth:`_execute` on the async engine, for an operation of async phases."""
+        assert self.async_engine is not None
+        try:
+            key = read_key(key_headers)
+            return await self.async_engine.run(
+                operation,
+                key=key,
+                scope=scope,
+                params=params(),
+                request=KeyRequest(method, target),
+            )
+        except Exception as exc:
+            return self._refusal(exc, method, target)
+
+    def _refusal(self, exc: Exception, method: str, target: str) -> Reply:
+        if isinstance(exc, Withdrawn) and isinstance(exc.answer, Captured):
+            return exc.answer.reply()  # the framework's own refusal, as it is, unstored
+        if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
+            # The client gets a problem+json without detail; the operator gets it all.
+            logger.error("%s %s failed; answered 500", method, target, exc_info=exc)
+        return problem_reply(exc, retry_after=self.retry_after)
+
+
+def _single_step_reply(result: Outcome | Reply, produced: list[Captured]) -> tuple[Reply, bool]:
+    if not isinstance(result, Outcome):
+        return result, False
+    if produced and not result.replayed:
+        return produced[-1].reply(), True  # this request ran the endpoint, finished the key
+    return stored_reply(result), False
 
 
 def body_params(body: bytes, limit: int) -> Any:

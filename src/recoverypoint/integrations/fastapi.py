@@ -23,8 +23,12 @@ A single-step endpoint (see ``recoverypoint.integrations._base``)::
     @idempotency.single_step("create_order")
     def create_order(order: Order) -> dict[str, Any]: ...
 
-The engine is synchronous; async routes and the middleware run it in a worker thread, so
-the event loop never waits on PostgreSQL.
+Give it an ``rp.AsyncEngine`` as well, ``Idempotency(engine, async_engine=async_engine,
+scope=...)``, and operations of ``async def`` phases (``run_async``) and ``async def``
+single-step endpoints run on the event loop, in the request's task, with no thread hop:
+a slow foreign call then holds no thread, so a thousand of them wait at once. Everything
+else runs on the sync engine in a worker thread, as without it, so the event loop never
+waits on PostgreSQL either way.
 
 For a single-step endpoint, what FastAPI does after sending the response (the route's
 background tasks, the exit of request-scoped dependencies with ``yield``) waits until the
@@ -55,7 +59,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, logger, target
+from ._base import BaseIdempotency, Captured, is_async, logger, target
 from ._problem import IDEMPOTENCY_KEY, Reply, http_problem
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
@@ -88,8 +92,19 @@ class Idempotency(BaseIdempotency[Request]):
         return _response(reply)
 
     async def run_async(self, operation: Operation[Any], request: Request, params: Any) -> Response:
-        """Async version of :meth:`run`: the engine runs in a worker thread."""
-        return await run_in_threadpool(self.run, operation, request, params)
+        """Async version of :meth:`run`: an operation of async phases runs on the async
+        engine, on the event loop; any other on the sync engine, in a worker thread."""
+        if self.async_engine is None or not is_async(operation):
+            return await run_in_threadpool(self.run, operation, request, params)
+        reply = await self._serve_async(
+            operation,
+            scope=self.scope(request),
+            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            method=request.method,
+            target=target(request.url.path, request.url.query),
+            params=lambda: params,
+        )
+        return _response(reply)
 
     def single_step(
         self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
@@ -98,11 +113,13 @@ class Idempotency(BaseIdempotency[Request]):
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.
 
         Put it below the route decorator. It needs :class:`SingleStepMiddleware`; without
-        it the endpoint refuses to run (500) rather than run unprotected.
+        it the endpoint refuses to run (500) rather than run unprotected. An ``async def``
+        endpoint runs on the event loop when there is an async engine.
         """
-        operation = self._declare_single_step(name, lock_timeout)
 
         def decorate(endpoint: E) -> E:
+            on_loop = self.async_engine is not None and inspect.iscoroutinefunction(endpoint)
+            operation = self._declare_single_step(name, lock_timeout, on_loop=on_loop)
             guarded = _guarded(endpoint)
             # Both: should this decorator be put above the route's, the route has the
             # endpoint itself, which the middleware must recognise all the same.
@@ -172,19 +189,27 @@ class SingleStepMiddleware:
                 tasks.start_soon(app.run)
                 return await app.response()
 
-            serve = functools.partial(
-                idempotency._serve_single_step,
-                operation,
-                scope=tenant,
-                key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
-                method=request.method,
-                target=target(request.url.path, request.url.query),
-                body=body,
-                respond=lambda: anyio.from_thread.run(endpoint),
-            )
+            request_of: dict[str, Any] = {
+                "scope": tenant,
+                "key_headers": request.headers.getlist(IDEMPOTENCY_KEY),
+                "method": request.method,
+                "target": target(request.url.path, request.url.query),
+                "body": body,
+            }
             committed = False
             try:
-                reply, committed = await anyio.to_thread.run_sync(serve, limiter=self.limiter)
+                if is_async(operation):  # on the event loop, in this task
+                    reply, committed = await idempotency._serve_single_step_async(
+                        operation, respond=endpoint, **request_of
+                    )
+                else:
+                    serve = functools.partial(
+                        idempotency._serve_single_step,
+                        operation,
+                        respond=lambda: anyio.from_thread.run(endpoint),
+                        **request_of,
+                    )
+                    reply, committed = await anyio.to_thread.run_sync(serve, limiter=self.limiter)
                 await _response(reply)(scope, receive, send)
             finally:
                 app.go_on(committed)

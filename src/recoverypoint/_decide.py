@@ -1,0 +1,248 @@
+"""The request path's pure part, shared by :class:`~recoverypoint.Engine` and
+:class:`~recoverypoint.AsyncEngine`: the registry of operations, the records the claim
+reads, and what a claim or a phase's result decides. Nothing here does IO."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .errors import DeclarationError, InvalidParams, LockLost, OperationNotRegistered
+from .keys import (
+    canonical_json,
+    check_size,
+    fingerprint,
+    validate_key,
+    validate_request,
+    validate_scope,
+)
+from .operation import Operation, Outcome, Phase, Request, Response
+
+# A request that reaches the end of its phases without a Response finishes with this.
+NO_CONTENT = Response(204)
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A request, validated, as the claim stores it."""
+
+    scope: str
+    operation: str
+    key: str
+    version: int
+    method: str
+    path: str
+    params_json: str
+    fingerprint: str
+    token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """The claim's view of a key record."""
+
+    id: int
+    created_at: datetime
+    operation_version: int
+    fingerprint: str
+    recovery_point: str
+    state: str
+    """The state as JSON text, and the params and body below likewise."""
+    request_params: str
+    response_status: int | None
+    response_headers: dict[str, str] | None
+    response_body: str | None
+    attempts: int
+    ctid: str
+    xid: str | None
+    """The claim's transaction, once it wrote the row (a new key)."""
+    claimed: bool
+    inserted: bool
+    held_for: float | None
+
+    def lease_left(self, lock_timeout: float) -> int:
+        """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""
+        if self.held_for is None:
+            return 0
+        return max(0, math.ceil(lock_timeout - self.held_for))
+
+
+@dataclass
+class KeyRef:
+    """Where a claimed key is, and the lease it is held under."""
+
+    id: int
+    token: uuid.UUID
+    ctid: str
+    xid: str | None = None
+    """The transaction of the last fenced write: a phase must commit in the one it began in."""
+    locked_by: object = None
+    """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
+
+
+def written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """Record the row's new address and transaction, or raise :class:`LockLost`."""
+    if row is None or row[0] is None:
+        raise LockLost()
+    key.ctid, key.xid = row[0], row[1]
+    return row
+
+
+@dataclass(frozen=True)
+class Advanced:
+    """A phase committed a recovery point that is not the last."""
+
+    point: str
+    state: str
+    """As stored, JSON text: each phase parses its own copy."""
+
+
+Step = Advanced | Outcome
+
+
+class Registry:
+    """The operations an engine runs, each version on its own; ``async def`` phases for
+    the async engine, plain ones for the sync engine, so that no phase ever runs on a
+    thread it was not written for (and loses its context variables)."""
+
+    def __init__(self, *, asynchronous: bool) -> None:
+        self._asynchronous = asynchronous
+        self._operations: dict[tuple[str, int], Operation[Any]] = {}
+
+    def register(self, *operations: Operation[Any]) -> None:
+        """Make operations runnable; checks each declaration and raises
+        :class:`DeclarationError` on the first mistake."""
+        for operation in operations:
+            operation.validate()
+            for phase in operation.phases:
+                self._check_kind(operation, phase)
+            ident = (operation.name, operation.version)
+            known = self._operations.get(ident)
+            if known is not None and known is not operation:
+                raise DeclarationError(
+                    f"another operation is already registered as {ident[0]!r} v{ident[1]}"
+                )
+            self._operations[ident] = operation
+
+    def _check_kind(self, operation: Operation[Any], phase: Phase) -> None:
+        if inspect.iscoroutinefunction(phase.fn) == self._asynchronous:
+            return
+        if self._asynchronous:
+            raise DeclarationError(
+                f"{operation.name}: phase {phase.point!r} is a plain function and "
+                "rp.AsyncEngine runs async def phases only; declare it with async def, "
+                "or register the operation with rp.Engine"
+            )
+        raise DeclarationError(
+            f"{operation.name}: phase {phase.point!r} is async def; run the operation "
+            "on rp.AsyncEngine, or declare every phase with a plain def for rp.Engine"
+        )
+
+    def operation(self, name: str, version: int) -> Operation[Any]:
+        """The registered operation ``name`` at ``version``."""
+        try:
+            return self._operations[(name, version)]
+        except KeyError:
+            raise OperationNotRegistered(
+                f"operation {name!r} v{version} is not registered with this engine; "
+                "call engine.register() with it (keep old versions registered until "
+                "their keys have finished)"
+            ) from None
+
+    @property
+    def operations(self) -> tuple[Operation[Any], ...]:
+        """Every registered operation, each version on its own (the completer claims only
+        keys it can resume)."""
+        return tuple(self._operations.values())
+
+    def claim_request(
+        self,
+        operation: Operation[Any],
+        key: str,
+        params: Any,
+        scope: str,
+        request: Request | None,
+        max_params_bytes: int,
+    ) -> ClaimRequest:
+        """The request to claim, validated; raises before anything is stored."""
+        if self._operations.get((operation.name, operation.version)) is not operation:
+            self.operation(operation.name, operation.version)  # raises: not registered
+            raise OperationNotRegistered(
+                f"another operation is registered as {operation.name!r} v{operation.version}"
+            )
+        request = request or Request()
+        key = validate_key(key)
+        scope = validate_scope(scope)
+        method, path = validate_request(request.method, request.path)
+        params_json = operation.dump_params(params)
+        check_size(params_json, max_params_bytes)
+        return ClaimRequest(
+            scope=scope,
+            operation=operation.name,
+            key=key,
+            version=operation.version,
+            method=method,
+            path=path,
+            params_json=params_json,
+            fingerprint=fingerprint(method, path, params_json),
+            token=uuid.uuid4(),
+        )
+
+    def started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
+        """The registered version of ``operation`` that started the key of ``record``. A
+        finished key replays without it, so one whose version is gone is judged by the
+        caller's."""
+        if record.operation_version == operation.version:
+            return operation
+        if record.response_status is not None:
+            return self._operations.get((operation.name, record.operation_version), operation)
+        return self.operation(operation.name, record.operation_version)
+
+
+def dump_state(phase: Phase, state: dict[str, Any]) -> str:
+    try:
+        return canonical_json(state)
+    except ValueError as exc:
+        raise TypeError(f"the state after phase {phase.point!r} is {exc}") from exc
+
+
+def replay(record: KeyRecord) -> Outcome:
+    """The stored response, exactly as its first answer gave it."""
+    assert record.response_status is not None
+    body = as_answered(record.response_body)
+    return Outcome(record.response_status, body, dict(record.response_headers or {}), True)
+
+
+def as_answered(stored_body: str | None) -> Any:
+    """A body as jsonb stored it (its text), with its keys in the order every answer gives
+    them (jsonb keeps an order of its own). The first answer is built from the stored body
+    as well, so that it equals every replay, types included (jsonb reads 1e16 back as an
+    int)."""
+    if stored_body is None:
+        return None
+    return json.loads(stored_body, object_pairs_hook=_sorted_object)
+
+
+def _sorted_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(sorted(pairs, key=lambda pair: pair[0]))
+
+
+def fingerprint_as(operation: Operation[Any], request: ClaimRequest, params: Any) -> str | None:
+    """The request's fingerprint by the rules of ``operation``, the version that started the
+    key, which may predate the caller's; ``None`` when that version refuses the params.
+    The caller's own params come first; its dump second (a model of the caller's version
+    is not one of the older version's)."""
+    if operation.version == request.version:
+        return request.fingerprint
+    for candidate in (params, json.loads(request.params_json)):
+        try:
+            params_json = operation.dump_params(candidate)
+        except InvalidParams:
+            continue
+        return fingerprint(request.method, request.path, params_json)
+    return None

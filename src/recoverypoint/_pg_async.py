@@ -1,0 +1,262 @@
+"""The psycopg transaction under every request: BEGIN, COMMIT, and the retry of a
+transaction that hit a serialization failure or a deadlock.
+
+The request path borrows a connection from the SQLAlchemy engine's pool (the application's
+own settings apply) and hands it back as it came. While borrowed, psycopg is in autocommit,
+so it sends nothing by itself, and the transaction (:class:`AsyncTransaction`) writes out:
+
+- a statement before the transaction (:meth:`AsyncTransaction.lookup`) runs on its own, the
+  way a replay needs it: one round trip, nothing to commit;
+- ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes just before the transaction's first statement
+  (:meth:`AsyncTransaction.execute`, :meth:`AsyncTransaction.fetchone`);
+- ``COMMIT`` is :meth:`AsyncTransaction.commit`, after the write that records the phase.
+
+Nothing is pipelined: on loopback psycopg's pipeline costs more client CPU than the round
+trips it saves (benchmarks/README.md, "Round trips or CPU").
+
+Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
+use (:meth:`AsyncTransaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, cast
+
+import psycopg
+import sqlalchemy as sa
+import sqlalchemy.ext.asyncio as sa_async
+from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.rows import AsyncRowFactory, tuple_row
+from sqlalchemy.util import greenlet_spawn
+
+from . import sql
+from .backoff import backoff_delay
+from .errors import ConcurrentUpdate
+from .observe import NO_OBSERVER, Observer
+
+T = TypeVar("T")
+Row = TypeVar("Row")
+
+# SQLSTATEs that mean "the same transaction may succeed if run again".
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
+class AsyncTransaction:
+    """One SERIALIZABLE transaction on a borrowed connection; made by :func:`serializable`."""
+
+    def __init__(
+        self, db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any]
+    ) -> None:
+        self.connection = connection
+        self.db = db
+        self._pooled = pooled
+        self._began = False
+        self._sqlalchemy: sa.Connection | None = None
+        # The engine's own statements share one cursor: making a cursor costs about half
+        # as much client CPU as running a statement. Phase code gets a cursor of its own
+        # per statement, which it may keep.
+        self._cursor = connection.cursor()
+
+    @property
+    def open(self) -> bool:
+        """Whether the server still has this transaction open."""
+        # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
+        return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
+
+    async def lookup(
+        self, query: str, params: dict[str, Any], row_factory: AsyncRowFactory[Row]
+    ) -> Row | None:
+        """One row read on its own, before the transaction begins."""
+        assert not self._began, "a lookup runs before the transaction"
+        self._cursor.row_factory = row_factory
+        await self._cursor.execute(query, params)
+        return cast("Row | None", await self._cursor.fetchone())
+
+    async def execute(
+        self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
+    ) -> psycopg.AsyncCursor[Any]:
+        """Run one statement of phase code in the transaction, on a cursor of its own."""
+        await self._begin()
+        return await self.connection.cursor().execute(query, params)
+
+    async def fetchone(
+        self, query: str, params: dict[str, Any], row_factory: AsyncRowFactory[Any] = tuple_row
+    ) -> Any:
+        """Run one of the engine's statements in the transaction; its first row."""
+        await self._begin()
+        self._cursor.row_factory = row_factory
+        await self._cursor.execute(query, params)
+        return await self._cursor.fetchone()
+
+    async def commit(self) -> None:
+        """COMMIT, if anything began; read-only work costs no round trip."""
+        if self._began:
+            await self.connection.commit()
+
+    async def _begin(self) -> None:
+        if not self._began:
+            if True:  # ASYNC
+                await self._cursor.execute(sql.BEGIN)
+            else:
+                # Through libpq, as psycopg sends its own BEGIN: a cursor would cost as much
+                # client CPU as a statement, and switching autocommit off and on again more.
+                result = self.connection.pgconn.exec_(sql.BEGIN)
+                if result.status != ExecStatus.COMMAND_OK:
+                    raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            self._began = True
+
+    @property
+    def sqlalchemy_made(self) -> sa.Connection | None:
+        """The SQLAlchemy Connection of :meth:`sqlalchemy`, if phase code asked for one."""
+        return self._sqlalchemy
+
+    def sqlalchemy(self) -> sa.Connection:
+        """A SQLAlchemy Connection on this transaction, for phase code that uses one.
+
+        Only the engine ends the transaction: phase code gets it through
+        :func:`recoverypoint.phase_guard.refusing_to_end`.
+        """
+        if self._sqlalchemy is None:
+            # Phases run once the claim or the fence began the transaction.
+            assert self._began, "a SQLAlchemy Connection joins a transaction already begun"
+            if True:  # ASYNC
+                conn = sa.Connection(self.db.sync_engine, connection=self._pooled)
+            else:
+                conn = sa.Connection(self.db, connection=self._pooled)
+            conn.begin()  # SQLAlchemy's view of the transaction already open; sends nothing
+            self._sqlalchemy = conn
+        return self._sqlalchemy
+
+    async def _end_sqlalchemy(self) -> None:
+        # After COMMIT or ROLLBACK psycopg is idle, so SQLAlchemy's own commit sends nothing;
+        # it only closes SQLAlchemy's view of the transaction. The pooled connection is
+        # checked in by `serializable`, not by this Connection.
+        # One that SQLAlchemy invalidated (an interrupted statement) has nothing to close.
+        if self._sqlalchemy is not None and not self._sqlalchemy.invalidated:
+            if True:  # ASYNC
+                await greenlet_spawn(sa.Connection.commit, self._sqlalchemy)
+            else:
+                sa.Connection.commit(self._sqlalchemy)
+        self._sqlalchemy = None
+
+
+async def serializable(
+    db: sa_async.AsyncEngine,
+    work: Callable[[AsyncTransaction], Awaitable[T]],
+    retries: int,
+    observer: Observer = NO_OBSERVER,
+) -> T:
+    """Run ``work`` in one SERIALIZABLE transaction on a connection of ``db``'s pool, again
+    on serialization failure or deadlock with capped, jittered backoff, then
+    :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
+    committed for it when it returns. ``observer`` hears of each retry and of running out."""
+    async with borrowed(db) as (pooled, connection):
+        for attempt in range(retries + 1):
+            tx = AsyncTransaction(db, pooled, connection)
+            try:
+                result = await work(tx)
+                await tx.commit()
+                return result
+            except (psycopg.Error, sa.exc.DBAPIError) as exc:
+                state = sqlstate(exc)
+                if state not in RETRYABLE_SQLSTATES:
+                    raise
+                if attempt == retries:
+                    observer.serialization_exhausted(state)
+                    raise ConcurrentUpdate() from exc
+                observer.serialization_retry(attempt + 1, state)
+            finally:
+                if True:  # ASYNC
+                    await shielded(_roll_back_leftovers(tx))
+                else:
+                    _roll_back_leftovers(tx)
+            if attempt:  # the first retry at once: most conflicts are false positives
+                await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
+    raise AssertionError("unreachable")
+
+
+def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
+    """The SQLSTATE of a driver error, raised through SQLAlchemy (phase code) or not."""
+    error = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    return getattr(error, "sqlstate", None)
+
+
+async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
+    """Roll back whatever the transaction left open (an error, a refused request)."""
+    connection = tx.connection
+    if not connection.closed and connection.info.transaction_status != TransactionStatus.IDLE:
+        # A connection that broke cannot roll back: borrowed() drops it from the pool.
+        with contextlib.suppress(psycopg.Error):
+            await connection.rollback()
+    await tx._end_sqlalchemy()
+
+
+@asynccontextmanager
+async def borrowed(
+    db: sa_async.AsyncEngine,
+) -> AsyncIterator[tuple[Any, psycopg.AsyncConnection[Any]]]:
+    """A connection of ``db``'s pool in autocommit mode, handed back as the pool gave it (an
+    application's engine may be in autocommit itself), or dropped if it broke."""
+    pooled = await db.raw_connection()
+    connection = cast("psycopg.AsyncConnection[Any]", pooled.driver_connection)
+    was = connection.autocommit
+    try:
+        if not was:  # psycopg's setter costs a wait: only when it changes something
+            if True:  # ASYNC
+                await connection.set_autocommit(True)
+            else:
+                connection.autocommit = True
+        yield pooled, connection
+    finally:
+        if True:  # ASYNC
+            # The pool's own code runs in SQLAlchemy's greenlet.
+            await shielded(greenlet_spawn(_hand_back, pooled, connection, was))
+        else:
+            _hand_back(pooled, connection, was)
+
+
+def _hand_back(pooled: Any, connection: psycopg.AsyncConnection[Any], was: bool) -> None:
+    if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
+        if not was:
+            # Through the pool's own connection object: in the async pool it is
+            # SQLAlchemy's adapter, which switches psycopg's mode for the pool.
+            pooled.dbapi_connection.autocommit = False
+    elif pooled.is_valid:  # SQLAlchemy drops a connection whose statement was interrupted
+        pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
+    pooled.close()
+
+
+async def run_alone(
+    db: sa_async.AsyncEngine, query: str, params: dict[str, Any]
+) -> tuple[Any, ...] | None:
+    """One statement in a transaction of its own (autocommit); its first row."""
+    async with borrowed(db) as (_, connection):
+        cursor = await connection.execute(query, params)
+        return await cursor.fetchone()
+
+
+if True:  # ASYNC
+
+    async def shielded(cleanup: Awaitable[T]) -> T:
+        """Run ``cleanup`` to its end even when the caller is cancelled meanwhile, once or
+        again and again (as anyio's cancel scopes do); the cancellation is raised after it.
+
+        A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
+        and hands its connection back this way."""
+        task = asyncio.ensure_future(cleanup)
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            try:
+                result = await asyncio.shield(task)
+            except asyncio.CancelledError as exc:
+                if task.done():  # the cleanup itself was cancelled (the loop is closing)
+                    raise
+                cancelled = exc
+                continue
+            if cancelled is not None:
+                raise cancelled
+            return result

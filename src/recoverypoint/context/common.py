@@ -1,0 +1,104 @@
+"""What every phase receives, sync or async alike, and none of it does IO: the keys a
+phase derives, the jobs an atomic phase stages, and a foreign step's whole context."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from types import MappingProxyType
+from typing import Any
+
+from ..keys import canonical_json, derived_key
+from ..observe import NO_OBSERVER, Observer
+
+
+@dataclass(frozen=True)
+class KeyIdentity:
+    """The stored fields every derived key is built from."""
+
+    operation: str
+    key_id: int
+    created_at: datetime
+
+    def derive(self, kind: str, *names: str) -> str:
+        return derived_key(kind, self.key_id, self.created_at, *names, operation=self.operation)
+
+
+@dataclass(frozen=True)
+class StagedJob:
+    name: str
+    args_json: str
+    job_key: str
+    trace_context: str | None = None
+    """The W3C traceparent of the phase that staged it, when an observer traces."""
+
+
+class Staging:
+    """The state and staged jobs of an atomic phase; its transaction comes with
+    :class:`~recoverypoint.AtomicContext` or :class:`~recoverypoint.AsyncAtomicContext`.
+
+    Attributes
+    ----------
+    state:
+        A mutable dict persisted with the recovery point: what later phases need to know.
+    key_id:
+        The key record's id, for linking business rows to the request.
+    """
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        identity: KeyIdentity,
+        point: str,
+        observer: Observer = NO_OBSERVER,
+    ) -> None:
+        self._observer = observer
+        self.state = state
+        self.key_id = identity.key_id
+        self._identity = identity
+        self._point = point
+        self.staged_jobs: list[StagedJob] = []
+
+    def stage_job(self, name: str, args: Mapping[str, Any] | None = None) -> str:
+        """Stage a job in this phase's transaction; the enqueuer publishes it after commit.
+
+        Returns the job's ``job_key``, stable across retries, for the consumer to dedupe on.
+        """
+        if not name:
+            raise ValueError("a job needs a name")
+        try:
+            args_json = canonical_json(dict(args or {}))
+        except ValueError as exc:
+            raise ValueError(f"the args of job {name!r} are {exc}") from exc
+        job_key = self._identity.derive("job", self._point, str(len(self.staged_jobs)), name)
+        trace_context = self._observer.trace_context()  # the consumer's trace links here
+        self.staged_jobs.append(StagedJob(name, args_json, job_key, trace_context))
+        return job_key
+
+
+class StepContext:
+    """Handed to a foreign step, which runs outside any transaction.
+
+    Attributes
+    ----------
+    state:
+        A read-only view of what earlier phases committed.
+    key_id:
+        The key record's id.
+    """
+
+    def __init__(self, state: Mapping[str, Any], identity: KeyIdentity, point: str) -> None:
+        self.state: Mapping[str, Any] = MappingProxyType(dict(state))
+        self.key_id = identity.key_id
+        self._identity = identity
+        self._point = point
+
+    def downstream_key(self, name: str | None = None) -> str:
+        """The idempotency key to hand the foreign system for this step.
+
+        The same for every attempt at this step of this request, different for every other
+        step and request, at most 67 characters, and free of the scope and the client's key.
+        Pass ``name`` when one step makes several foreign calls.
+        """
+        return self._identity.derive("downstream", self._point, name or "")

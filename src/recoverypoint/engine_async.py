@@ -1,0 +1,486 @@
+"""The engine: claim a key, run its phases from the recovery point, replay what finished.
+
+A request, top to bottom: :meth:`AsyncEngine.run` validates it and claims its key in one
+SERIALIZABLE transaction (:meth:`AsyncEngine._claim`; a new key runs its first atomic phase
+in that transaction too); :meth:`AsyncEngine._drive` then runs the phases after the
+recovery point, one :meth:`_AsyncRun.next` each: an atomic phase in a transaction of its
+own that locks the key row first (:meth:`_AsyncRun.fenced`) and COMMITs with its recovery
+point (:meth:`_AsyncRun._commit`), a foreign step outside any transaction. A failure gives
+the lease up and counts the attempt (:meth:`AsyncEngine._give_up`); so does a cancelled
+request, whose cleanup the cancellation cannot interrupt.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import sqlalchemy.ext.asyncio as sa_async
+from sqlalchemy.engine import URL
+
+from . import _pg_async, phase_guard, store_async
+from ._decide import (
+    NO_CONTENT,
+    Advanced,
+    ClaimRequest,
+    KeyRecord,
+    KeyRef,
+    Registry,
+    Step,
+    as_answered,
+    dump_state,
+    fingerprint_as,
+    replay,
+)
+from ._pg_async import AsyncTransaction
+from .backoff import backoff_delay
+from .context import AsyncAtomicContext, KeyIdentity, StagedJob, StepContext
+from .database import create_engine, normalize_url
+from .errors import DeclarationError, KeyInUse, LockLost, ParamsMismatch
+from .jobs import JobBackend
+from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers
+from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
+from .operation import (
+    STARTED,
+    Operation,
+    Outcome,
+    Phase,
+    RecoveryPoint,
+    Request,
+    Response,
+    Withdrawn,
+)
+from .testing import faults
+
+logger = logging.getLogger("recoverypoint")
+
+T = TypeVar("T")
+
+
+class AsyncEngine(Registry):
+    """Runs registered operations against PostgreSQL.
+
+    Parameters
+    ----------
+    database:
+        A URL (``postgresql://``, ``postgres://`` or ``postgresql+psycopg://``; always run
+        on psycopg 3) or an existing SQLAlchemy engine (``sa_async.AsyncEngine``) on psycopg 3.
+    max_params_bytes:
+        Largest canonical params accepted; larger ones raise :class:`RequestTooLarge`.
+    serialization_retries:
+        In-process retries of a transaction that hit a serialization failure or deadlock
+        before :class:`ConcurrentUpdate` (409) is raised.
+    retry_base, retry_cap:
+        Seconds: the backoff after a failed attempt before the completer may retry the
+        key grows from ``retry_base`` to ``retry_cap``.
+    jobs:
+        Where the enqueuer publishes staged jobs, e.g. :class:`~recoverypoint.jobs.InProcessBackend`
+        or :class:`~recoverypoint.integrations.celery.CeleryBackend`; also settable later
+        as ``engine.jobs``. The workers find everything they need on the engine.
+    observer:
+        Hears of every run, phase, retry and staged job, and of the workers' work (see
+        :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
+        your own; several at once with :func:`recoverypoint.observe.combine`.
+    """
+
+    def __init__(
+        self,
+        database: str | URL | sa_async.AsyncEngine,
+        *,
+        max_params_bytes: int = DEFAULT_MAX_PARAMS_BYTES,
+        serialization_retries: int = 10,
+        retry_base: float = 2.0,
+        retry_cap: float = 3600.0,
+        jobs: JobBackend | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        if True:  # ASYNC
+            super().__init__(asynchronous=True)
+            # The request path runs on a SQLAlchemy async engine (engine.async_db).
+            if isinstance(database, sa_async.AsyncEngine):
+                self.async_db = database
+            else:
+                self.async_db = sa_async.create_async_engine(normalize_url(database))
+            driver = self.async_db.dialect.driver
+            # The workers, the admin layer and migrations are sync: an engine of their own
+            # on the same database (it connects only when they use it).
+            self.db = create_engine(self.async_db.url.set(drivername="postgresql+psycopg"))
+            phase_guard.install(self.async_db.sync_engine)
+        else:
+            super().__init__(asynchronous=False)
+            self.db = create_engine(database)
+            driver = self.db.dialect.driver
+            phase_guard.install(self.db)
+        if driver not in ("psycopg", "psycopg_async"):
+            raise ValueError(
+                f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
+                "create it from a postgresql+psycopg:// URL"
+            )
+        self._owns_db = not isinstance(database, sa_async.AsyncEngine)
+        self.max_params_bytes = max_params_bytes
+        self.serialization_retries = serialization_retries
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        self.jobs = jobs
+        self.observer = NO_OBSERVER if observer is None else observer
+
+    async def dispose(self) -> None:
+        """Close the pooled connections of the engine made from a URL; an engine you passed
+        in is yours to dispose."""
+        if True:  # ASYNC
+            self.db.dispose()  # made here in any case
+        if self._owns_db:
+            await self.async_db.dispose()
+
+    # -- the request path ----------------------------------------------------------------
+
+    async def run(
+        self,
+        operation: Operation[Any],
+        *,
+        key: str,
+        params: Any,
+        scope: str = "",
+        request: Request | None = None,
+    ) -> Outcome:
+        """Run ``operation`` once per ``(scope, operation, key)``.
+
+        A new key runs every phase; an unfinished key resumes after its recovery point; a
+        finished key replays its stored response (``Outcome.replayed``). Raises an
+        :class:`IdempotencyError` for bad input (nothing stored), a key in use or reused
+        with other params, and re-raises what a phase raised once the lease is released.
+        """
+        observing = self.observer.run(
+            operation.name, operation.version, by=CLIENT, scope=scope, key=key
+        )
+        with observing as observed:
+            outcome = await self._run(observed, operation, key, params, scope, request)
+            return observed.finished(outcome)
+
+    async def _run(
+        self,
+        observed: RunObservation,
+        operation: Operation[Any],
+        key: str,
+        params: Any,
+        scope: str,
+        request: Request | None,
+    ) -> Outcome:
+        claim_request = self.claim_request(
+            operation, key, params, scope, request, self.max_params_bytes
+        )
+        claimed: list[_AsyncRun] = []  # the claim's run, once there is one
+        try:
+            first = await self._transact(
+                lambda tx: self._claim(tx, operation, claim_request, params, observed, claimed)
+            )
+        except Exception:
+            raise  # raised before COMMIT: the claim rolled back
+        except BaseException as exc:
+            # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
+            # the lease up, which does nothing if the claim rolled back after all.
+            if claimed:
+                await self._abandon(claimed[0], exc)
+            raise
+        if isinstance(first, Outcome):
+            return first
+        run, step = first
+        return await self._drive(run, step)
+
+    async def resume(self, key_id: int, *, token: uuid.UUID | None = None) -> Outcome:
+        """Resume the unfinished key record ``key_id`` from its recovery point, in-process,
+        with the operation registered under its stored name and version; the completer
+        does this for every key it claims.
+
+        A finished key returns its stored response (``replayed=True``). Raises
+        :class:`OperationNotRegistered` before touching the key, :class:`KeyInUse` when
+        another request holds its lease, :class:`LookupError` when there is no such key,
+        and what a phase raised, once the lease is released and the attempt counted.
+        ``token`` is a lease the caller already holds on the key; without it the lease is
+        taken if it is free or expired.
+        """
+        ident = await store_async.key_operation(self.async_db, key_id)
+        if ident is None:
+            raise LookupError(f"there is no key record {key_id}")
+        operation = self.operation(*ident)
+        held = token or uuid.uuid4()
+        lock_timeout = operation.lock_timeout.total_seconds()  # of the key's own version
+        observing = self.observer.run(
+            operation.name, operation.version, by=COMPLETER, scope=None, key=None
+        )
+        with observing as observed:
+            record = await self._transact(
+                lambda tx: store_async.claim_by_id(tx, key_id, held, lock_timeout)
+            )
+            if record is None:
+                raise LookupError(f"key record {key_id} was deleted")
+            if record.claimed:
+                run = _AsyncRun(self, operation, record, held, observed)
+                return observed.finished(await self._drive(run, None))
+            if record.response_status is not None:
+                return observed.finished(replay(record))
+            lease_left = record.lease_left(lock_timeout)
+            raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
+
+    async def _claim(
+        self,
+        tx: AsyncTransaction,
+        operation: Operation[Any],
+        request: ClaimRequest,
+        params: Any,
+        observed: RunObservation,
+        claimed: list[_AsyncRun],
+    ) -> Outcome | tuple[_AsyncRun, Step | None]:
+        """The claim's transaction; a new key runs its first atomic phase in it too, so a
+        new request costs one commit less and leaves nothing behind if that phase fails.
+        A finished key is looked up first, alone: a replay costs one round trip."""
+        record = await store_async.finished_key(tx, request) or await store_async.claim(tx, request)
+        if record is None:
+            # The row was deleted between the conflict and the read: a reaper raced us.
+            raise KeyInUse(key=request.key, retry_after=1)
+        if not record.inserted:
+            # A key is judged by the version that started it: its params rules, its lease.
+            operation = self.started_by(operation, record)
+            if fingerprint_as(operation, request, params) != record.fingerprint:
+                raise ParamsMismatch(key=request.key)
+            if record.response_status is not None:
+                return replay(record)
+            lock_timeout = operation.lock_timeout.total_seconds()
+            lease_left = record.lease_left(lock_timeout)
+            if lease_left > 0:
+                raise KeyInUse(key=request.key, retry_after=lease_left)
+            # An unfinished key whose lease is free or expired: take it over.
+            taken = await store_async.claim_by_id(tx, record.id, request.token, lock_timeout)
+            if taken is None or not taken.claimed:
+                lease_left = 1 if taken is None else max(1, taken.lease_left(lock_timeout))
+                raise KeyInUse(key=request.key, retry_after=lease_left)
+            record = taken
+        run = _AsyncRun(self, operation, record, request.token, observed)
+        claimed.append(run)
+        if record.inserted and operation.phases[0].atomic:
+            store_async.held(tx, run.key, record)
+            with observed.phase(operation.phases[0].point, True):
+                return run, await run.atomic(tx, operation.phases[0], "{}")
+        return run, None
+
+    async def _drive(self, run: _AsyncRun, step: Step | None) -> Outcome:
+        state = run.record.state
+        try:
+            while True:
+                if step is not None and faults.active:
+                    faults.hit("after_commit", run.committed)
+                if isinstance(step, Outcome):
+                    return step
+                if step is not None:
+                    run.at, state = step.point, step.state
+                phase = run.operation.phases[run.operation.next_phase(run.at)]
+                step = await run.next(phase, state)
+        except LockLost:
+            raise
+        except BaseException as exc:
+            await self._abandon(run, exc)
+            raise
+
+    async def _abandon(self, run: _AsyncRun, exc: BaseException) -> None:
+        if True:  # ASYNC
+            # A cancelled request gives its lease up and counts the attempt all the same.
+            await _pg_async.shielded(self._give_up(run, exc))
+        else:
+            self._give_up(run, exc)
+
+    async def _give_up(self, run: _AsyncRun, exc: BaseException) -> None:
+        """Delete the key of a run withdrawn before it recorded anything; otherwise give
+        the lease up, keep the recovery point and count the attempt."""
+        if isinstance(exc, Withdrawn) and run.committed == STARTED:
+            try:
+                if await store_async.withdraw(self.async_db, run.key):
+                    return
+            except Exception:
+                logger.exception("could not withdraw key %s", run.record.id)
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
+        try:
+            released = await store_async.release(self.async_db, run.key, error, retry_in)
+        except Exception:
+            # The lease then simply expires; the original error matters more.
+            logger.exception("could not release key %s after: %s", run.record.id, error)
+            return
+        logger.warning(
+            "key %s of %s failed at %s (lease %s): %s",
+            run.record.id,
+            run.operation.name,
+            run.at,
+            "released" if released else "already taken over",
+            error,
+        )
+
+    async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`)."""
+        return await _pg_async.serializable(
+            self.async_db, work, self.serialization_retries, self.observer
+        )
+
+
+class _AsyncRun:
+    """One attempt at one key record: runs phases and commits their results, fenced."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        operation: Operation[Any],
+        record: KeyRecord,
+        token: uuid.UUID,
+        observed: RunObservation = NO_RUN,
+    ) -> None:
+        self.engine = engine
+        self.observed = observed
+        observed.claimed(record.id, record.recovery_point, record.attempts + 1, record.inserted)
+        self.operation = operation
+        self.record = record
+        self.key = KeyRef(record.id, token, record.ctid)
+        self.identity = KeyIdentity(operation.name, record.id, record.created_at)
+        self.at = record.recovery_point  # the point the key row holds, as far as we know
+        self.committed = record.recovery_point  # the last point this run committed
+
+    @functools.cached_property
+    def params(self) -> Any:
+        """The params as phases see them; built on first use, so that stored params the
+        operation no longer accepts fail inside the run (lease released, attempt counted)."""
+        return self.operation.load_params(self.record.request_params)
+
+    async def next(self, phase: Phase, state_json: str) -> Step:
+        """Run ``phase`` from the state stored as ``state_json``; a foreign step takes the
+        atomic phase after it along."""
+        if phase.atomic:
+            with self.observed.phase(phase.point, True):
+                return await self.engine._transact(lambda tx: self.fenced(tx, phase, state_json))
+        # Outside any transaction, and no pooled connection is held meanwhile.
+        if faults.active:
+            faults.hit("before_foreign", phase.point)
+        state = json.loads(state_json)
+        with self.observed.phase(phase.point, False):
+            result = await phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        if faults.active:
+            faults.hit("after_foreign", phase.point)
+        if isinstance(result, Response):
+            new_state = state
+        elif result is None or isinstance(result, Mapping):
+            new_state = {**state, **(result or {})}
+        else:
+            raise TypeError(
+                f"foreign step {phase.point!r} returned {type(result).__name__}; "
+                "return a dict, None or a Response"
+            )
+
+        async def commit_step(tx: AsyncTransaction) -> Step:
+            return await self._commit(tx, phase, result, new_state, [])
+
+        following = self.operation.phases[self.operation.next_phase(phase.point)]
+        if isinstance(result, Response) or not following.atomic:
+            return await self.engine._transact(commit_step)
+        new_state_json = dump_state(phase, new_state)
+        # The step's result commits in the next atomic phase's transaction: one commit less
+        # per step. Should that phase fail, the result is committed on its own before the
+        # error propagates, so a retry resumes after the step all the same.
+        try:
+            with self.observed.phase(following.point, True):
+                return await self.engine._transact(
+                    lambda tx: self.fenced(tx, following, new_state_json)
+                )
+        except LockLost:
+            raise
+        except BaseException:
+            try:
+                if True:  # ASYNC
+                    await _pg_async.shielded(self.engine._transact(commit_step))
+                else:
+                    self.engine._transact(commit_step)
+            except Exception:
+                logger.exception(
+                    "could not record foreign step %r of key %s", phase.point, self.record.id
+                )
+            raise
+
+    async def fenced(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
+        """Check the lease and lock the key row, then run the atomic ``phase``: a request
+        that lost its lease fails with LockLost before its writes can collide with the new
+        owner's, and no takeover can happen while the phase runs."""
+        await store_async.fence(tx, self.key)
+        return await self.atomic(tx, phase, state_json)
+
+    async def atomic(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
+        """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
+        began = self.key.xid
+        # A fresh copy each time: a phase retried after a serialization failure starts over.
+        ctx = AsyncAtomicContext(
+            tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
+        )
+        with phase_guard.guarding(tx, phase.point):
+            result = await phase.fn(ctx, self.params)
+        await ctx.close()
+        phase_guard.check_still_open(tx, phase.point)
+        if not (result is None or isinstance(result, Response | RecoveryPoint)):
+            raise TypeError(
+                f"atomic phase {phase.point!r} returned {type(result).__name__}; "
+                "return None, a Response or a RecoveryPoint"
+            )
+        if faults.active:
+            faults.hit("before_commit", phase.point)
+        try:
+            step = await self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
+        except LockLost:
+            # The point is written only in the transaction the phase began in; phase code
+            # that ended it and began another makes the write miss.
+            if tx.open:
+                now = await store_async.current_transaction(tx)
+                phase_guard.check_same_transaction(phase.point, began, now)
+            raise
+        for job in ctx.staged_jobs:  # committed with the phase's recovery point
+            self.engine.observer.job_staged(self.operation.name, job.name)
+        return step
+
+    async def _commit(
+        self,
+        tx: AsyncTransaction,
+        phase: Phase,
+        result: object,
+        state: dict[str, Any],
+        jobs: list[StagedJob],
+    ) -> Step:
+        """Record what ``phase`` reached (its point, a jump, or the final response) and
+        COMMIT, with the jobs it staged."""
+        state_json = dump_state(phase, state)
+        point = phase.point
+        if isinstance(result, RecoveryPoint):
+            if result.name not in phase.jumps_to:
+                raise DeclarationError(
+                    f"phase {phase.point!r} returned RecoveryPoint({result.name!r}); "
+                    f"declare it with jumps_to=({result.name!r},)"
+                )
+            point = result.name
+        if not isinstance(result, Response):
+            if self.operation.next_phase(point) < len(self.operation.phases):
+                stored = await store_async.advance(tx, self.key, jobs, self.at, point, state_json)
+                self.committed = phase.point
+                return Advanced(point, stored)
+            result = NO_CONTENT
+        headers = safe_headers(result.headers)
+        try:
+            body_json = canonical_json(result.body)
+        except ValueError as exc:
+            raise TypeError(f"the Response of phase {phase.point!r} is {exc}") from exc
+        stored_body = await store_async.finish(
+            tx,
+            self.key,
+            jobs,
+            state_json=state_json,
+            status=result.status,
+            headers_json=canonical_json(headers),
+            body_json=body_json,
+        )
+        self.committed = phase.point
+        return Outcome(result.status, as_answered(stored_body), headers, replayed=False)

@@ -1,0 +1,312 @@
+"""``@idempotent``: any function, sync or async, runs once per idempotency key.
+
+::
+
+    @rp.idempotent(engine, key="order_id")
+    def charge_order(order_id: str, amount: int) -> Receipt:
+        return payments.charge(amount, idempotency_key=rp.downstream_key())
+
+Each decorated function is an operation of two phases, as a single-step endpoint is:
+
+1. ``called``, a foreign step, calls the function outside any transaction; its return
+   value, as JSON, is committed with the recovery point;
+2. ``finished``, an atomic phase, answers that value (it commits in the step's
+   transaction).
+
+So a call gets what a request gets: the atomic claim, the lease, the fingerprint of its
+arguments (the same key with other arguments raises :class:`~recoverypoint.ParamsMismatch`),
+the scope, and replays: a finished key returns the stored value without calling the
+function. A call while another holds the key raises :class:`~recoverypoint.KeyInUse`.
+
+Failures are Stripe's: the function's exception propagates, the lease is released and the
+attempt counted, nothing is stored, and the next call with the key runs the function
+again. Hand the foreign system :func:`downstream_key` so that the repeat is not a second
+charge: it is the same for every attempt of the key.
+
+The function needs its live call, so only a call runs step 1: the completer, which has none,
+gets :class:`~recoverypoint.Retryable` and backs off, and abandons the key after the
+operation's ``max_attempts`` (later calls then raise :class:`AbandonedCall`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
+
+from pydantic_core import PydanticSerializationError
+
+from ..context import StepContext
+from ..engine import Engine
+from ..errors import IdempotencyError, InvalidParams, Retryable
+from ..operation import FINISHED, Operation, Outcome, Response
+from .shape import ArgumentRule, Shape, as_key_text
+
+__all__ = ["AbandonedCall", "downstream_key", "idempotent"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+CALLED = "called"
+_VALUE = "value"
+_RETURNED = 200
+
+
+class AbandonedCall(IdempotencyError):
+    """The key's call was abandoned (by the completer after its attempts, or by an operator)
+    and answers with this error from now on; call with a new key to try again."""
+
+
+class AsyncRunner(Protocol):
+    """What ``@idempotent`` needs of an engine for async functions (``rp.AsyncEngine``)."""
+
+    def register(self, *operations: Operation[Any]) -> None: ...
+
+    async def run(
+        self, operation: Operation[Any], *, key: str, params: Any, scope: str = ...
+    ) -> Outcome: ...
+
+
+# The step the running function belongs to, for downstream_key(). A context variable: a
+# sync function runs in its caller's thread, an async one in its caller's task.
+_STEP: ContextVar[StepContext | None] = ContextVar("recoverypoint_step", default=None)
+
+
+def downstream_key(name: str | None = None) -> str:
+    """The idempotency key to hand a foreign system from inside an ``@idempotent`` function:
+    the same for every attempt of the call's key, different for every other key. Pass
+    ``name`` when the function makes several foreign calls."""
+    step = _STEP.get()
+    if step is None:
+        raise RuntimeError(
+            "downstream_key() has a value only inside a function decorated with "
+            "@idempotent, while it runs"
+        )
+    return step.downstream_key(name)
+
+
+class _Call:
+    """One call of a decorated function, for its ``called`` step."""
+
+    def __init__(self, operation: Operation[Any], args: Any, kwargs: Any) -> None:
+        self.operation, self.args, self.kwargs = operation, args, kwargs
+        self.entered = False
+
+
+_CALL: ContextVar[_Call | None] = ContextVar("recoverypoint_call", default=None)
+
+
+@overload
+def idempotent(
+    engine: Engine,
+    *,
+    key: ArgumentRule,
+    scope: ArgumentRule | None = None,
+    name: str | None = None,
+    version: int = 1,
+    lock_timeout: timedelta = ...,
+    max_attempts: int = 10,
+    retention: timedelta | None = None,
+    exclude: Collection[str] = (),
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+@overload
+def idempotent(
+    engine: AsyncRunner,
+    *,
+    key: ArgumentRule,
+    scope: ArgumentRule | None = None,
+    name: str | None = None,
+    version: int = 1,
+    lock_timeout: timedelta = ...,
+    max_attempts: int = 10,
+    retention: timedelta | None = None,
+    exclude: Collection[str] = (),
+) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
+
+
+def idempotent(
+    engine: Engine | AsyncRunner,
+    *,
+    key: ArgumentRule,
+    scope: ArgumentRule | None = None,
+    name: str | None = None,
+    version: int = 1,
+    lock_timeout: timedelta = timedelta(seconds=90),
+    max_attempts: int = 10,
+    retention: timedelta | None = None,
+    exclude: Collection[str] = (),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
+
+    Parameters
+    ----------
+    engine:
+        An :class:`~recoverypoint.Engine` for a sync function, an ``AsyncEngine`` for an
+        ``async def`` one; the function's operation is registered with it.
+    key, scope:
+        Where a call's key and scope come from: the name of an argument (a str or an int),
+        or a callable given the call's arguments by name (defaults applied). Without
+        ``scope`` every key is in the one scope ``""``.
+    name:
+        The operation's stable name; by default the function's module and qualified name,
+        so pass one if the function may be renamed or moved while keys are stored.
+    version, lock_timeout, max_attempts, retention:
+        As for :class:`~recoverypoint.Operation`. ``lock_timeout`` must outlast the
+        function's slowest call: after it, another call may take the key over.
+    exclude:
+        Arguments left out of the params (neither fingerprinted nor stored): a client, a
+        Celery task's ``self``.
+
+    The arguments are the params: validated by their annotations (unannotated ones must be
+    JSON), fingerprinted and stored; arguments that cannot be stored raise
+    :class:`~recoverypoint.InvalidParams` and store nothing. The return value is stored as
+    JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
+    every call, the first included.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        is_async = inspect.iscoroutinefunction(fn)
+        if is_async != inspect.iscoroutinefunction(getattr(engine, "run", None)):
+            kind, needed = ("an async", "rp.AsyncEngine") if is_async else ("a sync", "rp.Engine")
+            raise TypeError(
+                f"@idempotent: {fn.__qualname__} is {kind} function, which needs {needed}, "
+                f"not {type(engine).__name__}"
+            )
+        shape = Shape(fn, exclude)
+        operation: Operation[Any] = Operation(
+            name or f"{fn.__module__}.{fn.__qualname__}",
+            params=shape.params,
+            version=version,
+            lock_timeout=lock_timeout,
+            max_attempts=max_attempts,
+            retention=retention,
+        )
+        calls = _Calls(fn, shape, operation, key, scope)
+        if is_async:
+            operation.foreign_step(CALLED)(calls.step_async)
+            operation.atomic_phase(FINISHED)(_finish_async)
+        else:
+            operation.foreign_step(CALLED)(calls.step)
+            operation.atomic_phase(FINISHED)(_finish)
+        engine.register(operation)
+        wrapper = (
+            calls.async_wrapper(cast(AsyncRunner, engine))
+            if is_async
+            else calls.wrapper(cast(Engine, engine))
+        )
+        wrapper.operation = operation  # type: ignore[attr-defined]  # for tests and workers
+        return wrapper
+
+    return decorate
+
+
+class _Calls:
+    """A decorated function's calls: from the arguments to the engine and back."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        shape: Shape,
+        operation: Operation[Any],
+        key: ArgumentRule,
+        scope: ArgumentRule | None,
+    ) -> None:
+        self.fn, self.shape, self.operation = fn, shape, operation
+        self.key = shape.rule(key, "key")
+        self.scope = None if scope is None else shape.rule(scope, "scope")
+
+    def wrapper(self, engine: Engine) -> Callable[..., Any]:
+        @functools.wraps(self.fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            call, run = self.request(args, kwargs)
+            with self.calling(call):
+                outcome = engine.run(self.operation, **run)
+            return self.returned(outcome)
+
+        return call
+
+    def async_wrapper(self, engine: AsyncRunner) -> Callable[..., Any]:
+        @functools.wraps(self.fn)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            call, run = self.request(args, kwargs)
+            with self.calling(call):
+                outcome = await engine.run(self.operation, **run)
+            return self.returned(outcome)
+
+        return call
+
+    def request(self, args: Any, kwargs: Any) -> tuple[_Call, dict[str, Any]]:
+        """The call, and what :meth:`Engine.run` is given for it."""
+        arguments = self.shape.bind(args, kwargs)
+        qualname = self.shape.qualname
+        scope = "" if self.scope is None else self.scope(arguments)
+        run = {
+            "key": as_key_text(self.key(arguments), "key", qualname),
+            "scope": as_key_text(scope, "scope", qualname),
+            "params": self.shape.params_of(arguments),
+        }
+        return _Call(self.operation, args, kwargs), run
+
+    @contextmanager
+    def calling(self, call: _Call) -> Iterator[None]:
+        reset = _CALL.set(call)
+        try:
+            yield
+        except PydanticSerializationError as exc:
+            if call.entered:
+                raise  # the function's own
+            # Validation accepted an argument that JSON cannot carry (an object where the
+            # annotation says Any): refused before anything was stored, as bad input is.
+            raise InvalidParams(
+                f"the arguments of {self.shape.qualname} cannot be stored: {exc}"
+            ) from exc
+        finally:
+            _CALL.reset(reset)
+
+    def returned(self, outcome: Outcome) -> Any:
+        if outcome.status != _RETURNED:
+            body = outcome.body if isinstance(outcome.body, Mapping) else {}
+            raise AbandonedCall(
+                f"the call with this key was abandoned: {body.get('message', outcome.body)}"
+            )
+        return self.shape.load_return(outcome.body)
+
+    @contextmanager
+    def running(self, step: StepContext) -> Iterator[_Call]:
+        call = _CALL.get()
+        if call is None or call.operation is not self.operation:
+            raise Retryable(
+                f"a call of {self.shape.qualname} resumes only when it is called again "
+                "with the same key"
+            )
+        call.entered = True
+        reset = _STEP.set(step)
+        try:
+            yield call
+        finally:
+            _STEP.reset(reset)
+
+    def step(self, step: StepContext, params: Any) -> dict[str, Any]:
+        with self.running(step) as call:
+            value = self.fn(*call.args, **call.kwargs)
+        return {_VALUE: self.shape.dump_return(value)}
+
+    async def step_async(self, step: StepContext, params: Any) -> dict[str, Any]:
+        with self.running(step) as call:
+            value = await self.fn(*call.args, **call.kwargs)
+        return {_VALUE: self.shape.dump_return(value)}
+
+
+def _finish(tx: Any, params: Any) -> Response:
+    # Out of the state: the value is kept once, as the key's response.
+    return Response(_RETURNED, tx.state.pop(_VALUE))
+
+
+async def _finish_async(tx: Any, params: Any) -> Response:
+    return _finish(tx, params)

@@ -1,0 +1,172 @@
+"""What :func:`~recoverypoint.idempotent` reads from a function's signature: the params
+type its arguments are validated and fingerprinted with, and how its return value is stored
+and rebuilt. Everything here is decided when the function is decorated."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
+from typing import Any, cast
+
+from pydantic import PydanticSchemaGenerationError, TypeAdapter
+from pydantic_core import PydanticSerializationError
+from typing_extensions import TypedDict
+
+from ..errors import InvalidKey, InvalidParams
+from ..keys import MAX_JSON_DEPTH, canonical_json
+
+ArgumentRule = str | Callable[[Mapping[str, Any]], object]
+"""The name of one of the function's arguments, or a callable given all of them by name
+(defaults applied) that returns the value."""
+
+
+class Shape:
+    """A decorated function's signature, as recoverypoint stores its calls."""
+
+    def __init__(self, fn: Callable[..., Any], exclude: Collection[str]) -> None:
+        self.qualname = fn.__qualname__
+        self.signature = inspect.signature(fn)
+        parameters = self.signature.parameters
+        unknown = sorted(set(exclude) - set(parameters))
+        if unknown:
+            raise TypeError(f"{self.qualname} has no argument {unknown[0]!r} to exclude")
+        self.exclude = frozenset(exclude)
+        hints = _annotations(fn, [*(set(parameters) - self.exclude), "return"])
+        fields = {
+            name: _field_type(parameter, hints.get(name, Any))
+            for name, parameter in parameters.items()
+            if name not in self.exclude
+        }
+        for name, annotation in fields.items():
+            _check_storable(annotation, f"argument {name!r} of {self.qualname}", name)
+        # A TypedDict, not a model: an argument may be called anything, `json` or `copy`
+        # included, which a model's field names may not shadow.
+        self.params: type[Any] = _typed_dict(f"{self.qualname}_params", fields)
+        # Unannotated, the value is stored as pydantic dumps Any (a datetime as its ISO
+        # text...) and comes back as that JSON.
+        returns = hints.get("return", Any)
+        self.returns = _check_storable(returns, f"the return type of {self.qualname}", None)
+
+    def rule(self, rule: ArgumentRule, what: str) -> Callable[[Mapping[str, Any]], object]:
+        """``rule`` as a function of the arguments; an argument's name is checked now."""
+        if callable(rule):
+            return rule
+        if rule not in self.signature.parameters:
+            raise TypeError(f"{self.qualname} has no argument {rule!r} to take the {what} from")
+        return lambda arguments: arguments[rule]
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mapping[str, Any]:
+        """Every argument of a call by name, defaults applied; a TypeError for a call the
+        function itself would refuse."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return MappingProxyType(bound.arguments)
+
+    def params_of(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        params = {name: value for name, value in arguments.items() if name not in self.exclude}
+        if _non_finite(params):
+            raise InvalidParams(
+                f"the arguments of {self.qualname} hold NaN or an infinity: {_NO_NAN}"
+            )
+        return params
+
+    def dump_return(self, value: object) -> Any:
+        """``value`` as JSON to store; a TypeError when it cannot be stored."""
+        if _non_finite(value):
+            raise TypeError(f"{self.qualname} returned NaN or an infinity: {_NO_NAN}")
+        try:
+            dumped = self.returns.dump_python(value, mode="json")
+            canonical_json(dumped)
+        except (PydanticSerializationError, ValueError) as exc:
+            raise TypeError(
+                f"{self.qualname} returned a value that cannot be stored: {exc}; "
+                "return JSON, or annotate the return type (a pydantic model...)"
+            ) from exc
+        return dumped
+
+    def load_return(self, stored: Any) -> Any:
+        """The value a call returns, rebuilt from what was stored (the first call's too, so
+        that it equals every replay)."""
+        return self.returns.validate_python(stored)
+
+
+def as_key_text(value: object, what: str, qualname: str) -> str:
+    """A key or scope from an argument: a str, or an int (an order number)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    got = type(value).__name__
+    message = f"the {what} of a call to {qualname} must be a str or an int, got {got}"
+    if what == "key":
+        raise InvalidKey(message)
+    raise ValueError(message)
+
+
+# Built at run time from a signature, which the checker cannot follow.
+_typed_dict = cast(Callable[[str, dict[str, Any]], type[Any]], TypedDict)
+
+
+def _annotations(fn: Callable[..., Any], names: list[str]) -> dict[str, Any]:
+    """The annotations of ``names``, evaluated where postponed: only these, so that an
+    excluded argument may be annotated with a type the module cannot see."""
+    found = inspect.get_annotations(fn)
+    hints: dict[str, Any] = {}
+    for name in names:
+        if name not in found:
+            continue
+        annotation = found[name]
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, getattr(fn, "__globals__", {}))
+            except NameError as exc:
+                raise TypeError(
+                    f"@idempotent cannot resolve the annotation {annotation!r} of "
+                    f"{fn.__qualname__} ({exc}): define the type at module level, or "
+                    "exclude the argument"
+                ) from None
+        hints[name] = annotation
+    return hints
+
+
+_NO_NAN = "JSON cannot carry them"
+
+
+def _non_finite(value: object) -> bool:
+    """Whether ``value`` holds a NaN or an infinity in its lists, tuples, sets and dicts:
+    pydantic would dump one where the annotation is ``Any`` as ``null``, silently another
+    value. Iterative, and no deeper than JSON may nest (a deeper or cyclic value is
+    refused by the depth check that follows)."""
+    pending: list[tuple[object, int]] = [(value, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return True
+        elif depth > MAX_JSON_DEPTH:
+            continue
+        elif isinstance(node, dict):
+            pending.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, list | tuple | set | frozenset):
+            pending.extend((child, depth + 1) for child in node)
+    return False
+
+
+def _field_type(parameter: inspect.Parameter, annotation: Any) -> Any:
+    if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+        return tuple[annotation, ...]
+    if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+        return dict[str, annotation]
+    return annotation
+
+
+def _check_storable(annotation: Any, what: str, argument: str | None) -> TypeAdapter[Any]:
+    try:
+        return TypeAdapter(annotation)
+    except PydanticSchemaGenerationError:
+        hint = f"; leave it out with exclude=({argument!r},)" if argument else ""
+        raise TypeError(
+            f"{what} is {annotation!r}, which recoverypoint cannot store as JSON{hint}"
+        ) from None

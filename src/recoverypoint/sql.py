@@ -1,0 +1,204 @@
+"""Every statement of the request path, named after its intent, in psycopg's named
+placeholders (``%(name)s``). :mod:`recoverypoint.store` and :mod:`recoverypoint.store_async`
+run them; :mod:`recoverypoint._pg` and :mod:`recoverypoint._pg_async` begin and end the
+transactions they run in.
+
+Every write after the claim is fenced by the lease's ``lock_token`` and checked by row
+count, so a request that lost its lease can never commit. Three things keep them cheap:
+
+- a finished key is looked up on its own before any transaction begins: a replay costs one
+  round trip and writes nothing;
+- after the claim, the key row is addressed by its ``ctid`` (the row version's physical
+  address, which each statement returns anew). Under SERIALIZABLE that takes a predicate
+  lock on the row alone, where a lookup through the primary key would lock the index page
+  that every new key is inserted into, and concurrent requests would keep aborting each
+  other with 40001. When the address is stale (a rolled-back attempt, a takeover) the
+  statement runs again by ``id``;
+- the write that records a phase is addressed by the ``ctid`` its own transaction's fence
+  (or claim) returned, which nobody else can change while the row is locked, and carries
+  the phase's staged jobs in the same statement. A miss means the phase itself changed the
+  key row or ended the transaction: the engine raises ``LockLost`` and never commits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# The transaction of every claim and atomic phase; sent by the transaction layer itself.
+BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
+
+# Begins the transaction a SQLAlchemy Connection of phase code then joins.
+NOTHING = "SELECT 1"
+
+# JSON columns come back as their text: the engine parses what it uses, once.
+_RECORD_COLUMNS = """
+    id, created_at, operation_version, fingerprint, recovery_point, state::text,
+    request_params::text, response_status, response_headers, response_body::text, attempts,
+    ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
+"""
+
+# How long the lease has been held, in seconds; NULL when it is free. The caller judges it
+# against the lock timeout of the version that started the key, which SQL does not know.
+_HELD_FOR = "extract(epoch FROM now() - locked_at)::float8"
+
+# One round trip: insert the key, or, when it exists, return its row so the caller can tell
+# a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
+# that started it, which may not be the caller's). An existing row is read,
+# not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
+# key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+CLAIM = f"""
+    WITH claimed AS (
+        INSERT INTO idempotency_keys (
+            scope, operation, idempotency_key, operation_version, request_method,
+            request_path, request_params, fingerprint, locked_at, lock_token)
+        VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
+        ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, true AS inserted, NULL::float8 AS held_for
+    )
+    SELECT * FROM claimed
+    UNION ALL
+    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
+    FROM idempotency_keys
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+      AND NOT EXISTS (SELECT 1 FROM claimed)
+"""
+
+# Take an unfinished key by id when its lease is free, expired or already held under
+# :token (the completer claims keys in batches, then resumes each); otherwise return the
+# row so the caller can tell a replay from a key in use. The lease is checked in the
+# UPDATE itself, so two callers never both get it.
+CLAIM_BY_ID = f"""
+    WITH claimed AS (
+        UPDATE idempotency_keys AS k
+        SET locked_at = now(), lock_token = %(token)s, last_run_at = now()
+        WHERE k.id = %(id)s AND k.finished_at IS NULL
+          AND (k.lock_token = %(token)s OR k.locked_at IS NULL
+               OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
+        RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, NULL::float8 AS held_for
+    )
+    SELECT * FROM claimed
+    UNION ALL
+    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
+    FROM idempotency_keys
+    WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
+"""
+
+# A finished key, read before any transaction: a replay needs nothing else. A finished
+# row never changes until the reaper deletes it.
+FINISHED = f"""
+    SELECT {_RECORD_COLUMNS}, false AS claimed, false AS inserted, NULL::float8 AS held_for
+    FROM idempotency_keys
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+      AND finished_at IS NOT NULL
+"""
+
+# The transaction a connection is in, once it wrote (phase_guard's last check).
+CURRENT_TRANSACTION = "SELECT pg_current_xact_id_if_assigned()::text"
+
+# Which operation and version a key record belongs to (Engine.resume looks it up by id).
+KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
+
+# The fenced statements below end with {where}, written out when the module loads: by
+# address first, by id when the address is stale. Each returns the row's new address and
+# the transaction it ran in (which must be the phase's own, see phase_guard), then what
+# the statement names in ``returning``.
+_BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
+_BY_ID = "id = %(id)s AND lock_token = %(token)s"
+
+
+class Fenced(NamedTuple):
+    """One fenced write, written out for each way of finding the row."""
+
+    by_ctid: str
+    by_id: str
+    held: str
+    """By ctid, in the transaction whose fence or claim locked the row (see ``xid``): the
+    write that records an atomic phase."""
+    held_staging: str
+    """:attr:`held`, inserting the phase's staged jobs in the same statement."""
+
+
+# The phase's staged jobs, as arrays in job order; inserted only when the write that records
+# the phase found its row.
+_STAGED = """
+    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, trace_context)
+    SELECT job.name, job.args::jsonb, job.job_key, %(id)s, job.trace_context
+    FROM unnest(%(job_names)s::text[], %(job_args)s::text[], %(job_keys)s::text[],
+                %(job_traces)s::text[]) WITH ORDINALITY
+         AS job(name, args, job_key, trace_context, n)
+    WHERE EXISTS (SELECT FROM written)
+    ORDER BY job.n
+"""
+
+
+def _by_ctid_and_by_id(sql: str, returning: str = "") -> Fenced:
+    def written_out(where: str) -> str:
+        return f"{sql.format(where=where)} RETURNING ctid::text, pg_current_xact_id()::text" + (
+            f", {returning}" if returning else ""
+        )
+
+    # Also in the phase's own transaction: phase code that ended it cannot have the point
+    # recorded in another.
+    held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
+    staging = f"WITH written AS ({held}), staged AS ({_STAGED}) SELECT * FROM written"
+    return Fenced(written_out(_BY_CTID), written_out(_BY_ID), held, staging)
+
+
+# Lock the row for the rest of the transaction, if the lease is still ours. The lease is
+# renewed by the write that commits the phase: a renewal here would be seen by nobody
+# (no other transaction sees it before that write replaces it) and would cost a row version.
+_FENCE = """
+    SELECT ctid::text, pg_current_xact_id()::text FROM idempotency_keys WHERE {where}
+    FOR UPDATE
+"""
+FENCE_BY_CTID = _FENCE.format(where=_BY_CTID)
+FENCE_BY_ID = _FENCE.format(where=_BY_ID)
+
+# Commit a phase: the new recovery point and state, renewing the lease from this moment
+# (clock_timestamp(), not now(): that is the transaction's start, and a phase that ran for
+# longer than the lock timeout would leave its successor no lease at all). Only from the
+# point the run started the phase at: a recovery point never moves backwards, even when a
+# run records a step's result after the phase that followed it did commit (an ambiguous
+# COMMIT failure).
+ADVANCE = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET recovery_point = %(point)s, state = %(state)s::jsonb,
+        locked_at = clock_timestamp(), last_run_at = now()
+    WHERE recovery_point = %(from_point)s AND {where}
+""",
+    returning="state::text",
+)
+
+# Finish the key with its response and give the lease up. The state and the body come back
+# as jsonb stored them (1e16 as an integer...), so that the first answer and every replay,
+# a fresh run and a resumed one, see the same values.
+FINISH = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET recovery_point = 'finished', state = %(state)s::jsonb,
+        response_status = %(status)s, response_headers = %(headers)s::jsonb,
+        response_body = %(body)s::jsonb, finished_at = now(),
+        locked_at = NULL, lock_token = NULL, last_run_at = now()
+    WHERE {where}
+""",
+    returning="response_body::text",
+)
+
+# A failed attempt: give the lease up, keep the recovery point, count and record it.
+RELEASE = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
+        next_attempt_at = now() + make_interval(secs => %(retry_in)s)
+    WHERE {where}
+"""
+)
+
+# A request withdrawn by its first phase (see operation.Withdrawn): forget the key, as long
+# as nothing was recorded under it.
+WITHDRAW = _by_ctid_and_by_id(
+    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}"
+)

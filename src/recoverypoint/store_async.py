@@ -1,0 +1,193 @@
+"""The request path's statements (named in :mod:`recoverypoint.sql`) on
+``idempotency_keys`` and ``staged_jobs``, run in the transactions of
+:mod:`recoverypoint._pg_async`, together with the phase's own writes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
+from uuid import UUID
+
+import psycopg
+import sqlalchemy.ext.asyncio as sa_async
+from psycopg.rows import args_row
+
+from . import sql
+from ._decide import ClaimRequest, KeyRecord, KeyRef, written
+from ._pg_async import AsyncTransaction, borrowed
+from .context.common import StagedJob
+from .errors import KeyInUse, LockLost
+
+
+async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
+    """The key if it is finished, read before the transaction begins."""
+    params = {"scope": request.scope, "operation": request.operation, "key": request.key}
+    return await tx.lookup(sql.FINISHED, params, args_row(KeyRecord))
+
+
+async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
+    """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile."""
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "version": request.version,
+        "method": request.method,
+        "path": request.path,
+        "params": request.params_json,
+        "fingerprint": request.fingerprint,
+        "token": request.token,
+    }
+    return await _fetch_record(tx, sql.CLAIM, params)
+
+
+async def claim_by_id(
+    tx: AsyncTransaction, key_id: int, token: UUID, lock_timeout: float
+) -> KeyRecord | None:
+    """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone.
+    ``lock_timeout``: the operation's, of the version that started the key."""
+    params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
+    return await _fetch_record(tx, sql.CLAIM_BY_ID, params)
+
+
+async def key_operation(db: sa_async.AsyncEngine, key_id: int) -> tuple[str, int] | None:
+    """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
+    async with borrowed(db) as (_, connection):
+        cursor = await connection.execute(sql.KEY_OPERATION, {"id": key_id})
+        row = await cursor.fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
+    """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
+    the database's lock or statement timeout ends the wait for another holder's row lock."""
+    params = {"id": key.id, "token": key.token, "ctid": key.ctid}
+    with _waiting_for_key():
+        row = await tx.fetchone(sql.FENCE_BY_CTID, params)
+        if row is None:  # a stale address: a rolled-back attempt, a takeover
+            row = await tx.fetchone(sql.FENCE_BY_ID, params)
+    written(key, row)
+    key.locked_by = tx
+
+
+def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
+    """Note that ``tx``'s claim inserted the key row (and so holds it)."""
+    key.ctid, key.xid, key.locked_by = record.ctid, record.xid, tx
+
+
+async def advance(
+    tx: AsyncTransaction,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
+    from_point: str,
+    point: str,
+    state_json: str,
+) -> Any:
+    """Record ``point`` and ``state`` and commit; return the state as stored."""
+    params = {"from_point": from_point, "point": point, "state": state_json}
+    return await _commit_fenced(tx, key, sql.ADVANCE, params, jobs)
+
+
+async def finish(
+    tx: AsyncTransaction,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
+    *,
+    state_json: str,
+    status: int,
+    headers_json: str,
+    body_json: str,
+) -> Any:
+    """Finish the key with its response and commit; return the body as stored."""
+    params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
+    return await _commit_fenced(tx, key, sql.FINISH, params, jobs)
+
+
+async def release(db: sa_async.AsyncEngine, key: KeyRef, error: str, retry_in: float) -> bool:
+    """Give up the lease after a failure; ``False`` if it was already taken over."""
+    return await _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})
+
+
+async def withdraw(db: sa_async.AsyncEngine, key: KeyRef) -> bool:
+    """Delete the key if it is still at ``started`` and ours; ``False`` if it was not."""
+    return await _fenced_alone(db, key, sql.WITHDRAW, {})
+
+
+async def current_transaction(tx: AsyncTransaction) -> str | None:
+    """The id of the transaction ``tx``'s connection is in, if it has written anything."""
+    cursor = await tx.connection.execute(sql.CURRENT_TRANSACTION)
+    row = await cursor.fetchone()
+    return None if row is None else cast("str | None", row[0])
+
+
+@contextmanager
+def _waiting_for_key() -> Iterator[None]:
+    """A wait for the key row that the role's ``lock_timeout`` or ``statement_timeout``
+    cut short means another request holds the key: :class:`KeyInUse`, not a 500."""
+    try:
+        yield
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+        raise KeyInUse(
+            "another request with this key is running: the database's lock or statement "
+            "timeout ended the wait for it; retry with the same key after the Retry-After delay",
+            retry_after=1,
+        ) from exc
+
+
+async def _fetch_record(
+    tx: AsyncTransaction, query: str, params: dict[str, Any]
+) -> KeyRecord | None:
+    with _waiting_for_key():
+        record: KeyRecord | None = await tx.fetchone(query, params, args_row(KeyRecord))
+    return record
+
+
+async def _commit_fenced(
+    tx: AsyncTransaction,
+    key: KeyRef,
+    statement: sql.Fenced,
+    params: dict[str, Any],
+    jobs: Sequence[StagedJob],
+) -> Any:
+    """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
+    jobs; else (a step's result committed on its own) by address, then by id."""
+    assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
+    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid, "xid": key.xid}
+    if key.locked_by is tx:
+        if jobs:
+            params["job_names"] = [job.name for job in jobs]
+            params["job_args"] = [job.args_json for job in jobs]
+            params["job_keys"] = [job.job_key for job in jobs]
+            params["job_traces"] = [job.trace_context for job in jobs]
+        row = await tx.fetchone(statement.held_staging if jobs else statement.held, params)
+        if row is None:
+            # The write missed the row its own transaction locked: the phase itself changed
+            # the key row, or ended the transaction. Nothing is committed.
+            raise LockLost(
+                "the key row changed under the phase (phase code must not write to "
+                "idempotency_keys); nothing was committed: retry with the same key"
+            )
+    else:  # a foreign step's result, committed on its own: it stages no jobs
+        with _waiting_for_key():
+            row = await tx.fetchone(statement.by_ctid, params)
+            if row is None:
+                row = await tx.fetchone(statement.by_id, params)
+    if row is not None:
+        await tx.commit()  # the phase and its recovery point, together
+    return written(key, row)[2]
+
+
+async def _fenced_alone(
+    db: sa_async.AsyncEngine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
+) -> bool:
+    """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
+    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
+    async with borrowed(db) as (_, connection):
+        with _waiting_for_key():
+            cursor = await connection.execute(statement.by_ctid, params)
+            row = await cursor.fetchone()
+            if row is None:
+                cursor = await connection.execute(statement.by_id, params)
+                row = await cursor.fetchone()
+    return row is not None

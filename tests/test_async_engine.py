@@ -1,0 +1,547 @@
+"""rp.AsyncEngine's guarantees, against real PostgreSQL: those the sync suite checks for
+rp.Engine, on psycopg's AsyncConnection; and what an asyncio user expects besides: context
+variables reach the phases, and a cancelled request leaves no lease, no open transaction
+and no connection checked out, wherever the cancellation lands."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from rides import Provider, count
+from sqlalchemy.ext.asyncio import create_async_engine
+
+import recoverypoint as rp
+from recoverypoint.database import normalize_url
+
+pytestmark = pytest.mark.anyio
+
+REQUEST = rp.Request("POST", "/rides")
+# The engine's connections, told apart from those of other tests on the same database.
+APPLICATION = "recoverypoint-async-tests"
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="nobody")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def engine(database_url: str, business_tables: None) -> AsyncIterator[rp.AsyncEngine]:
+    url = normalize_url(database_url)
+    async_db = create_async_engine(
+        url, pool_size=5, max_overflow=15, connect_args={"application_name": APPLICATION}
+    )
+    engine = rp.AsyncEngine(async_db, serialization_retries=30)
+    yield engine
+    assert async_db.pool.checkedout() == 0, "a connection was left checked out"  # type: ignore[attr-defined]
+    await engine.dispose()
+    await async_db.dispose()
+
+
+class Gate:
+    """Where a test stops a request: a named hook every phase calls."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, Callable[[], Any]] = {}
+        self.seen: list[str] = []
+
+    async def at(self, name: str) -> None:
+        self.seen.append(name)
+        hook = self.hooks.get(name)
+        if hook is not None:
+            result = hook()
+            if asyncio.iscoroutine(result):
+                await result
+
+
+def rides(name: str, provider: Provider, gate: Gate, **options: Any) -> rp.Operation[Any]:
+    """create ride (+audit) → charge at the provider → record charge, stage receipt, 201."""
+    op: rp.Operation[Any] = rp.Operation(name, **options)
+
+    @op.atomic_phase("ride_created")
+    async def create_ride(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+        await gate.at("ride_created:start")
+        tx.state["ride_id"] = await tx.scalar(
+            "INSERT INTO rides (key_id, scope) VALUES (%s, %s) RETURNING id",
+            (tx.key_id, params["scope"]),
+        )
+        await tx.execute(
+            "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, 'ride.created', %s)",
+            (params["scope"], tx.key_id),
+        )
+        tx.state["caller"] = CALLER.get()
+        await gate.at("ride_created:end")
+
+    @op.foreign_step("charge_created")
+    async def charge(step: rp.StepContext, params: dict[str, Any]) -> Any:
+        await gate.at("charge_created:start")
+        if params.get("customer") == "cus_declined":
+            return rp.Response(402, {"error": "card_declined"})
+        key = step.downstream_key()
+        charge_id = await asyncio.to_thread(provider.charge, key, params["scope"], 2000)
+        await gate.at("charge_created:end")
+        return {"charge_id": charge_id}
+
+    @op.atomic_phase("finished")
+    async def finish(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        await gate.at("finished:start")
+        result = await tx.connection.execute(
+            sa.text("UPDATE rides SET charge_id = :c WHERE id = :i RETURNING id"),
+            {"c": tx.state["charge_id"], "i": tx.state["ride_id"]},
+        )
+        assert result.scalar_one() == tx.state["ride_id"]
+        tx.stage_job("send_ride_receipt", {"ride_id": tx.state["ride_id"]})
+        await gate.at("finished:end")
+        body = {"ride_id": tx.state["ride_id"], "charge_id": tx.state["charge_id"]}
+        return rp.Response(201, body, {"Location": f"/rides/{tx.state['ride_id']}"})
+
+    return op
+
+
+@pytest.fixture
+def gate() -> Gate:
+    return Gate()
+
+
+@pytest.fixture
+def op(engine: rp.AsyncEngine, provider: Provider, gate: Gate) -> rp.Operation[Any]:
+    operation = rides(f"rides_{uuid.uuid4().hex[:8]}", provider, gate)
+    engine.register(operation)
+    return operation
+
+
+def key_row(db: sa.Engine, scope: str) -> Any:
+    with db.connect() as conn:
+        return conn.execute(
+            sa.text(
+                "SELECT id, recovery_point, locked_at, lock_token, attempts, last_error "
+                "FROM idempotency_keys WHERE scope = :s"
+            ),
+            {"s": scope},
+        ).one_or_none()
+
+
+def activity(db: sa.Engine) -> list[Any]:
+    with db.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT pid, state, query FROM pg_stat_activity "
+                    "WHERE datname = current_database()"
+                )
+            )
+        )
+
+
+def open_transactions(db: sa.Engine) -> int:
+    """The async engine's connections that are in a transaction."""
+    return count(
+        db,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND application_name = :a AND state LIKE 'idle in transaction%'",
+        a=APPLICATION,
+    )
+
+
+async def test_new_key_runs_every_phase_then_replays(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
+) -> None:
+    params = {"scope": scope}
+    first = await engine.run(op, key="k1", scope=scope, params=params, request=REQUEST)
+    assert first.status == 201 and not first.replayed
+    assert first.headers == {"Location": f"/rides/{first.body['ride_id']}"}
+    again = await engine.run(op, key="k1", scope=scope, params=params, request=REQUEST)
+    assert again.replayed and (again.status, again.body, again.headers) == (
+        first.status,
+        first.body,
+        first.headers,
+    )
+    assert gate.seen.count("ride_created:start") == 1
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
+    row = key_row(db, scope)
+    assert row.recovery_point == "finished" and row.lock_token is None
+    jobs = count(db, "SELECT count(*) FROM staged_jobs WHERE idempotency_key_id = :i", i=row.id)
+    assert jobs == 1  # committed with the phase that staged it
+
+
+async def test_reused_key_with_other_params_is_refused(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], scope: str
+) -> None:
+    await engine.run(op, key="k", scope=scope, params={"scope": scope}, request=REQUEST)
+    with pytest.raises(rp.ParamsMismatch):
+        await engine.run(op, key="k", scope=scope, params={"scope": "x"}, request=REQUEST)
+
+
+async def test_in_flight_key_is_in_use(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], scope: str, gate: Gate
+) -> None:
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        inside.set()
+        await leave.wait()
+
+    gate.hooks["charge_created:start"] = hold
+    params = {"scope": scope}
+    first = asyncio.create_task(engine.run(op, key="k", scope=scope, params=params))
+    await inside.wait()
+    with pytest.raises(rp.KeyInUse) as refused:
+        await engine.run(op, key="k", scope=scope, params=params)
+    assert refused.value.retry_after >= 1
+    leave.set()
+    assert (await first).status == 201
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "ride_created:start",
+        "ride_created:end",
+        "charge_created:start",
+        "charge_created:end",
+        "finished:start",
+        "finished:end",
+    ],
+)
+async def test_a_failure_anywhere_resumes_and_charges_once(
+    engine: rp.AsyncEngine,
+    op: rp.Operation[Any],
+    db: sa.Engine,
+    scope: str,
+    gate: Gate,
+    provider: Provider,
+    where: str,
+) -> None:
+    def boom() -> None:
+        gate.hooks.pop(where)
+        raise rp.Retryable(where)
+
+    gate.hooks[where] = boom
+    params = {"scope": scope}
+    with pytest.raises(rp.Retryable):
+        await engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    row = key_row(db, scope)
+    if row is None:  # a new key's first phase failed: it left nothing behind
+        assert where.startswith("ride_created")
+        assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 0
+        resumed = await engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    else:  # resume in-process, as the completer does
+        assert row.lock_token is None and row.attempts == 1 and where in row.last_error
+        resumed = await engine.resume(row.id)
+    assert resumed.status == 201 and not resumed.replayed
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
+    assert len(set(provider.keys_seen)) == 1
+    replayed = await engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    assert replayed.replayed and replayed.body == resumed.body
+
+
+async def test_fifty_tasks_racing_one_key_run_the_phase_once(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str
+) -> None:
+    params = {"scope": scope}
+
+    async def attempt() -> rp.Outcome | Exception:
+        while True:
+            try:
+                return await engine.run(op, key="race", scope=scope, params=params)
+            except rp.KeyInUse:
+                await asyncio.sleep(0.01)
+            except rp.ConcurrentUpdate as exc:
+                return exc
+
+    outcomes = await asyncio.gather(*(attempt() for _ in range(50)))
+    done = [o for o in outcomes if isinstance(o, rp.Outcome)]
+    assert done and all(o.body == done[0].body for o in done)
+    assert sum(not o.replayed for o in done) == 1
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
+
+
+async def test_a_takeover_makes_the_old_owner_lose_its_lock(
+    engine: rp.AsyncEngine, provider: Provider, db: sa.Engine, scope: str, gate: Gate
+) -> None:
+    op = rides(f"takeover_{uuid.uuid4().hex[:8]}", provider, gate)
+    engine.register(op)
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def stall() -> None:
+        gate.hooks.pop("charge_created:end")
+        inside.set()
+        await leave.wait()
+
+    gate.hooks["charge_created:end"] = stall
+    params = {"scope": scope}
+    slow = asyncio.create_task(engine.run(op, key="k", scope=scope, params=params))
+    await inside.wait()
+    with db.begin() as conn:  # the lease expires
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET locked_at = now() - interval '1 hour' WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    taker = await engine.run(op, key="k", scope=scope, params=params)
+    assert taker.status == 201
+    leave.set()
+    with pytest.raises(rp.LockLost):
+        await slow
+    assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
+    assert key_row(db, scope).recovery_point == "finished"
+
+
+async def test_serialization_failures_are_retried(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str
+) -> None:
+    """Two phases that read and write the same counter under SERIALIZABLE: one of each
+    conflicting pair fails with 40001, is retried in-process, and every run counts once."""
+    name = f"counter_{scope}"
+    with db.begin() as conn:
+        conn.execute(sa.text("INSERT INTO counters (name, n) VALUES (:n, 0)"), {"n": name})
+    op: rp.Operation[Any] = rp.Operation(f"count_{uuid.uuid4().hex[:8]}")
+    retries: list[str] = []
+
+    @op.atomic_phase("finished")
+    async def bump(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        n = await tx.scalar("SELECT n FROM counters WHERE name = %s", (name,))
+        retries.append("ran")
+        await asyncio.sleep(0.01)  # let the others read the same n
+        await tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + 1, name))
+        return rp.Response(200, {"n": n + 1})
+
+    engine.register(op)
+    outcomes = await asyncio.gather(
+        *(engine.run(op, key=f"k{i}", scope=scope, params={}) for i in range(8))
+    )
+    assert sorted(o.body["n"] for o in outcomes) == list(range(1, 9))
+    assert len(retries) > 8  # some phases ran again after a serialization failure
+    assert count(db, "SELECT n FROM counters WHERE name = :n", n=name) == 8
+
+
+async def test_context_variables_reach_every_phase(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str
+) -> None:
+    CALLER.set("alice")
+    outcome = await engine.run(op, key="k", scope=scope, params={"scope": scope})
+    assert outcome.status == 201
+    with db.connect() as conn:
+        state = conn.execute(
+            sa.text("SELECT state FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+        ).scalar_one()
+    assert state["caller"] == "alice"
+
+
+async def test_an_orm_session_writes_in_the_phase_transaction(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"orm_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    async def write(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        await tx.session.execute(
+            sa.text("INSERT INTO audit_records (scope, action, key_id) VALUES (:s, 'orm', :k)"),
+            {"s": scope, "k": tx.key_id},
+        )
+        await tx.session.commit()  # does not end the phase's transaction
+        if params.get("fail"):
+            raise rp.Retryable("after the write")
+        return rp.Response(201)
+
+    engine.register(op)
+    with pytest.raises(rp.Retryable):
+        await engine.run(op, key="a", scope=scope, params={"fail": True})
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+    assert (await engine.run(op, key="b", scope=scope, params={})).status == 201
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
+
+
+async def test_committing_from_a_phase_is_refused(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"commit_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    async def sneaky(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+        await tx.execute(
+            "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, 'x', 1)", (scope,)
+        )
+        await tx.connection.commit()
+
+    engine.register(op)
+    with pytest.raises(rp.TransactionEnded):
+        await engine.run(op, key="k", scope=scope, params={})
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+
+
+# -- sync and async do not mix ----------------------------------------------------------------
+
+
+def test_the_async_engine_refuses_plain_phases(database_url: str) -> None:
+    op: rp.Operation[Any] = rp.Operation("plain")
+
+    @op.atomic_phase("finished")
+    def plain(tx: Any, params: Any) -> None: ...
+
+    engine = rp.AsyncEngine(database_url)
+    with pytest.raises(rp.DeclarationError, match="async def"):
+        engine.register(op)
+    assert engine.operations == ()
+    asyncio.run(engine.dispose())
+
+
+def test_the_sync_engine_refuses_async_phases(db: sa.Engine) -> None:
+    op: rp.Operation[Any] = rp.Operation("coroutines")
+
+    @op.foreign_step("called")
+    async def step(step: Any, params: Any) -> None: ...
+
+    @op.atomic_phase("finished")
+    def finish(tx: Any, params: Any) -> None: ...
+
+    with pytest.raises(rp.DeclarationError, match=r"rp\.AsyncEngine"):
+        rp.Engine(db).register(op)
+
+
+# -- cancellation -------------------------------------------------------------------------------
+
+
+class CancelAtStatement:
+    """Cancels the running task while its ``n``-th statement (or COMMIT) is on the wire."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen = 0
+        self.fired = False
+
+    def arm(self) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            task = asyncio.current_task()
+            assert task is not None
+            self.fired = True
+            asyncio.get_running_loop().call_soon(task.cancel)
+
+
+@pytest.fixture
+def cancel_points(monkeypatch: pytest.MonkeyPatch) -> list[CancelAtStatement]:
+    """Every statement and COMMIT the request path sends calls the armed cancellers."""
+    armed: list[CancelAtStatement] = []
+    execute, commit = psycopg.AsyncCursor.execute, psycopg.AsyncConnection.commit
+
+    async def cancelling_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for canceller in armed:
+            canceller.arm()
+        return await execute(self, *args, **kwargs)
+
+    async def cancelling_commit(self: Any) -> None:
+        for canceller in armed:
+            canceller.arm()
+        await commit(self)
+
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", cancelling_execute)
+    monkeypatch.setattr(psycopg.AsyncConnection, "commit", cancelling_commit)
+    return armed
+
+
+async def test_cancellation_at_every_await_leaves_no_lease_and_no_transaction(
+    engine: rp.AsyncEngine,
+    op: rp.Operation[Any],
+    db: sa.Engine,
+    scope: str,
+    cancel_points: list[CancelAtStatement],
+) -> None:
+    n = 0
+    while True:
+        n += 1
+        key = f"k{n}"
+        canceller = CancelAtStatement(n)
+        cancel_points[:] = [canceller]
+        task = asyncio.create_task(engine.run(op, key=key, scope=scope, params={"scope": scope}))
+        try:
+            outcome = await task
+        except asyncio.CancelledError:
+            outcome = None
+        cancel_points.clear()
+        if not canceller.fired:
+            assert outcome is not None and outcome.status == 201
+            break
+        assert n < 60, "the request path sends more statements than expected"
+        assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert open_transactions(db) == 0, (n, activity(db))
+        with db.connect() as conn:
+            row = conn.execute(
+                sa.text(
+                    "SELECT id, recovery_point, lock_token, attempts FROM idempotency_keys "
+                    "WHERE scope = :s AND idempotency_key = :k"
+                ),
+                {"s": scope, "k": key},
+            ).one_or_none()
+        if outcome is None and row is not None:
+            # Cancelled: unless the response committed first, the lease is given up and
+            # the attempt counted, and a retry finishes the request once.
+            if row.recovery_point != "finished":
+                assert row.lock_token is None and row.attempts == 1
+            again = await engine.run(op, key=key, scope=scope, params={"scope": scope})
+            assert again.status == 201
+        rides = count(
+            db,
+            "SELECT count(*) FROM rides r JOIN idempotency_keys k ON k.id = r.key_id "
+            "WHERE k.scope = :s AND k.idempotency_key = :k",
+            s=scope,
+            k=key,
+        )
+        assert rides == (0 if row is None else 1)
+    assert n > 8  # every statement of a fresh request was a cancellation point
+
+
+async def test_a_timeout_inside_a_phase_releases_the_lease(
+    engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
+) -> None:
+    async def slow_statement() -> None:
+        gate.hooks.clear()
+        await asyncio.sleep(10)
+
+    gate.hooks["finished:start"] = slow_statement
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await engine.run(op, key="k", scope=scope, params={"scope": scope})
+    row = key_row(db, scope)
+    assert row.recovery_point == "charge_created"
+    assert row.lock_token is None and row.attempts == 1 and "CancelledError" in row.last_error
+    assert open_transactions(db) == 0
+    assert (await engine.resume(row.id)).status == 201
+
+
+async def test_a_server_side_statement_is_cancelled_with_the_task(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"sleepy_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    async def sleepy(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+        await tx.execute("SELECT pg_sleep(30)")
+
+    engine.register(op)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(engine.run(op, key="k", scope=scope, params={}), 0.5)
+    # A new key whose first phase was cancelled leaves nothing behind.
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
+    assert open_transactions(db) == 0
+    assert (
+        count(
+            db,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
+            "AND state = 'active'",
+        )
+        == 0
+    )

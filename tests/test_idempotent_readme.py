@@ -1,0 +1,127 @@
+"""README, "Any function: @idempotent", run word for word: its three examples execute as
+written against a real database, the payment API of ``idempotent_payments`` on loopback,
+and (the Celery task) a real Celery worker on RabbitMQ."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from idempotent_payments import Payments, payments_api
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TITLE = "## Any function: @idempotent"
+
+
+def examples() -> list[str]:
+    text = README.read_text()
+    start = text.index(TITLE)
+    end = text.index("\n## ", start + len(TITLE))
+    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
+    assert len(blocks) == 4 and "scope=..." in blocks[3]  # the last is a one-line sketch
+    return blocks[:3]
+
+
+@pytest.fixture
+def payments(monkeypatch: pytest.MonkeyPatch, database_url: str) -> Iterator[tuple[Payments, str]]:
+    with payments_api() as (api, url):
+        monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
+        monkeypatch.setenv("PAYMENTS_URL", url)
+        yield api, url
+
+
+def key_rows(db: sa.Engine, operation: str) -> list[Any]:
+    with db.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT scope, idempotency_key, response_status, response_body "
+                    "FROM idempotency_keys WHERE operation = :o"
+                ),
+                {"o": operation},
+            )
+        )
+
+
+def test_the_async_payment_example(
+    payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api, _ = payments
+    exec(compile(examples()[1], "README.md", "exec"), {"__name__": "readme_async"})
+    assert capsys.readouterr().out == "order 42 was already paid with another amount\n"
+    [row] = key_rows(db, "process_payment")
+    assert (row.idempotency_key, row.response_status) == ("order:42", 200)
+    assert list(api.calls.values()) == [1]  # one charge request for the two calls
+
+
+def test_the_agent_tool_example(
+    payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    namespace: dict[str, Any] = {"__name__": "readme_tool"}
+    exec(compile(examples()[2], "README.md", "exec"), namespace)
+    assert capsys.readouterr().out == "sent to ada@example.com\nsent to ada@example.com\n"
+    [row] = key_rows(db, "tools.send_email")
+    assert (row.scope, row.idempotency_key) == ("conv_17", "call_8f2e")
+    namespace["engine"].dispose()
+
+
+def test_the_celery_example_charges_once_for_a_message_delivered_twice(
+    payments: tuple[Payments, str], db: sa.Engine
+) -> None:
+    api, _ = payments
+    with tempfile.TemporaryDirectory() as directory:
+        Path(directory, "tasks.py").write_text(examples()[0])
+        sys.path.insert(0, directory)
+        try:
+            import tasks  # type: ignore[import-not-found]
+        finally:
+            sys.path.remove(directory)
+        try:
+            with tasks.app.connection_for_write() as connection:
+                connection.ensure_connection(max_retries=1, timeout=5)
+        except Exception as exc:
+            if os.environ.get("RECOVERYPOINT_REQUIRE_SERVICES") == "1":
+                pytest.fail(f"no RabbitMQ ({exc}); RECOVERYPOINT_REQUIRE_SERVICES=1 requires it")
+            pytest.skip(f"no RabbitMQ ({exc})")
+        queue = f"readme-{os.getpid()}-{time.monotonic_ns()}"
+        tasks.app.conf.task_default_queue = queue  # this test's own queue
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo",
+             "--without-gossip", "--without-mingle", "--queues", queue, "--loglevel", "INFO"],
+            cwd=directory,
+            env=dict(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        try:
+            tasks.charge_order.delay("order-7", 2000)
+            tasks.charge_order.delay("order-7", 2000)  # the same message again
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with tasks.app.connection_for_write() as connection:
+                    ready = connection.default_channel.queue_declare(queue, passive=True)
+                rows = key_rows(db, "tasks.charge_order")
+                if ready.message_count == 0 and rows and rows[0].response_status == 200:
+                    break
+                time.sleep(0.2)
+        finally:
+            worker.terminate()  # a warm shutdown: the task under way finishes first
+            log, _ = worker.communicate(timeout=60)
+            with tasks.app.connection_for_write() as connection:
+                connection.default_channel.queue_delete(queue)
+            tasks.engine.dispose()
+            sys.modules.pop("tasks", None)
+    [row] = key_rows(db, "tasks.charge_order")
+    assert row.response_body["order_id"] == "order-7", log
+    assert list(api.calls.values()) == [1], log
+    assert log.count("succeeded") == 2, log
