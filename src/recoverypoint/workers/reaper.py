@@ -10,7 +10,8 @@ their row, unlinked from it (``idempotency_key_id`` set to NULL in the same stat
 A large pass leaves dead rows behind. Where autovacuum looks after the table it reaped,
 that is autovacuum's work; where it is off (for the server or the table), the reaper runs
 ``VACUUM (ANALYZE)`` on that table itself after a pass that deleted ``vacuum_after`` rows
-or more, so the table does not bloat and the planner's estimates stay true.
+or more, so the table does not bloat and the planner's estimates stay true. Several reapers
+do not queue behind each other's vacuum: one that finds the table being vacuumed skips it.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class ReaperResult(Result):
     messages: int = 0
     """Consume-once records deleted."""
     vacuumed: int = 0
-    """Tables the reaper vacuumed itself after this pass (autovacuum being off for them)."""
+    """Tables the reaper vacuumed itself after this pass (autovacuum being off for them),
+    or found another reaper vacuuming."""
 
 
 class Reaper(Worker[ReaperResult]):
@@ -189,7 +191,8 @@ class Reaper(Worker[ReaperResult]):
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # VACUUM needs it
             if not conn.execute(_AUTOVACUUM_OFF, {"table": table}).scalar_one():
                 return False
-            conn.execute(text(f"VACUUM (ANALYZE) {table}"))  # a name of ours, not input
+            # SKIP_LOCKED: another reaper's vacuum of the table is as good as ours.
+            conn.execute(text(f"VACUUM (ANALYZE, SKIP_LOCKED) {table}"))  # our name, not input
         return True
 
     def _batch(
