@@ -218,6 +218,37 @@ def test_a_failure_propagates_and_the_retry_runs_again_with_the_same_downstream_
     assert api.calls[seen[0]] == 3 and api.charges[seen[0]]["id"] == charge_id
 
 
+def test_an_abandoned_key_raises_abandoned_call_and_never_runs_the_function_again(
+    engine: rp.Engine, db: sa.Engine
+) -> None:
+    from recoverypoint import admin
+
+    name = unique("abandoned")
+    runs: list[str] = []
+
+    @rp.idempotent(engine, key="order_id", name=name)
+    def doomed(order_id: str) -> str:
+        runs.append(order_id)
+        raise RuntimeError("the provider is down")
+
+    with pytest.raises(RuntimeError):
+        doomed("o-1")
+    with db.connect() as conn:
+        key_id = conn.execute(
+            sa.text("SELECT id FROM idempotency_keys WHERE operation = :o"), {"o": name}
+        ).scalar_one()
+    result = admin.abandon(admin.Admin.for_engine(engine), key_id, message="given up by support")
+    assert result.changed == (key_id,)
+
+    for _ in range(2):
+        with pytest.raises(rp.AbandonedCall, match="given up by support"):
+            doomed("o-1")
+    assert runs == ["o-1"]  # the abandoned key's function never ran again
+    with pytest.raises(RuntimeError):  # a new key runs it
+        doomed("o-2")
+    assert runs == ["o-1", "o-2"]
+
+
 def test_downstream_keys_differ_by_key_and_name_and_only_exist_inside(engine: rp.Engine) -> None:
     @rp.idempotent(engine, key="k", name=unique("keys"))
     def keys(k: str) -> list[str]:

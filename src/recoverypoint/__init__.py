@@ -8,6 +8,7 @@ from .context import AsyncAtomicContext, AtomicContext, StepContext
 from .engine import Engine
 from .engine_async import AsyncEngine
 from .errors import (
+    AbandonedCall,
     ConcurrentUpdate,
     DeclarationError,
     IdempotencyError,
@@ -21,7 +22,7 @@ from .errors import (
     Retryable,
     TransactionEnded,
 )
-from .idempotent import AbandonedCall, downstream_key, idempotent
+from .idempotent import downstream_key, idempotent
 from .operation import Operation, Outcome, RecoveryPoint, Request, Response
 
 __all__ = [

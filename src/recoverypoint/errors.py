@@ -14,7 +14,8 @@
     ├── Retryable                    503  raised by phase code for a transient foreign failure
     ├── OperationNotRegistered       500  the engine does not know the operation (or version)
     ├── DeclarationError             500  an operation declared wrongly (raised at import time)
-    └── TransactionEnded             500  phase code ended the phase's transaction itself
+    ├── TransactionEnded             500  phase code ended the phase's transaction itself
+    └── AbandonedCall                500  an @idempotent function's key was abandoned
 
 Errors of the 4xx family never leave a row behind. Each class's docstring is its default
 message, written for the person who has to act on it.
@@ -105,3 +106,8 @@ class DeclarationError(IdempotencyError):
 class TransactionEnded(IdempotencyError):
     """An atomic phase committed or rolled back the engine's transaction; the engine commits
     each phase itself, with its recovery point. The attempt failed and nothing was recorded."""
+
+
+class AbandonedCall(IdempotencyError):
+    """The key's call was abandoned (by the completer after its attempts, or by an operator)
+    and answers with this error from now on; call with a new key to try again."""

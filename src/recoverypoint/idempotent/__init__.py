@@ -42,7 +42,7 @@ from pydantic_core import PydanticSerializationError
 
 from ..context import StepContext
 from ..engine import Engine
-from ..errors import IdempotencyError, InvalidParams, Retryable
+from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..operation import FINISHED, Operation, Outcome, Response
 from .shape import ArgumentRule, Shape, as_key_text
 
@@ -54,11 +54,6 @@ R = TypeVar("R")
 CALLED = "called"
 _VALUE = "value"
 _RETURNED = 200
-
-
-class AbandonedCall(IdempotencyError):
-    """The key's call was abandoned (by the completer after its attempts, or by an operator)
-    and answers with this error from now on; call with a new key to try again."""
 
 
 class AsyncRunner(Protocol):
