@@ -1,8 +1,15 @@
-"""Write the sync request path from its async source, as psycopg does for its connections.
+"""Write the sync request path and its tests from their async source, as psycopg does.
 
 The async modules are the source; each sync module is generated from one of them, so that
 the two paths keep the same semantics and never drift, and the sync one runs as fast as
 hand-written sync code: no event loop, no wrapper, the same statements.
+
+The engine's tests are written once the same way: tests/test_engine_async.py checks
+rp.AsyncEngine, and tests/test_engine_sync.py, generated from it, checks rp.Engine. Their
+concurrency comes from tests/acompat.py, whose asyncio names (``aspawn``, ``agather``…) are
+renamed to their thread twins (``spawn``, ``gather``…); the tests a sync module cannot
+have (cancellation, the refusal of the other kind of phase) sit in ``if True:  # ASYNC``
+blocks, with the anyio marks.
 
     python tools/async_to_sync.py          # write every sync module
     python tools/async_to_sync.py --check  # write nothing; exit 1 naming the stale ones
@@ -27,14 +34,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "src" / "recoverypoint"
+PACKAGE = "src/recoverypoint/"
 
-# Async source → generated sync module, relative to the package.
+# Async source → generated sync module, relative to the repository.
 PAIRS = {
-    "_pg_async.py": "_pg.py",
-    "store_async.py": "store.py",
-    "context/atomic_async.py": "context/atomic.py",
-    "engine_async.py": "engine.py",
+    f"{PACKAGE}_pg_async.py": f"{PACKAGE}_pg.py",
+    f"{PACKAGE}store_async.py": f"{PACKAGE}store.py",
+    f"{PACKAGE}context/atomic_async.py": f"{PACKAGE}context/atomic.py",
+    f"{PACKAGE}engine_async.py": f"{PACKAGE}engine.py",
+    "tests/test_engine_async.py": "tests/test_engine_sync.py",
 }
 
 # Async name → sync name, in this order (dotted names before the words they contain).
@@ -46,6 +54,7 @@ NAMES = [
     ("sa_async.AsyncEngine", "sa.Engine"),
     ("sa_async.AsyncConnection", "sa.Connection"),
     ("sa_async.AsyncSession", "sa_orm.Session"),
+    ("sa_async.create_async_engine", "sa.create_engine"),
     ("create_async_engine", "create_engine"),
     ("import asyncio", "import time"),
     ("asyncio.sleep", "time.sleep"),
@@ -63,6 +72,11 @@ NAMES = [
     ("store_async", "store"),
     ("engine_async", "engine"),
     ("atomic_async", "atomic"),
+    # The tests' concurrency (tests/acompat.py): tasks become threads.
+    ("AEvent", "Event"),
+    ("aspawn", "spawn"),
+    ("ajoin", "join"),
+    ("agather", "gather"),
 ]
 
 _ASYNC_BLOCK = re.compile(r"^(\s*)if True:  # ASYNC$")
@@ -75,9 +89,10 @@ _RENAMES = [(re.compile(rf"(?<!\w){re.escape(old)}\b"), new) for old, new in NAM
 
 
 def header(source: str) -> str:
+    """The first lines of the module generated from ``source`` (relative to the repository)."""
     return (
-        f"# Generated from src/recoverypoint/{source} by tools/async_to_sync.py:\n"
-        f"# edit {source}, then run tools/async_to_sync.py.\n"
+        f"# Generated from {source} by tools/async_to_sync.py:\n"
+        f"# edit {source.removeprefix(PACKAGE)}, then run tools/async_to_sync.py.\n"
     )
 
 
@@ -125,9 +140,9 @@ def translate(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-def ruff(text: str, target: Path) -> str:
-    """``text`` with its unused imports dropped, sorted and formatted, as ruff does it."""
-    name = str(target.relative_to(ROOT))
+def ruff(text: str, name: str) -> str:
+    """``text`` with its unused imports dropped, sorted and formatted, as ruff does it;
+    ``name`` is the module's path in the repository, whose ruff settings apply."""
     steps = [
         [
             "check",
@@ -154,9 +169,9 @@ def ruff(text: str, target: Path) -> str:
 
 
 def generate(source: str) -> str:
-    """The sync module generated from ``source`` (relative to the package)."""
-    text = translate((PACKAGE / source).read_text())
-    return header(source) + ruff(text, PACKAGE / PAIRS[source])
+    """The sync module generated from ``source`` (relative to the repository)."""
+    text = translate((ROOT / source).read_text())
+    return header(source) + ruff(text, PAIRS[source])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = []
     for source, target in PAIRS.items():
         wanted = generate(source)
-        path = PACKAGE / target
+        path = ROOT / target
         if path.exists() and path.read_text() == wanted:
             continue
         stale.append(target)
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     for target in [] if args.check else stale:
-        print(f"wrote src/recoverypoint/{target}")
+        print(f"wrote {target}")
     return 0
 
 

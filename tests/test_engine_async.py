@@ -1,43 +1,54 @@
-"""rp.AsyncEngine's guarantees, against real PostgreSQL: those the sync suite checks for
-rp.Engine, on psycopg's AsyncConnection; and what an asyncio user expects besides: context
-variables reach the phases, and a cancelled request leaves no lease, no open transaction
-and no connection checked out, wherever the cancellation lands."""
+"""rp.AsyncEngine's guarantees, against real PostgreSQL: a new key runs every phase, then
+replays; a key reused with other params is refused, one in flight is in use; a failure
+anywhere resumes from the recovery point and charges once; fifty callers racing on one key
+make one effect; a takeover fences the old owner out; serialization failures are retried;
+context variables reach the phases; ORM sessions write in the phase's one transaction,
+which only the engine commits."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
+import sqlalchemy.ext.asyncio as sa_async
+from acompat import AEvent, agather, ajoin, aspawn
 from rides import Provider, count
-from sqlalchemy.ext.asyncio import create_async_engine
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
 
-pytestmark = pytest.mark.anyio
+if True:  # ASYNC
+    # tests/test_engine_sync.py is generated from this module (tools/async_to_sync.py) and
+    # checks the same guarantees of rp.Engine, on threads. What it cannot say, the refusal
+    # of the other kind of phase and the cancellation of a request wherever it is, is in
+    # blocks like this one.
+    pytestmark = pytest.mark.anyio
+
+    @pytest.fixture
+    def anyio_backend() -> str:
+        return "asyncio"
+
 
 REQUEST = rp.Request("POST", "/rides")
 # The engine's connections, told apart from those of other tests on the same database.
-APPLICATION = "recoverypoint-async-tests"
+APPLICATION = "recoverypoint-engine-tests"
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="nobody")
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def engine(database_url: str, business_tables: None) -> AsyncIterator[rp.AsyncEngine]:
-    url = normalize_url(database_url)
-    async_db = create_async_engine(
-        url, pool_size=5, max_overflow=15, connect_args={"application_name": APPLICATION}
+    async_db = sa_async.create_async_engine(
+        normalize_url(database_url),
+        pool_size=5,
+        max_overflow=15,
+        connect_args={"application_name": APPLICATION},
     )
     engine = rp.AsyncEngine(async_db, serialization_retries=30)
     yield engine
@@ -50,16 +61,14 @@ class Gate:
     """Where a test stops a request: a named hook every phase calls."""
 
     def __init__(self) -> None:
-        self.hooks: dict[str, Callable[[], Any]] = {}
+        self.hooks: dict[str, Callable[[], Awaitable[None]]] = {}
         self.seen: list[str] = []
 
     async def at(self, name: str) -> None:
         self.seen.append(name)
         hook = self.hooks.get(name)
         if hook is not None:
-            result = hook()
-            if asyncio.iscoroutine(result):
-                await result
+            await hook()
 
 
 def rides(name: str, provider: Provider, gate: Gate, **options: Any) -> rp.Operation[Any]:
@@ -85,8 +94,12 @@ def rides(name: str, provider: Provider, gate: Gate, **options: Any) -> rp.Opera
         await gate.at("charge_created:start")
         if params.get("customer") == "cus_declined":
             return rp.Response(402, {"error": "card_declined"})
-        key = step.downstream_key()
-        charge_id = await asyncio.to_thread(provider.charge, key, params["scope"], 2000)
+        key, scope = step.downstream_key(), params["scope"]
+        if True:  # ASYNC
+            # The provider's client blocks: off the event loop.
+            charge_id = await asyncio.to_thread(provider.charge, key, scope, 2000)
+        else:
+            charge_id = provider.charge(key, scope, 2000)
         await gate.at("charge_created:end")
         return {"charge_id": charge_id}
 
@@ -129,28 +142,6 @@ def key_row(db: sa.Engine, scope: str) -> Any:
         ).one_or_none()
 
 
-def activity(db: sa.Engine) -> list[Any]:
-    with db.connect() as conn:
-        return list(
-            conn.execute(
-                sa.text(
-                    "SELECT pid, state, query FROM pg_stat_activity "
-                    "WHERE datname = current_database()"
-                )
-            )
-        )
-
-
-def open_transactions(db: sa.Engine) -> int:
-    """The async engine's connections that are in a transaction."""
-    return count(
-        db,
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND application_name = :a AND state LIKE 'idle in transaction%'",
-        a=APPLICATION,
-    )
-
-
 async def test_new_key_runs_every_phase_then_replays(
     engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
 ) -> None:
@@ -184,7 +175,7 @@ async def test_reused_key_with_other_params_is_refused(
 async def test_in_flight_key_is_in_use(
     engine: rp.AsyncEngine, op: rp.Operation[Any], scope: str, gate: Gate
 ) -> None:
-    inside, leave = asyncio.Event(), asyncio.Event()
+    inside, leave = AEvent(), AEvent()
 
     async def hold() -> None:
         inside.set()
@@ -192,13 +183,14 @@ async def test_in_flight_key_is_in_use(
 
     gate.hooks["charge_created:start"] = hold
     params = {"scope": scope}
-    first = asyncio.create_task(engine.run(op, key="k", scope=scope, params=params))
+    first = aspawn(engine.run, op, key="k", scope=scope, params=params)
     await inside.wait()
     with pytest.raises(rp.KeyInUse) as refused:
         await engine.run(op, key="k", scope=scope, params=params)
     assert refused.value.retry_after >= 1
     leave.set()
-    assert (await first).status == 201
+    outcome = await ajoin(first)
+    assert outcome.status == 201
 
 
 @pytest.mark.parametrize(
@@ -221,7 +213,7 @@ async def test_a_failure_anywhere_resumes_and_charges_once(
     provider: Provider,
     where: str,
 ) -> None:
-    def boom() -> None:
+    async def boom() -> None:
         gate.hooks.pop(where)
         raise rp.Retryable(where)
 
@@ -245,7 +237,7 @@ async def test_a_failure_anywhere_resumes_and_charges_once(
     assert replayed.replayed and replayed.body == resumed.body
 
 
-async def test_fifty_tasks_racing_one_key_run_the_phase_once(
+async def test_fifty_callers_racing_one_key_run_the_phase_once(
     engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str
 ) -> None:
     params = {"scope": scope}
@@ -259,7 +251,7 @@ async def test_fifty_tasks_racing_one_key_run_the_phase_once(
             except rp.ConcurrentUpdate as exc:
                 return exc
 
-    outcomes = await asyncio.gather(*(attempt() for _ in range(50)))
+    outcomes = await agather(*[attempt] * 50)
     done = [o for o in outcomes if isinstance(o, rp.Outcome)]
     assert done and all(o.body == done[0].body for o in done)
     assert sum(not o.replayed for o in done) == 1
@@ -272,7 +264,7 @@ async def test_a_takeover_makes_the_old_owner_lose_its_lock(
 ) -> None:
     op = rides(f"takeover_{uuid.uuid4().hex[:8]}", provider, gate)
     engine.register(op)
-    inside, leave = asyncio.Event(), asyncio.Event()
+    inside, leave = AEvent(), AEvent()
 
     async def stall() -> None:
         gate.hooks.pop("charge_created:end")
@@ -281,7 +273,7 @@ async def test_a_takeover_makes_the_old_owner_lose_its_lock(
 
     gate.hooks["charge_created:end"] = stall
     params = {"scope": scope}
-    slow = asyncio.create_task(engine.run(op, key="k", scope=scope, params=params))
+    slow = aspawn(engine.run, op, key="k", scope=scope, params=params)
     await inside.wait()
     with db.begin() as conn:  # the lease expires
         conn.execute(
@@ -294,7 +286,7 @@ async def test_a_takeover_makes_the_old_owner_lose_its_lock(
     assert taker.status == 201
     leave.set()
     with pytest.raises(rp.LockLost):
-        await slow
+        await ajoin(slow)
     assert count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope) == 1
     assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
     assert key_row(db, scope).recovery_point == "finished"
@@ -320,8 +312,8 @@ async def test_serialization_failures_are_retried(
         return rp.Response(200, {"n": n + 1})
 
     engine.register(op)
-    outcomes = await asyncio.gather(
-        *(engine.run(op, key=f"k{i}", scope=scope, params={}) for i in range(8))
+    outcomes = await agather(
+        *(functools.partial(engine.run, op, key=f"k{i}", scope=scope, params={}) for i in range(8))
     )
     assert sorted(o.body["n"] for o in outcomes) == list(range(1, 9))
     assert len(retries) > 8  # some phases ran again after a serialization failure
@@ -331,8 +323,11 @@ async def test_serialization_failures_are_retried(
 async def test_context_variables_reach_every_phase(
     engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str
 ) -> None:
-    CALLER.set("alice")
-    outcome = await engine.run(op, key="k", scope=scope, params={"scope": scope})
+    token = CALLER.set("alice")
+    try:
+        outcome = await engine.run(op, key="k", scope=scope, params={"scope": scope})
+    finally:
+        CALLER.reset(token)
     assert outcome.status == 201
     with db.connect() as conn:
         state = conn.execute(
@@ -361,7 +356,8 @@ async def test_an_orm_session_writes_in_the_phase_transaction(
     with pytest.raises(rp.Retryable):
         await engine.run(op, key="a", scope=scope, params={"fail": True})
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
-    assert (await engine.run(op, key="b", scope=scope, params={})).status == 201
+    outcome = await engine.run(op, key="b", scope=scope, params={})
+    assert outcome.status == 201
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
 
 
@@ -383,165 +379,180 @@ async def test_committing_from_a_phase_is_refused(
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
 
 
-# -- sync and async do not mix ----------------------------------------------------------------
+if True:  # ASYNC
+    # -- sync and async do not mix --------------------------------------------------------
 
+    def test_the_async_engine_refuses_plain_phases(database_url: str) -> None:
+        op: rp.Operation[Any] = rp.Operation("plain")
 
-def test_the_async_engine_refuses_plain_phases(database_url: str) -> None:
-    op: rp.Operation[Any] = rp.Operation("plain")
+        @op.atomic_phase("finished")
+        def plain(tx: Any, params: Any) -> None: ...
 
-    @op.atomic_phase("finished")
-    def plain(tx: Any, params: Any) -> None: ...
+        engine = rp.AsyncEngine(database_url)
+        with pytest.raises(rp.DeclarationError, match="async def"):
+            engine.register(op)
+        assert engine.operations == ()
+        asyncio.run(engine.dispose())
 
-    engine = rp.AsyncEngine(database_url)
-    with pytest.raises(rp.DeclarationError, match="async def"):
-        engine.register(op)
-    assert engine.operations == ()
-    asyncio.run(engine.dispose())
+    def test_the_sync_engine_refuses_async_phases(db: sa.Engine) -> None:
+        op: rp.Operation[Any] = rp.Operation("coroutines")
 
+        @op.foreign_step("called")
+        async def step(step: Any, params: Any) -> None: ...
 
-def test_the_sync_engine_refuses_async_phases(db: sa.Engine) -> None:
-    op: rp.Operation[Any] = rp.Operation("coroutines")
+        @op.atomic_phase("finished")
+        def finish(tx: Any, params: Any) -> None: ...
 
-    @op.foreign_step("called")
-    async def step(step: Any, params: Any) -> None: ...
+        with pytest.raises(rp.DeclarationError, match=r"rp\.AsyncEngine"):
+            rp.Engine(db).register(op)
 
-    @op.atomic_phase("finished")
-    def finish(tx: Any, params: Any) -> None: ...
+    # -- cancellation ---------------------------------------------------------------------
 
-    with pytest.raises(rp.DeclarationError, match=r"rp\.AsyncEngine"):
-        rp.Engine(db).register(op)
-
-
-# -- cancellation -------------------------------------------------------------------------------
-
-
-class CancelAtStatement:
-    """Cancels the running task while its ``n``-th statement (or COMMIT) is on the wire."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.seen = 0
-        self.fired = False
-
-    def arm(self) -> None:
-        self.seen += 1
-        if self.seen == self.n:
-            task = asyncio.current_task()
-            assert task is not None
-            self.fired = True
-            asyncio.get_running_loop().call_soon(task.cancel)
-
-
-@pytest.fixture
-def cancel_points(monkeypatch: pytest.MonkeyPatch) -> list[CancelAtStatement]:
-    """Every statement and COMMIT the request path sends calls the armed cancellers."""
-    armed: list[CancelAtStatement] = []
-    execute, commit = psycopg.AsyncCursor.execute, psycopg.AsyncConnection.commit
-
-    async def cancelling_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for canceller in armed:
-            canceller.arm()
-        return await execute(self, *args, **kwargs)
-
-    async def cancelling_commit(self: Any) -> None:
-        for canceller in armed:
-            canceller.arm()
-        await commit(self)
-
-    monkeypatch.setattr(psycopg.AsyncCursor, "execute", cancelling_execute)
-    monkeypatch.setattr(psycopg.AsyncConnection, "commit", cancelling_commit)
-    return armed
-
-
-async def test_cancellation_at_every_await_leaves_no_lease_and_no_transaction(
-    engine: rp.AsyncEngine,
-    op: rp.Operation[Any],
-    db: sa.Engine,
-    scope: str,
-    cancel_points: list[CancelAtStatement],
-) -> None:
-    n = 0
-    while True:
-        n += 1
-        key = f"k{n}"
-        canceller = CancelAtStatement(n)
-        cancel_points[:] = [canceller]
-        task = asyncio.create_task(engine.run(op, key=key, scope=scope, params={"scope": scope}))
-        try:
-            outcome = await task
-        except asyncio.CancelledError:
-            outcome = None
-        cancel_points.clear()
-        if not canceller.fired:
-            assert outcome is not None and outcome.status == 201
-            break
-        assert n < 60, "the request path sends more statements than expected"
-        assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
-        assert open_transactions(db) == 0, (n, activity(db))
+    def activity(db: sa.Engine) -> list[Any]:
         with db.connect() as conn:
-            row = conn.execute(
-                sa.text(
-                    "SELECT id, recovery_point, lock_token, attempts FROM idempotency_keys "
-                    "WHERE scope = :s AND idempotency_key = :k"
-                ),
-                {"s": scope, "k": key},
-            ).one_or_none()
-        if outcome is None and row is not None:
-            # Cancelled: unless the response committed first, the lease is given up and
-            # the attempt counted, and a retry finishes the request once.
-            if row.recovery_point != "finished":
-                assert row.lock_token is None and row.attempts == 1
-            again = await engine.run(op, key=key, scope=scope, params={"scope": scope})
-            assert again.status == 201
-        rides = count(
+            return list(
+                conn.execute(
+                    sa.text(
+                        "SELECT pid, state, query FROM pg_stat_activity "
+                        "WHERE datname = current_database()"
+                    )
+                )
+            )
+
+    def open_transactions(db: sa.Engine) -> int:
+        """The engine's connections that are in a transaction."""
+        return count(
             db,
-            "SELECT count(*) FROM rides r JOIN idempotency_keys k ON k.id = r.key_id "
-            "WHERE k.scope = :s AND k.idempotency_key = :k",
-            s=scope,
-            k=key,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = :a AND state LIKE 'idle in transaction%'",
+            a=APPLICATION,
         )
-        assert rides == (0 if row is None else 1)
-    assert n > 8  # every statement of a fresh request was a cancellation point
 
+    class CancelAtStatement:
+        """Cancels the running task while its ``n``-th statement (or COMMIT) is on the wire."""
 
-async def test_a_timeout_inside_a_phase_releases_the_lease(
-    engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
-) -> None:
-    async def slow_statement() -> None:
-        gate.hooks.clear()
-        await asyncio.sleep(10)
+        def __init__(self, n: int) -> None:
+            self.n = n
+            self.seen = 0
+            self.fired = False
 
-    gate.hooks["finished:start"] = slow_statement
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.5):
-            await engine.run(op, key="k", scope=scope, params={"scope": scope})
-    row = key_row(db, scope)
-    assert row.recovery_point == "charge_created"
-    assert row.lock_token is None and row.attempts == 1 and "CancelledError" in row.last_error
-    assert open_transactions(db) == 0
-    assert (await engine.resume(row.id)).status == 201
+        def arm(self) -> None:
+            self.seen += 1
+            if self.seen == self.n:
+                task = asyncio.current_task()
+                assert task is not None
+                self.fired = True
+                asyncio.get_running_loop().call_soon(task.cancel)
 
+    @pytest.fixture
+    def cancel_points(monkeypatch: pytest.MonkeyPatch) -> list[CancelAtStatement]:
+        """Every statement and COMMIT the request path sends calls the armed cancellers."""
+        armed: list[CancelAtStatement] = []
+        execute, commit = psycopg.AsyncCursor.execute, psycopg.AsyncConnection.commit
 
-async def test_a_server_side_statement_is_cancelled_with_the_task(
-    engine: rp.AsyncEngine, db: sa.Engine, scope: str
-) -> None:
-    op: rp.Operation[Any] = rp.Operation(f"sleepy_{uuid.uuid4().hex[:8]}")
+        async def cancelling_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for canceller in armed:
+                canceller.arm()
+            return await execute(self, *args, **kwargs)
 
-    @op.atomic_phase("finished")
-    async def sleepy(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
-        await tx.execute("SELECT pg_sleep(30)")
+        async def cancelling_commit(self: Any) -> None:
+            for canceller in armed:
+                canceller.arm()
+            await commit(self)
 
-    engine.register(op)
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(engine.run(op, key="k", scope=scope, params={}), 0.5)
-    # A new key whose first phase was cancelled leaves nothing behind.
-    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
-    assert open_transactions(db) == 0
-    assert (
-        count(
-            db,
-            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
-            "AND state = 'active'",
+        monkeypatch.setattr(psycopg.AsyncCursor, "execute", cancelling_execute)
+        monkeypatch.setattr(psycopg.AsyncConnection, "commit", cancelling_commit)
+        return armed
+
+    async def test_cancellation_at_every_await_leaves_no_lease_and_no_transaction(
+        engine: rp.AsyncEngine,
+        op: rp.Operation[Any],
+        db: sa.Engine,
+        scope: str,
+        cancel_points: list[CancelAtStatement],
+    ) -> None:
+        n = 0
+        while True:
+            n += 1
+            key = f"k{n}"
+            canceller = CancelAtStatement(n)
+            cancel_points[:] = [canceller]
+            task = asyncio.create_task(
+                engine.run(op, key=key, scope=scope, params={"scope": scope})
+            )
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = None
+            cancel_points.clear()
+            if not canceller.fired:
+                assert outcome is not None and outcome.status == 201
+                break
+            assert n < 60, "the request path sends more statements than expected"
+            assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
+            assert open_transactions(db) == 0, (n, activity(db))
+            with db.connect() as conn:
+                row = conn.execute(
+                    sa.text(
+                        "SELECT id, recovery_point, lock_token, attempts FROM idempotency_keys "
+                        "WHERE scope = :s AND idempotency_key = :k"
+                    ),
+                    {"s": scope, "k": key},
+                ).one_or_none()
+            if outcome is None and row is not None:
+                # Cancelled: unless the response committed first, the lease is given up and
+                # the attempt counted, and a retry finishes the request once.
+                if row.recovery_point != "finished":
+                    assert row.lock_token is None and row.attempts == 1
+                again = await engine.run(op, key=key, scope=scope, params={"scope": scope})
+                assert again.status == 201
+            rides = count(
+                db,
+                "SELECT count(*) FROM rides r JOIN idempotency_keys k ON k.id = r.key_id "
+                "WHERE k.scope = :s AND k.idempotency_key = :k",
+                s=scope,
+                k=key,
+            )
+            assert rides == (0 if row is None else 1)
+        assert n > 8  # every statement of a fresh request was a cancellation point
+
+    async def test_a_timeout_inside_a_phase_releases_the_lease(
+        engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
+    ) -> None:
+        async def slow_statement() -> None:
+            gate.hooks.clear()
+            await asyncio.sleep(10)
+
+        gate.hooks["finished:start"] = slow_statement
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await engine.run(op, key="k", scope=scope, params={"scope": scope})
+        row = key_row(db, scope)
+        assert row.recovery_point == "charge_created"
+        assert row.lock_token is None and row.attempts == 1 and "CancelledError" in row.last_error
+        assert open_transactions(db) == 0
+        assert (await engine.resume(row.id)).status == 201
+
+    async def test_a_server_side_statement_is_cancelled_with_the_task(
+        engine: rp.AsyncEngine, db: sa.Engine, scope: str
+    ) -> None:
+        op: rp.Operation[Any] = rp.Operation(f"sleepy_{uuid.uuid4().hex[:8]}")
+
+        @op.atomic_phase("finished")
+        async def sleepy(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+            await tx.execute("SELECT pg_sleep(30)")
+
+        engine.register(op)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.run(op, key="k", scope=scope, params={}), 0.5)
+        # A new key whose first phase was cancelled leaves nothing behind.
+        assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
+        assert open_transactions(db) == 0
+        assert (
+            count(
+                db,
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
+                "AND state = 'active'",
+            )
+            == 0
         )
-        == 0
-    )
