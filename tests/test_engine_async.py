@@ -516,6 +516,47 @@ if True:  # ASYNC
             assert rides == (0 if row is None else 1)
         assert n > 8  # every statement of a fresh request was a cancellation point
 
+    async def test_cancelling_a_resume_at_every_await_leaves_no_lease(
+        engine: rp.AsyncEngine,
+        op: rp.Operation[Any],
+        db: sa.Engine,
+        scope: str,
+        gate: Gate,
+        cancel_points: list[CancelAtStatement],
+    ) -> None:
+        async def boom() -> None:
+            raise rp.Retryable("the last phase fails once")
+
+        gate.hooks["finished:start"] = boom
+        with pytest.raises(rp.Retryable):
+            await engine.run(op, key="k", scope=scope, params={"scope": scope})
+        gate.hooks.clear()
+        key_id = key_row(db, scope).id
+        n = 0
+        while True:
+            n += 1
+            canceller = CancelAtStatement(n)
+            cancel_points[:] = [canceller]
+            task = asyncio.create_task(engine.resume(key_id))
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = None
+            cancel_points.clear()
+            if not canceller.fired:
+                assert outcome is not None and outcome.status == 201
+                break
+            assert n < 40, "resume sends more statements than expected"
+            assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
+            assert open_transactions(db) == 0, (n, activity(db))
+            row = key_row(db, scope)
+            if row.recovery_point != "finished":
+                assert row.lock_token is None, n  # the lease is given up, the claim's too
+        assert n > 3  # the claim's statement and COMMIT were cancellation points
+        assert key_row(db, scope).recovery_point == "finished"
+        rides = count(db, "SELECT count(*) FROM rides WHERE scope = :s", s=scope)
+        assert rides == 1
+
     async def test_a_timeout_inside_a_phase_releases_the_lease(
         engine: rp.AsyncEngine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
     ) -> None:

@@ -200,7 +200,22 @@ class Engine(Registry):
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
         with observing as observed:
-            record = self._transact(lambda tx: store.claim_by_id(tx, key_id, held, lock_timeout))
+            taken: list[KeyRecord] = []  # the claim's record, once it took the lease
+
+            def claim(tx: Transaction) -> KeyRecord | None:
+                record = store.claim_by_id(tx, key_id, held, lock_timeout)
+                taken[:] = [record] if record is not None and record.claimed else []
+                return record
+
+            try:
+                record = self._transact(claim)
+            except Exception:
+                raise  # raised before COMMIT: the claim rolled back
+            except BaseException as exc:
+                # As in run(): an interrupt that lands on COMMIT does not stop it.
+                if taken:
+                    self._abandon(_Run(self, operation, taken[0], held), exc)
+                raise
             if record is None:
                 raise LookupError(f"key record {key_id} was deleted")
             if record.claimed:

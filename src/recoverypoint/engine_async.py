@@ -213,9 +213,22 @@ class AsyncEngine(Registry):
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
         with observing as observed:
-            record = await self._transact(
-                lambda tx: store_async.claim_by_id(tx, key_id, held, lock_timeout)
-            )
+            taken: list[KeyRecord] = []  # the claim's record, once it took the lease
+
+            async def claim(tx: AsyncTransaction) -> KeyRecord | None:
+                record = await store_async.claim_by_id(tx, key_id, held, lock_timeout)
+                taken[:] = [record] if record is not None and record.claimed else []
+                return record
+
+            try:
+                record = await self._transact(claim)
+            except Exception:
+                raise  # raised before COMMIT: the claim rolled back
+            except BaseException as exc:
+                # As in run(): an interrupt that lands on COMMIT does not stop it.
+                if taken:
+                    await self._abandon(_AsyncRun(self, operation, taken[0], held), exc)
+                raise
             if record is None:
                 raise LookupError(f"key record {key_id} was deleted")
             if record.claimed:
