@@ -174,7 +174,7 @@ def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
 def _roll_back_leftovers(tx: Transaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
-    if not connection.closed and connection.info.transaction_status != TransactionStatus.IDLE:
+    if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             connection.rollback()
@@ -199,7 +199,7 @@ def borrowed(
 
 
 def _hand_back(pooled: Any, connection: psycopg.Connection[Any], was: bool) -> None:
-    if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
+    if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
         if not was:
             # Through the pool's own connection object: in the async pool it is
             # SQLAlchemy's adapter, which switches psycopg's mode for the pool.

@@ -188,7 +188,7 @@ def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
 async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
-    if not connection.closed and connection.info.transaction_status != TransactionStatus.IDLE:
+    if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             await connection.rollback()
@@ -220,7 +220,7 @@ async def borrowed(
 
 
 def _hand_back(pooled: Any, connection: psycopg.AsyncConnection[Any], was: bool) -> None:
-    if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
+    if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
         if not was:
             # Through the pool's own connection object: in the async pool it is
             # SQLAlchemy's adapter, which switches psycopg's mode for the pool.

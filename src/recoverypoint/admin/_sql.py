@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The operations the caller knows, as a table (the completer builds the same one).
+# The operations the caller knows, as a table (the completer's claim uses it too).
 REGISTERED = """
     registered AS (
         SELECT * FROM unnest(

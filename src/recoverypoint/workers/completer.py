@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, text
 
+from ..admin._sql import REGISTERED  # the operations this completer can resume, as a table
 from ..admin.key_actions import abandon_exhausted
 from ..engine import Engine
 from ..errors import KeyInUse, LockLost
@@ -41,16 +42,6 @@ ABANDONED_RESPONSE = Response(
 )
 """What an abandoned key replays to a client that retries it."""
 
-# The operations this completer can resume, as a table: an unnest of three arrays.
-_REGISTERED = """
-    registered AS (
-        SELECT * FROM unnest(
-            CAST(:operations AS text[]), CAST(:versions AS integer[]),
-            CAST(:lock_timeouts AS double precision[])
-        ) AS r(operation, version, lock_timeout)
-    )
-"""
-
 # An unfinished key whose next attempt is due and whose client has had :min_age seconds
 # since its last run to come back on its own.
 _DUE = """
@@ -63,7 +54,7 @@ _DUE = """
 # SKIP LOCKED: rows another completer (or a client's claim) holds are passed over.
 _CLAIM_DUE = text(
     f"""
-    WITH {_REGISTERED},
+    WITH {REGISTERED},
     due AS (
         SELECT k.id
         FROM idempotency_keys AS k
@@ -86,7 +77,7 @@ _CLAIM_DUE = text(
 # Due keys no registered operation can resume, per operation and version: read only.
 _UNREGISTERED = text(
     f"""
-    WITH {_REGISTERED}
+    WITH {REGISTERED}
     SELECT k.operation, k.operation_version, count(*) AS keys
     FROM idempotency_keys AS k
     WHERE {_DUE}
