@@ -25,7 +25,7 @@ from recoverypoint.schema import metadata
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # Every revision, oldest first; the last one is the head.
-REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 HEAD = REVISIONS[-1]
 TABLES = {"idempotency_keys", "staged_jobs", "processed_messages", "worker_passes", "audit_log"}
 
@@ -174,6 +174,20 @@ def test_migrated_schema_matches_the_schema_module(empty_database_url: str) -> N
                     if not index.get("duplicates_constraint")
                 }
                 assert found_where == declared_where, table.name
+
+                # Nor the order of a unique constraint's columns, which decides the lookups
+                # its index serves (a search by the client's key alone, for one).
+                declared_unique = {
+                    c.name: [column.name for column in c.columns]
+                    for c in table.constraints
+                    if isinstance(c, sa.UniqueConstraint) and c.name
+                }
+                found_unique = {
+                    c["name"]: c["column_names"]
+                    for c in inspector.get_unique_constraints(table.name)
+                    if c["name"] in declared_unique
+                }
+                assert found_unique == declared_unique, table.name
     finally:
         engine.dispose()
 

@@ -92,6 +92,28 @@ class AsyncTransaction:
         await self._cursor.execute(query, params)
         return await self._cursor.fetchone()
 
+    async def begin_with(self, query: str) -> tuple[Any, ...] | None:
+        """BEGIN and one of the engine's statements, written out without parameters (see
+        :func:`recoverypoint.sql.fence_by_ctid`), in one round trip; its first row."""
+        assert not self._began, "begin_with opens the transaction"
+        self._began = True
+        if True:  # ASYNC
+            self._cursor.row_factory = tuple_row
+            await self._cursor.execute(sql.BEGIN.decode() + "; " + query)
+            self._cursor.nextset()  # past BEGIN's own result
+            return await self._cursor.fetchone()
+        else:
+            # libpq answers with the last statement's result: the row, or the error.
+            result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
+            if result.status != ExecStatus.TUPLES_OK:
+                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            if result.ntuples == 0:
+                return None
+            return tuple(
+                None if value is None else value.decode()
+                for value in (result.get_value(0, column) for column in range(result.nfields))
+            )
+
     async def commit(self) -> None:
         """COMMIT, if anything began; read-only work costs no round trip."""
         if self._began:

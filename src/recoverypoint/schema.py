@@ -54,8 +54,10 @@ idempotency_keys = Table(
     Column("finished_at", DateTime(timezone=True)),
     # Set when the completer gives the key up after its last attempt (see workers.completer).
     Column("abandoned_at", DateTime(timezone=True)),
+    # The client's key first: the claim names all three columns, a search by the key alone
+    # (the console's, a support ticket's) only the first.
     UniqueConstraint(
-        "scope", "operation", "idempotency_key", name="idempotency_keys_scope_operation_key"
+        "idempotency_key", "scope", "operation", name="idempotency_keys_scope_operation_key"
     ),
     CheckConstraint(
         "char_length(idempotency_key) BETWEEN 1 AND 255", name="idempotency_keys_key_length"
@@ -88,8 +90,6 @@ idempotency_keys = Table(
         "operation",
         postgresql_where=text("abandoned_at IS NOT NULL"),
     ),
-    # A search by the client's key alone (the console's, a support ticket's): no scope.
-    Index("idempotency_keys_key", "idempotency_key"),
 )
 
 staged_jobs = Table(

@@ -62,11 +62,10 @@ def key_operation(db: sa.Engine, key_id: int) -> tuple[str, int] | None:
 def fence(tx: Transaction, key: KeyRef) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
-    params = {"id": key.id, "token": key.token, "ctid": key.ctid}
     with _waiting_for_key():
-        row = tx.fetchone(sql.FENCE_BY_CTID, params)
+        row = tx.begin_with(sql.fence_by_ctid(key.ctid, key.id, key.token))
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = tx.fetchone(sql.FENCE_BY_ID, params)
+            row = tx.fetchone(sql.FENCE_BY_ID, {"id": key.id, "token": key.token})
     written(key, row)
     key.locked_by = tx
 
