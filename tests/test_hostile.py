@@ -910,9 +910,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def json_meaning(body: bytes) -> tuple[str, str | None]:
     """``("json", canonical text)`` for a UTF-8 JSON document without duplicate keys;
-    ``("duplicate", None)`` for JSON with duplicate keys; ``("other", None)`` else."""
+    ``("duplicate", None)`` for JSON with duplicate keys; ``("other", None)`` else. A leading
+    byte order mark is ignored, as RFC 8259 allows and both frameworks' JSON parsing does."""
     try:
-        value = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        value = json.loads(body.decode("utf-8-sig"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey:
         return "duplicate", None
     except (ValueError, RecursionError):

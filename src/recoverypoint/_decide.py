@@ -105,6 +105,21 @@ class Advanced:
 Step = Advanced | Outcome
 
 
+@dataclass
+class Progress:
+    """Where one run stands, kept in this one place."""
+
+    at: str
+    """The recovery point the key row holds, as far as the run knows."""
+    state: str
+    """The state stored with it, as JSON text."""
+    committed: str
+    """The last point the run itself committed (where a withdrawal is still allowed)."""
+
+    def reached(self, step: Advanced) -> None:
+        self.at, self.state = step.point, step.state
+
+
 class Registry:
     """The operations an engine runs, each version on its own; ``async def`` phases for
     the async engine, plain ones for the sync engine, so that no phase ever runs on a

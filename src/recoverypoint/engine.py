@@ -31,6 +31,7 @@ from ._decide import (
     ClaimRequest,
     KeyRecord,
     KeyRef,
+    Progress,
     Registry,
     Step,
     as_answered,
@@ -268,17 +269,17 @@ class Engine(Registry):
         return run, None
 
     def _drive(self, run: _Run, step: Step | None) -> Outcome:
-        state = run.record.state
+        progress = run.progress
         try:
             while True:
                 if step is not None and faults.active:
-                    faults.hit("after_commit", run.committed)
+                    faults.hit("after_commit", progress.committed)
                 if isinstance(step, Outcome):
                     return step
                 if step is not None:
-                    run.at, state = step.point, step.state
-                phase = run.operation.phases[run.operation.next_phase(run.at)]
-                step = run.next(phase, state)
+                    progress.reached(step)
+                phase = run.operation.phases[run.operation.next_phase(progress.at)]
+                step = run.next(phase, progress.state)
         except LockLost:
             raise
         except BaseException as exc:
@@ -291,7 +292,7 @@ class Engine(Registry):
     def _give_up(self, run: _Run, exc: BaseException) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
         the lease up, keep the recovery point and count the attempt."""
-        if isinstance(exc, Withdrawn) and run.committed == STARTED:
+        if isinstance(exc, Withdrawn) and run.progress.committed == STARTED:
             try:
                 if store.withdraw(self.db, run.key):
                     return
@@ -309,7 +310,7 @@ class Engine(Registry):
             "key %s of %s failed at %s (lease %s): %s",
             run.record.id,
             run.operation.name,
-            run.at,
+            run.progress.at,
             "released" if released else "already taken over",
             error,
         )
@@ -337,8 +338,7 @@ class _Run:
         self.record = record
         self.key = KeyRef(record.id, token, record.ctid)
         self.identity = KeyIdentity(operation.name, record.id, record.created_at)
-        self.at = record.recovery_point  # the point the key row holds, as far as we know
-        self.committed = record.recovery_point  # the last point this run committed
+        self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 
     @functools.cached_property
     def params(self) -> Any:
@@ -453,8 +453,8 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                stored = store.advance(tx, self.key, jobs, self.at, point, state_json)
-                self.committed = phase.point
+                stored = store.advance(tx, self.key, jobs, self.progress.at, point, state_json)
+                self.progress.committed = phase.point
                 return Advanced(point, stored)
             result = NO_CONTENT
         headers = safe_headers(result.headers)
@@ -471,5 +471,5 @@ class _Run:
             headers_json=canonical_json(headers),
             body_json=body_json,
         )
-        self.committed = phase.point
+        self.progress.committed = phase.point
         return Outcome(result.status, as_answered(stored_body), headers, replayed=False)

@@ -39,6 +39,14 @@ _RECORD_COLUMNS = """
     ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
 """
 
+
+def lease_free(lock_timeout: str) -> str:
+    """The rule, written once, for a lease anyone may take on key row ``k``: nobody holds it,
+    or its holder has not renewed it for ``lock_timeout`` seconds (an SQL expression: the
+    timeout of the version that started the key, which each caller finds its own way)."""
+    return f"(k.locked_at IS NULL OR k.locked_at <= now() - make_interval(secs => {lock_timeout}))"
+
+
 # How long the lease has been held, in seconds; NULL when it is free. The caller judges it
 # against the lock timeout of the version that started the key, which SQL does not know.
 _HELD_FOR = "extract(epoch FROM now() - locked_at)::float8"
@@ -76,8 +84,7 @@ CLAIM_BY_ID = f"""
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, last_run_at = now()
         WHERE k.id = %(id)s AND k.finished_at IS NULL
-          AND (k.lock_token = %(token)s OR k.locked_at IS NULL
-               OR k.locked_at <= now() - make_interval(secs => %(lock_timeout)s))
+          AND (k.lock_token = %(token)s OR {lease_free("%(lock_timeout)s")})
         RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, NULL::float8 AS held_for
     )
     SELECT * FROM claimed

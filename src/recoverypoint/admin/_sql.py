@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..sql import lease_free
+
 # The operations the caller knows, as a table (the completer's claim uses it too).
 REGISTERED = """
     registered AS (
@@ -26,11 +28,8 @@ LOCK_TIMEOUT = """
              CAST(:default_lock_timeout AS double precision))
 """
 
-# The engine's own test for a lease nobody may take over (store._CLAIM_BY_ID's negation).
-LIVE = f"""
-    (k.finished_at IS NULL AND k.locked_at IS NOT NULL
-     AND k.locked_at > now() - make_interval(secs => {LOCK_TIMEOUT}))
-"""
+# A lease nobody may take over: the negation of the engine's own rule.
+LIVE = f"(k.finished_at IS NULL AND NOT {lease_free(LOCK_TIMEOUT)})"
 
 STATE = f"""
     CASE

@@ -31,6 +31,7 @@ from ..admin.key_actions import abandon_exhausted
 from ..engine import Engine
 from ..errors import KeyInUse, LockLost
 from ..operation import Operation, Response
+from ..sql import lease_free
 from .loop import Result, Worker
 
 ABANDONED_RESPONSE = Response(
@@ -60,8 +61,7 @@ _CLAIM_DUE = text(
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE {_DUE}
-          AND (k.locked_at IS NULL
-               OR k.locked_at <= now() - make_interval(secs => r.lock_timeout))
+          AND {lease_free("r.lock_timeout")}
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED
