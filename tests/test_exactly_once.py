@@ -491,6 +491,18 @@ ENDINGS = {
     "ROLLBACK statement": (lambda tx: tx.connection.execute(sa.text("rollback")), "refused"),
     "driver commit": (lambda tx: _raw(tx).commit(), "committed"),
     "driver commit, then more": (lambda tx: (_raw(tx).commit(), _write_again(tx)), "committed"),
+    # A new transaction behind the engine's back: the write that records the phase finds
+    # itself in it, raises, and the COMMIT sent with it never runs.
+    "driver commit, then a new transaction": (
+        lambda tx: (
+            _raw(tx).commit(),
+            _raw(tx).execute("BEGIN"),
+            _raw(tx).execute(
+                "INSERT INTO audit_records (scope, action, key_id) VALUES ('leaked', 'after', 0)"
+            ),
+        ),
+        "committed",
+    ),
     "driver rollback, then more": (
         lambda tx: (_raw(tx).rollback(), _write_again(tx)),
         "rolled back",

@@ -44,7 +44,8 @@ LAYERS = {
     ),
     **dict.fromkeys(["database", "migrate", "testing", "embedded", "jobs"], 1),
     **dict.fromkeys(
-        ["_pg", "_pg_async", "store", "store_async", "sql", "phase_guard", "context"], 2
+        ["_pg", "_pg_async", "_libpq", "store", "store_async", "sql", "phase_guard", "context"],
+        2,
     ),
     **dict.fromkeys([PACKAGE, "engine", "engine_async", "idempotent"], 3),
     **dict.fromkeys(["admin", "workers", "integrations", "client"], 4),

@@ -79,7 +79,7 @@ NAMES = [
     ("agather", "gather"),
 ]
 
-_ASYNC_BLOCK = re.compile(r"^(\s*)if True:  # ASYNC$")
+_ASYNC_BLOCK = re.compile(r"^(\s*)if True:  # ASYNC(?:  # noqa: [A-Z0-9, ]+)?$")
 _KEYWORDS = [
     (re.compile(r"\bawait "), ""),
     (re.compile(r"\basync (?=def |with |for )"), ""),

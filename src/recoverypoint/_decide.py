@@ -8,8 +8,9 @@ import inspect
 import json
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from .errors import DeclarationError, InvalidParams, LockLost, OperationNotRegistered
@@ -64,6 +65,35 @@ class KeyRecord:
     claimed: bool
     inserted: bool
     held_for: float | None
+
+    @classmethod
+    def parse(cls, row: Sequence[str | None]) -> KeyRecord:
+        """The record from the text of its columns (:data:`recoverypoint.sql._RECORD_COLUMNS`,
+        then ``claimed``, ``inserted`` and ``held_for``)."""
+        (
+            key_id, created_at, version, fingerprint, point, state, params, status, headers,
+            body, attempts, ctid, xid, claimed, inserted, held_for,
+        ) = row  # fmt: skip
+        assert key_id and created_at and version and fingerprint and point and state
+        assert params is not None and attempts and ctid
+        return cls(
+            int(key_id),
+            datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
+            int(version),
+            fingerprint,
+            point,
+            state,
+            params,
+            None if status is None else int(status),
+            None if headers is None else json.loads(headers),
+            body,
+            int(attempts),
+            ctid,
+            xid,
+            claimed == "t",
+            inserted == "t",
+            None if held_for is None else float(held_for),
+        )
 
     def lease_left(self, lock_timeout: float) -> int:
         """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""

@@ -4,17 +4,23 @@
 transaction that hit a serialization failure or a deadlock.
 
 The request path borrows a connection from the SQLAlchemy engine's pool (the application's
-own settings apply) and hands it back as it came. While borrowed, psycopg is in autocommit,
-so it sends nothing by itself, and the transaction (:class:`Transaction`) writes out:
+own settings apply) and hands it back as it came. psycopg sends no BEGIN of its own on it,
+and the transaction (:class:`Transaction`) writes out:
 
 - a statement before the transaction (:meth:`Transaction.lookup`) runs on its own, the
   way a replay needs it: one round trip, nothing to commit;
-- ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes just before the transaction's first statement
-  (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`);
-- ``COMMIT`` is :meth:`Transaction.commit`, after the write that records the phase.
+- ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes with the transaction's first statement
+  (:meth:`Transaction.fetch`, :meth:`Transaction.begin_with`) or just before
+  it (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`);
+- ``COMMIT`` goes with the write that records the phase
+  (:meth:`Transaction.fetch_and_commit`), or alone (:meth:`Transaction.commit`).
 
-Nothing is pipelined: on loopback psycopg's pipeline costs more client CPU than the round
-trips it saves (benchmarks/README.md, "Round trips or CPU").
+The sync engine sends its own statements through libpq (:mod:`recoverypoint._libpq`):
+prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
+them, and with nothing outside a transaction that psycopg would begin one for, the
+connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
+trip each, in autocommit while borrowed; psycopg's own pipeline costs more client CPU than
+the round trips it saves (benchmarks/README.md, "Round trips or CPU").
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -31,15 +37,15 @@ from typing import Any, TypeVar, cast
 import psycopg
 import sqlalchemy as sa
 from psycopg.pq import ExecStatus, TransactionStatus
-from psycopg.rows import RowFactory, tuple_row
+from psycopg.rows import tuple_row
 
-from . import sql
+from . import _libpq, sql
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
 from .observe import NO_OBSERVER, Observer
 
 T = TypeVar("T")
-Row = TypeVar("Row")
+TextRow = tuple[str | None, ...]
 
 # SQLSTATEs that mean "the same transaction may succeed if run again".
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
@@ -53,11 +59,12 @@ class Transaction:
         self.db = db
         self._pooled = pooled
         self._began = False
+        self._committed = False
         self._sqlalchemy: sa.Connection | None = None
         # The engine's own statements share one cursor: making a cursor costs about half
         # as much client CPU as running a statement. Phase code gets a cursor of its own
         # per statement, which it may keep.
-        self._cursor = connection.cursor()
+        self._cursor = connection.cursor(row_factory=tuple_row)
 
     @property
     def open(self) -> bool:
@@ -65,14 +72,27 @@ class Transaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
-    def lookup(
-        self, query: str, params: dict[str, Any], row_factory: RowFactory[Row]
-    ) -> Row | None:
-        """One row read on its own, before the transaction begins."""
+    def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+        """One of the engine's statements on its own, before the transaction begins (a
+        replay's lookup); its first row, as text."""
         assert not self._began, "a lookup runs before the transaction"
-        self._cursor.row_factory = row_factory
-        self._cursor.execute(query, params)
-        return cast("Row | None", self._cursor.fetchone())
+        return _libpq.execute(self._pooled, self.connection, statement, params)
+
+    def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+        """One of the engine's statements in the transaction, BEGIN with it if it is the
+        first; its first row, as text."""
+        began, self._began = self._began, True
+        return _libpq.execute(self._pooled, self.connection, statement, params, begin=not began)
+
+    def fetch_and_commit(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+        """The write that records a phase, then COMMIT, in one round trip; its first row,
+        as text. The statement raises when it misses its row, so nothing then commits."""
+        began, self._began = self._began, True
+        row = _libpq.execute(
+            self._pooled, self.connection, statement, params, begin=not began, commit=True
+        )
+        self._committed = True
+        return row
 
     def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
@@ -81,12 +101,11 @@ class Transaction:
         self._begin()
         return self.connection.cursor().execute(query, params)
 
-    def fetchone(
-        self, query: str, params: dict[str, Any], row_factory: RowFactory[Any] = tuple_row
-    ) -> Any:
-        """Run one of the engine's statements in the transaction; its first row."""
-        self._begin()
-        self._cursor.row_factory = row_factory
+    def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:
+        """Run one of the engine's statements on a cursor, in the transaction unless
+        ``begin`` is false; its first row."""
+        if begin:
+            self._begin()
         self._cursor.execute(query, params)
         return self._cursor.fetchone()
 
@@ -107,14 +126,15 @@ class Transaction:
         )
 
     def commit(self) -> None:
-        """COMMIT, if anything began; read-only work costs no round trip."""
-        if self._began:
+        """COMMIT, if anything began and nothing committed it; read-only work costs no
+        round trip."""
+        if self._began and not self._committed:
             self.connection.commit()
+            self._committed = True
 
     def _begin(self) -> None:
         if not self._began:
-            # Through libpq, as psycopg sends its own BEGIN: a cursor would cost as much
-            # client CPU as a statement, and switching autocommit off and on again more.
+            # Through libpq: a cursor would cost as much client CPU as a statement.
             result = self.connection.pgconn.exec_(sql.BEGIN)
             if result.status != ExecStatus.COMMAND_OK:
                 raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
@@ -159,7 +179,10 @@ def serializable(
     on serialization failure or deadlock with capped, jittered backoff, then
     :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
     committed for it when it returns. ``observer`` hears of each retry and of running out."""
-    with borrowed(db) as (pooled, connection):
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
+    # first (libpq), and psycopg sends none of its own inside it.
+    autocommit = False
+    with borrowed(db, autocommit=autocommit) as (pooled, connection):
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
             try:
@@ -199,24 +222,26 @@ def _roll_back_leftovers(tx: Transaction) -> None:
 
 @contextmanager
 def borrowed(
-    db: sa.Engine,
+    db: sa.Engine, *, autocommit: bool = True
 ) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
-    """A connection of ``db``'s pool in autocommit mode, handed back as the pool gave it (an
-    application's engine may be in autocommit itself), or dropped if it broke."""
+    """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
+    then commits on its own), handed back as the pool gave it (an application's engine may
+    be in autocommit itself), or dropped if it broke."""
     pooled = db.raw_connection()
     connection = cast("psycopg.Connection[Any]", pooled.driver_connection)
-    was = connection.autocommit
+    # psycopg's setter costs a wait: only when it changes something.
+    switched = autocommit and not connection.autocommit
     try:
-        if not was:  # psycopg's setter costs a wait: only when it changes something
+        if switched:
             connection.autocommit = True
         yield pooled, connection
     finally:
-        _hand_back(pooled, connection, was)
+        _hand_back(pooled, connection, switched)
 
 
-def _hand_back(pooled: Any, connection: psycopg.Connection[Any], was: bool) -> None:
+def _hand_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
     if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
-        if not was:
+        if switched:
             # Through the pool's own connection object: in the async pool it is
             # SQLAlchemy's adapter, which switches psycopg's mode for the pool.
             pooled.dbapi_connection.autocommit = False

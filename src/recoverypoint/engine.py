@@ -403,7 +403,6 @@ class _Run:
 
     def atomic(self, tx: Transaction, phase: Phase, state_json: str) -> Step:
         """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
-        began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         ctx = AtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
@@ -421,13 +420,10 @@ class _Run:
             faults.hit("before_commit", phase.point)
         try:
             step = self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
-        except LockLost:
+        except store.PhaseEndedTransaction:
             # The point is written only in the transaction the phase began in; phase code
             # that ended it and began another makes the write miss.
-            if tx.open:
-                now = store.current_transaction(tx)
-                phase_guard.check_same_transaction(phase.point, began, now)
-            raise
+            raise phase_guard.ended(phase.point) from None
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step

@@ -427,7 +427,6 @@ class _AsyncRun:
 
     async def atomic(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
         """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
-        began = self.key.xid
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         ctx = AsyncAtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
@@ -445,13 +444,10 @@ class _AsyncRun:
             faults.hit("before_commit", phase.point)
         try:
             step = await self._commit(tx, phase, result, ctx.state, ctx.staged_jobs)
-        except LockLost:
+        except store_async.PhaseEndedTransaction:
             # The point is written only in the transaction the phase began in; phase code
             # that ended it and began another makes the write miss.
-            if tx.open:
-                now = await store_async.current_transaction(tx)
-                phase_guard.check_same_transaction(phase.point, began, now)
-            raise
+            raise phase_guard.ended(phase.point) from None
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step

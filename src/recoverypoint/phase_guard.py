@@ -13,9 +13,10 @@ record a point for writes that never happened. So, while a phase runs:
 
 once the transaction has ended anyway (a commit on the driver's connection, a
 multi-statement string, an ORM ``Session.rollback()``), no further statement of the phase
-runs through ``tx.execute`` or ``tx.connection`` (the connection is in autocommit: each
-would commit on its own); and once the phase returns, :func:`check_still_open` and
-:func:`check_same_transaction` fail the attempt rather than record a point. Writes made
+runs through ``tx.execute`` or ``tx.connection`` (each would commit on its own, or
+begin a transaction nothing commits); and once the phase returns, :func:`check_still_open` fails the
+attempt rather than record a point, as does the write that records it when it finds itself
+in another transaction than the phase began in (:func:`ended`). Writes made
 before the slip and committed by it stand, which no engine can undo: a retry runs the phase
 again.
 """
@@ -102,19 +103,18 @@ def check_still_open(tx: Transaction, point: str) -> None:
         raise TransactionEnded(_message(point))
 
 
-def check_same_transaction(point: str, began: str | None, now: str | None) -> None:
-    """Raise :class:`TransactionEnded` unless the phase's transaction, ``began``, is the one
-    the engine's write just ran in, ``now``."""
-    if began is not None and began != now:
-        raise TransactionEnded(_message(point))
+def ended(point: str) -> TransactionEnded:
+    """The error for phase ``point`` that ended its transaction and began another (found by
+    the write that records the phase, which then misses its row)."""
+    return TransactionEnded(_message(point))
 
 
 def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     phase = _PHASE.get()
     if phase is not None and conn is phase[0].sqlalchemy_made:
         if not phase[0].open:
-            # Ended already (a Session's rollback): in autocommit, this statement would
-            # commit on its own, without a recovery point.
+            # Ended already (a Session's rollback): this statement would commit on its own
+            # (in autocommit) or begin a transaction nothing commits.
             raise TransactionEnded(_message(phase[1]))
         check_statement(statement, phase[1])
 

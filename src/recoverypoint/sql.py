@@ -22,6 +22,7 @@ count, so a request that lost its lease can never commit. Three things keep them
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import NamedTuple
 from uuid import UUID
@@ -29,13 +30,47 @@ from uuid import UUID
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
 
+# What the write that records a phase raises when it missed its row (see _GUARDED): the
+# key row changed under the phase, or the phase ended the transaction it began in.
+KEY_ROW_CHANGED = "RP001"
+TRANSACTION_ENDED = "RP002"
+
+
+class Statement:
+    """A statement the engine sends often, in both of the forms it travels in: psycopg's
+    named placeholders (``text``, for a cursor) and libpq's numbered ones (``positional``,
+    prepared once per connection under ``name``, with the values in the order of
+    ``names``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        names: list[str] = []
+
+        def numbered(match: re.Match[str]) -> str:
+            if match[1] not in names:
+                names.append(match[1])
+            return f"${names.index(match[1]) + 1}"
+
+        self.positional = re.sub(r"%\((\w+)\)s", numbered, text).encode()
+        self.names = tuple(names)
+        digest = hashlib.sha256(self.positional).hexdigest()[:16]
+        self.name = f"recoverypoint_{digest}".encode()
+
+    def __repr__(self) -> str:
+        return f"Statement({self.text!r})"
+
+
 # Begins the transaction a SQLAlchemy Connection of phase code then joins.
 NOTHING = "SELECT 1"
 
-# JSON columns come back as their text: the engine parses what it uses, once.
+# Every column as text, read one way whichever path it came by (a cursor, or libpq's own
+# text results): see KeyRecord.parse. JSON is parsed where it is used, once; the creation
+# time is the instant in UTC, so that no session's TimeZone or DateStyle changes it.
 _RECORD_COLUMNS = """
-    id, created_at, operation_version, fingerprint, recovery_point, state::text,
-    request_params::text, response_status, response_headers, response_body::text, attempts,
+    id::text, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
+    operation_version::text, fingerprint, recovery_point, state::text,
+    request_params::text, response_status::text, response_headers::text,
+    response_body::text, attempts::text,
     ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
 """
 
@@ -49,7 +84,7 @@ def lease_free(lock_timeout: str) -> str:
 
 # How long the lease has been held, in seconds; NULL when it is free. The caller judges it
 # against the lock timeout of the version that started the key, which SQL does not know.
-_HELD_FOR = "extract(epoch FROM now() - locked_at)::float8"
+_HELD_FOR = "extract(epoch FROM now() - locked_at)::float8::text"
 
 # One round trip: insert the key, or, when it exists, return its row so the caller can tell
 # a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
@@ -57,7 +92,7 @@ _HELD_FOR = "extract(epoch FROM now() - locked_at)::float8"
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
 # snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
-CLAIM = f"""
+CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
@@ -65,46 +100,43 @@ CLAIM = f"""
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
             %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
-        RETURNING {_RECORD_COLUMNS}, true AS claimed, true AS inserted, NULL::float8 AS held_for
+        RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
+    SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND NOT EXISTS (SELECT 1 FROM claimed)
-"""
+""")
 
 # Take an unfinished key by id when its lease is free, expired or already held under
 # :token (the completer claims keys in batches, then resumes each); otherwise return the
 # row so the caller can tell a replay from a key in use. The lease is checked in the
 # UPDATE itself, so two callers never both get it.
-CLAIM_BY_ID = f"""
+CLAIM_BY_ID = Statement(f"""
     WITH claimed AS (
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, last_run_at = now()
         WHERE k.id = %(id)s AND k.finished_at IS NULL
           AND (k.lock_token = %(token)s OR {lease_free("%(lock_timeout)s")})
-        RETURNING {_RECORD_COLUMNS}, true AS claimed, false AS inserted, NULL::float8 AS held_for
+        RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for
     )
     SELECT * FROM claimed
     UNION ALL
-    SELECT {_RECORD_COLUMNS}, false, false, {_HELD_FOR}
+    SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
     WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
-"""
+""")
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it.
-FINISHED = f"""
-    SELECT {_RECORD_COLUMNS}, false AS claimed, false AS inserted, NULL::float8 AS held_for
+FINISHED = Statement(f"""
+    SELECT {_RECORD_COLUMNS}, 'f' AS claimed, 'f' AS inserted, NULL AS held_for
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND finished_at IS NOT NULL
-"""
-
-# The transaction a connection is in, once it wrote (phase_guard's last check).
-CURRENT_TRANSACTION = "SELECT pg_current_xact_id_if_assigned()::text"
+""")
 
 # Which operation and version a key record belongs to (Engine.resume looks it up by id).
 KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
@@ -122,10 +154,11 @@ class Fenced(NamedTuple):
 
     by_ctid: str
     by_id: str
-    held: str
+    held: Statement
     """By ctid, in the transaction whose fence or claim locked the row (see ``xid``): the
-    write that records an atomic phase."""
-    held_staging: str
+    write that records an atomic phase, COMMIT right behind it. It raises when it misses its
+    row (:data:`KEY_ROW_CHANGED`, :data:`TRANSACTION_ENDED`), so that COMMIT never runs."""
+    held_staging: Statement
     """:attr:`held`, inserting the phase's staged jobs in the same statement."""
 
 
@@ -151,8 +184,22 @@ def _by_ctid_and_by_id(sql: str, returning: str = "") -> Fenced:
     # Also in the phase's own transaction: phase code that ended it cannot have the point
     # recorded in another.
     held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
-    staging = f"WITH written AS ({held}), staged AS ({_STAGED}) SELECT * FROM written"
-    return Fenced(written_out(_BY_CTID), written_out(_BY_ID), held, staging)
+    nulls = ", ".join(["NULL"] * (2 + bool(returning)))
+
+    def guarded(staged: str) -> Statement:
+        # CASE, not AND: the miss is decided before the function is called.
+        return Statement(f"""
+            WITH written AS ({held}){staged}
+            SELECT * FROM written
+            UNION ALL
+            SELECT {nulls}
+            WHERE CASE WHEN EXISTS (SELECT FROM written) THEN false
+                       ELSE recoverypoint_write_missed(%(xid)s) END
+        """)
+
+    return Fenced(
+        written_out(_BY_CTID), written_out(_BY_ID), guarded(""), guarded(f", staged AS ({_STAGED})")
+    )
 
 
 # Lock the row for the rest of the transaction, if the lease is still ours. The lease is

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 from uuid import UUID
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import args_row
 
 from . import sql
 from ._decide import ClaimRequest, KeyRecord, KeyRef, written
@@ -25,7 +24,8 @@ from .errors import KeyInUse, LockLost
 def finished_key(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    return tx.lookup(sql.FINISHED, params, args_row(KeyRecord))
+    row = tx.lookup(sql.FINISHED, params)
+    return None if row is None else KeyRecord.parse(row)
 
 
 def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
@@ -113,11 +113,9 @@ def withdraw(db: sa.Engine, key: KeyRef) -> bool:
     return _fenced_alone(db, key, sql.WITHDRAW, {})
 
 
-def current_transaction(tx: Transaction) -> str | None:
-    """The id of the transaction ``tx``'s connection is in, if it has written anything."""
-    cursor = tx.connection.execute(sql.CURRENT_TRANSACTION)
-    row = cursor.fetchone()
-    return None if row is None else cast("str | None", row[0])
+class PhaseEndedTransaction(Exception):
+    """The write that records a phase ran in another transaction than the phase began in:
+    phase code ended its own (the engine raises :class:`TransactionEnded`)."""
 
 
 @contextmanager
@@ -134,10 +132,12 @@ def _waiting_for_key() -> Iterator[None]:
         ) from exc
 
 
-def _fetch_record(tx: Transaction, query: str, params: dict[str, Any]) -> KeyRecord | None:
+def _fetch_record(
+    tx: Transaction, statement: sql.Statement, params: dict[str, Any]
+) -> KeyRecord | None:
     with _waiting_for_key():
-        record: KeyRecord | None = tx.fetchone(query, params, args_row(KeyRecord))
-    return record
+        row = tx.fetch(statement, params)
+    return None if row is None else KeyRecord.parse(row)
 
 
 def _commit_fenced(
@@ -157,21 +157,28 @@ def _commit_fenced(
             params["job_args"] = [job.args_json for job in jobs]
             params["job_keys"] = [job.job_key for job in jobs]
             params["job_traces"] = [job.trace_context for job in jobs]
-        row = tx.fetchone(statement.held_staging if jobs else statement.held, params)
+        try:  # the phase and its recovery point, committed together
+            row = tx.fetch_and_commit(statement.held_staging if jobs else statement.held, params)
+        except psycopg.Error as exc:
+            # The write missed the row its own transaction locked (it raises then, so that
+            # COMMIT never runs): the phase itself changed the key row, or ended the
+            # transaction. Nothing is committed.
+            if exc.sqlstate == sql.TRANSACTION_ENDED:
+                raise PhaseEndedTransaction() from None
+            if exc.sqlstate == sql.KEY_ROW_CHANGED:
+                raise LockLost(
+                    "the key row changed under the phase (phase code must not write to "
+                    "idempotency_keys); nothing was committed: retry with the same key"
+                ) from None
+            raise
+        return written(key, row)[2]
+    # A foreign step's result, committed on its own: it stages no jobs.
+    with _waiting_for_key():
+        row = tx.fetchone(statement.by_ctid, params)
         if row is None:
-            # The write missed the row its own transaction locked: the phase itself changed
-            # the key row, or ended the transaction. Nothing is committed.
-            raise LockLost(
-                "the key row changed under the phase (phase code must not write to "
-                "idempotency_keys); nothing was committed: retry with the same key"
-            )
-    else:  # a foreign step's result, committed on its own: it stages no jobs
-        with _waiting_for_key():
-            row = tx.fetchone(statement.by_ctid, params)
-            if row is None:
-                row = tx.fetchone(statement.by_id, params)
+            row = tx.fetchone(statement.by_id, params)
     if row is not None:
-        tx.commit()  # the phase and its recovery point, together
+        tx.commit()
     return written(key, row)[2]
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 from uuid import UUID
 
 import psycopg
 import sqlalchemy.ext.asyncio as sa_async
-from psycopg.rows import args_row
 
 from . import sql
 from ._decide import ClaimRequest, KeyRecord, KeyRef, written
@@ -23,7 +22,8 @@ from .errors import KeyInUse, LockLost
 async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    return await tx.lookup(sql.FINISHED, params, args_row(KeyRecord))
+    row = await tx.lookup(sql.FINISHED, params)
+    return None if row is None else KeyRecord.parse(row)
 
 
 async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
@@ -113,11 +113,9 @@ async def withdraw(db: sa_async.AsyncEngine, key: KeyRef) -> bool:
     return await _fenced_alone(db, key, sql.WITHDRAW, {})
 
 
-async def current_transaction(tx: AsyncTransaction) -> str | None:
-    """The id of the transaction ``tx``'s connection is in, if it has written anything."""
-    cursor = await tx.connection.execute(sql.CURRENT_TRANSACTION)
-    row = await cursor.fetchone()
-    return None if row is None else cast("str | None", row[0])
+class PhaseEndedTransaction(Exception):
+    """The write that records a phase ran in another transaction than the phase began in:
+    phase code ended its own (the engine raises :class:`TransactionEnded`)."""
 
 
 @contextmanager
@@ -135,11 +133,11 @@ def _waiting_for_key() -> Iterator[None]:
 
 
 async def _fetch_record(
-    tx: AsyncTransaction, query: str, params: dict[str, Any]
+    tx: AsyncTransaction, statement: sql.Statement, params: dict[str, Any]
 ) -> KeyRecord | None:
     with _waiting_for_key():
-        record: KeyRecord | None = await tx.fetchone(query, params, args_row(KeyRecord))
-    return record
+        row = await tx.fetch(statement, params)
+    return None if row is None else KeyRecord.parse(row)
 
 
 async def _commit_fenced(
@@ -159,21 +157,30 @@ async def _commit_fenced(
             params["job_args"] = [job.args_json for job in jobs]
             params["job_keys"] = [job.job_key for job in jobs]
             params["job_traces"] = [job.trace_context for job in jobs]
-        row = await tx.fetchone(statement.held_staging if jobs else statement.held, params)
-        if row is None:
-            # The write missed the row its own transaction locked: the phase itself changed
-            # the key row, or ended the transaction. Nothing is committed.
-            raise LockLost(
-                "the key row changed under the phase (phase code must not write to "
-                "idempotency_keys); nothing was committed: retry with the same key"
+        try:  # the phase and its recovery point, committed together
+            row = await tx.fetch_and_commit(
+                statement.held_staging if jobs else statement.held, params
             )
-    else:  # a foreign step's result, committed on its own: it stages no jobs
-        with _waiting_for_key():
-            row = await tx.fetchone(statement.by_ctid, params)
-            if row is None:
-                row = await tx.fetchone(statement.by_id, params)
+        except psycopg.Error as exc:
+            # The write missed the row its own transaction locked (it raises then, so that
+            # COMMIT never runs): the phase itself changed the key row, or ended the
+            # transaction. Nothing is committed.
+            if exc.sqlstate == sql.TRANSACTION_ENDED:
+                raise PhaseEndedTransaction() from None
+            if exc.sqlstate == sql.KEY_ROW_CHANGED:
+                raise LockLost(
+                    "the key row changed under the phase (phase code must not write to "
+                    "idempotency_keys); nothing was committed: retry with the same key"
+                ) from None
+            raise
+        return written(key, row)[2]
+    # A foreign step's result, committed on its own: it stages no jobs.
+    with _waiting_for_key():
+        row = await tx.fetchone(statement.by_ctid, params)
+        if row is None:
+            row = await tx.fetchone(statement.by_id, params)
     if row is not None:
-        await tx.commit()  # the phase and its recovery point, together
+        await tx.commit()
     return written(key, row)[2]
 
 

@@ -52,7 +52,7 @@ class AtomicContext(Staging):
             ride_id = (cursor.fetchone())[0]
         """
         # Once the transaction ended (a Session's rollback...), a statement would commit
-        # on its own in autocommit, without a recovery point.
+        # on its own (in autocommit) or begin a transaction nothing commits.
         phase_guard.check_still_open(self._tx, self._point)
         phase_guard.check_statement(query, self._point)
         return self._tx.execute(query, params)  # type: ignore[arg-type]

@@ -1,0 +1,154 @@
+"""The sync engine's own statements on libpq, through psycopg's ``pq`` module.
+
+Each :class:`~recoverypoint.sql.Statement` is prepared once per connection; a transaction's
+first statement travels in one pipeline with its BEGIN, and the write that records a phase
+with its COMMIT (that write raises when it misses its row, which aborts the transaction
+before COMMIT runs). A psycopg cursor costs about as much client CPU again as the round
+trip it sends (benchmarks/README.md, "Round trips or CPU"); the async engine keeps psycopg's
+async cursor, which waits on the event loop where libpq would block it.
+
+Values go as text, the types the statement's own text gives them (a cast, or the column a
+value is compared with); rows come back as text, for the caller to read.
+"""
+
+from __future__ import annotations
+
+import select
+from collections.abc import Mapping
+from typing import Any, cast
+from uuid import UUID
+
+import psycopg
+from psycopg.pq import DiagnosticField, ExecStatus
+
+from . import sql
+
+# Where a pooled connection keeps the names of the statements prepared on it: the
+# SQLAlchemy pool's per-connection dict, which lives and dies with the connection.
+_PREPARED = "recoverypoint_prepared"
+
+Row = tuple[str | None, ...]
+
+
+def execute(
+    pooled: Any,
+    connection: psycopg.Connection[Any],
+    statement: sql.Statement,
+    params: Mapping[str, Any],
+    *,
+    begin: bool = False,
+    commit: bool = False,
+) -> Row | None:
+    """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
+    first row. Raises the error of the first command that failed."""
+    encoding = connection.info.encoding
+    # NULLs go as None, as psycopg's own cursors send them (pq's hints say bytes only).
+    values = cast("list[bytes]", [_text(params[param], encoding) for param in statement.names])
+    try:
+        name = _prepared(pooled, connection, statement)
+        if begin or commit:
+            result = _pipelined(connection, name, values, begin, commit)
+        else:
+            result = _checked(connection, connection.pgconn.exec_prepared(name, values))
+    except psycopg.errors.InvalidSqlStatementName:
+        # Someone deallocated them (DEALLOCATE ALL, DISCARD ALL): prepared again next time.
+        pooled.info.pop(_PREPARED, None)
+        raise
+    return _first_row(result, encoding)
+
+
+def _pipelined(
+    connection: psycopg.Connection[Any], name: bytes, values: list[bytes], begin: bool, commit: bool
+) -> Any:
+    pgconn = connection.pgconn
+    pgconn.enter_pipeline_mode()
+    try:
+        if begin:
+            pgconn.send_query_params(sql.BEGIN, None)
+        pgconn.send_query_prepared(name, values)
+        if commit:
+            pgconn.send_query_params(b"COMMIT", None)
+        pgconn.pipeline_sync()
+        while pgconn.flush():
+            select.select([], [pgconn.socket], [])
+        results = []
+        for _ in range(begin + 1 + commit):
+            results.append(_next_result(pgconn))
+            while _next_result(pgconn) is not None:  # each command's results end with None
+                pass
+        synced = _next_result(pgconn)
+    finally:
+        try:
+            pgconn.exit_pipeline_mode()
+        except psycopg.Error:
+            # Results still pending (an interrupt while waiting for them): the connection
+            # cannot be used again, and the pool drops a closed one.
+            connection.close()
+    for result in results:
+        _checked(connection, result)
+    if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
+        raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
+    return results[begin]
+
+
+def _next_result(pgconn: Any) -> Any:
+    """The next result, waiting for it without the GIL: libpq's own wait would hold it, and
+    stall every other thread of the process meanwhile."""
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+def _prepared(pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement) -> bytes:
+    prepared: set[bytes] = pooled.info.setdefault(_PREPARED, set())
+    if statement.name not in prepared:
+        result = connection.pgconn.prepare(statement.name, statement.positional)
+        # Already there (only some were deallocated): the same name is the same text.
+        if result.error_field(DiagnosticField.SQLSTATE) != b"42P05":
+            _checked(connection, result)
+        prepared.add(statement.name)
+    return statement.name
+
+
+def _checked(connection: psycopg.Connection[Any], result: Any) -> Any:
+    if result is None:
+        raise psycopg.OperationalError(
+            f"the server sent no result: {connection.pgconn.error_message!r}"
+        )
+    if result.status == ExecStatus.FATAL_ERROR:
+        raise psycopg.errors.error_from_result(result, encoding=connection.info.encoding)
+    return result  # PIPELINE_ABORTED only follows an error raised above
+
+
+def _first_row(result: Any, encoding: str) -> Row | None:
+    if result.ntuples == 0:
+        return None
+    return tuple(
+        None if value is None else value.decode(encoding)
+        for value in (result.get_value(0, column) for column in range(result.nfields))
+    )
+
+
+def _text(value: Any, encoding: str) -> bytes | None:
+    """A value as PostgreSQL's text input reads it."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode(encoding)
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, int | float | UUID):
+        return str(value).encode()
+    if isinstance(value, list):
+        return _array(value).encode(encoding)
+    raise TypeError(f"no text form for a {type(value).__name__} parameter")
+
+
+def _array(items: list[str | None]) -> str:
+    """A text[] literal: every element quoted, backslashes and quotes escaped."""
+    quoted = (
+        "NULL" if item is None else '"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for item in items
+    )
+    return "{" + ",".join(quoted) + "}"
