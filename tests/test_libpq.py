@@ -13,12 +13,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from psycopg.pq import TransactionStatus
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import recoverypoint as rp
 from recoverypoint import _libpq, sql
+from recoverypoint.database import create_engine
 
 # Any text PostgreSQL can store: no NUL, no lone surrogate.
 stored_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
@@ -66,9 +68,62 @@ def test_a_statement_someone_deallocated_is_prepared_again(pooled: Any) -> None:
     connection = pooled.driver_connection
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
     connection.execute("DEALLOCATE ALL")
-    with pytest.raises(Exception, match="does not exist"):
-        _libpq.execute(pooled, connection, ECHO, _echo_params())
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
+    connection.execute("DISCARD ALL")
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+    connection.rollback()
+
+
+@pytest.fixture
+def one_connection(database_url: str, business_tables: None) -> Iterator[rp.Engine]:
+    engine = rp.Engine(create_engine(database_url, pool_size=1, max_overflow=0))
+    yield engine
+    engine.db.dispose()
+
+
+def test_requests_go_on_after_the_application_deallocates_between_them(
+    one_connection: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    """psycopg deallocates every prepared statement after a ROLLBACK it sends, once it
+    prepared one of its own: an application's rolled-back transaction on the pool's
+    connection takes the engine's statements with it."""
+    engine = one_connection
+    op = ride(scope)
+    engine.register(op)
+    assert engine.run(op, key="a", params={}, scope=scope).status == 201
+    for _ in range(6):  # psycopg prepares a statement on its 5th run
+        with engine.db.connect() as conn:
+            conn.execute(sa.text("SELECT 1 WHERE 1 = :one"), {"one": 1})
+            conn.rollback()
+    assert engine.run(op, key="b", params={}, scope=scope).status == 201
+    with engine.db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("DISCARD ALL")
+    assert engine.run(op, key="a", params={}, scope=scope).replayed
+    assert engine.run(op, key="c", params={}, scope=scope).status == 201
+
+
+def test_a_phase_that_rolls_back_to_a_savepoint_commits(
+    one_connection: rp.Engine, scope: str
+) -> None:
+    """Inside a phase: once psycopg prepared a statement, ROLLBACK TO SAVEPOINT makes it
+    deallocate them all, and the engine prepares its own again before recording the phase."""
+    engine = one_connection
+    op: rp.Operation[Any] = rp.Operation(f"savepoint_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def undo_a_part(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        for _ in range(6):  # psycopg prepares a statement on its 5th run
+            tx.execute("SELECT 1 WHERE 1 = %s", (1,))
+        if params["undo"]:
+            tx.execute("SAVEPOINT part")
+            tx.execute("ROLLBACK TO SAVEPOINT part")
+        return rp.Response(201)
+
+    engine.register(op)
+    # The first prepares the engine's statements on the pool's one connection.
+    assert engine.run(op, key="warm", params={"undo": False}, scope=scope).status == 201
+    for key in ("a", "b"):
+        assert engine.run(op, key=key, params={"undo": True}, scope=scope).status == 201
 
 
 def test_a_statement_already_prepared_is_used_as_it_is(pooled: Any) -> None:
@@ -76,6 +131,18 @@ def test_a_statement_already_prepared_is_used_as_it_is(pooled: Any) -> None:
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
     pooled.info.clear()  # as after a failure that made it forget, with the statement kept
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
+
+
+def test_a_statement_forgotten_inside_a_transaction_keeps_it_going(pooled: Any) -> None:
+    """A PREPARE of a name the session already holds would fail, and abort the transaction:
+    the engine asks the server what it holds before it prepares anything."""
+    connection = pooled.driver_connection
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params())
+    _libpq.forget(pooled)
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+    _libpq.forget(pooled)
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), commit=True)
+    assert connection.info.transaction_status == TransactionStatus.IDLE
 
 
 def _echo_params() -> dict[str, Any]:

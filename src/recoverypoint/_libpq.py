@@ -19,7 +19,7 @@ from typing import Any, cast
 from uuid import UUID
 
 import psycopg
-from psycopg.pq import DiagnosticField, ExecStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 
 from . import sql
 
@@ -40,21 +40,44 @@ def execute(
     commit: bool = False,
 ) -> Row | None:
     """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
-    first row. Raises the error of the first command that failed."""
+    first row. Raises the error of the first command that failed.
+
+    psycopg deallocates every prepared statement of a connection, the engine's too, after a
+    ROLLBACK or DDL it runs (so do ``DISCARD ALL`` and ``DEALLOCATE ALL``). A statement found
+    gone before anything else ran in its transaction is prepared again and sent again; one
+    found gone behind a phase's writes fails the attempt (see :func:`forget`)."""
     encoding = connection.info.encoding
     # NULLs go as None, as psycopg's own cursors send them (pq's hints say bytes only).
     values = cast("list[bytes]", [_text(params[param], encoding) for param in statement.names])
     try:
-        name = _prepared(pooled, connection, statement)
-        if begin or commit:
-            result = _pipelined(connection, name, values, begin, commit)
-        else:
-            result = _checked(connection, connection.pgconn.exec_prepared(name, values))
+        result = _run(pooled, connection, statement, values, begin, commit)
     except psycopg.errors.InvalidSqlStatementName:
-        # Someone deallocated them (DEALLOCATE ALL, DISCARD ALL): prepared again next time.
-        pooled.info.pop(_PREPARED, None)
-        raise
+        forget(pooled)
+        if begin:
+            connection.pgconn.exec_(b"ROLLBACK")  # through libpq: psycopg's would deallocate
+        elif connection.pgconn.transaction_status != TransactionStatus.IDLE:
+            raise  # behind other statements of its transaction, which failed with it
+        result = _run(pooled, connection, statement, values, begin, commit)
     return _first_row(result, encoding)
+
+
+def forget(pooled: Any) -> None:
+    """Have every statement prepared again on ``pooled`` before its next use."""
+    pooled.info.pop(_PREPARED, None)
+
+
+def _run(
+    pooled: Any,
+    connection: psycopg.Connection[Any],
+    statement: sql.Statement,
+    values: list[bytes],
+    begin: bool,
+    commit: bool,
+) -> Any:
+    name = _prepared(pooled, connection, statement)
+    if begin or commit:
+        return _pipelined(connection, name, values, begin, commit)
+    return _checked(connection, connection.pgconn.exec_prepared(name, values))
 
 
 def _pipelined(
@@ -101,14 +124,27 @@ def _next_result(pgconn: Any) -> Any:
 
 
 def _prepared(pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement) -> bytes:
-    prepared: set[bytes] = pooled.info.setdefault(_PREPARED, set())
-    if statement.name not in prepared:
-        result = connection.pgconn.prepare(statement.name, statement.positional)
-        # Already there (only some were deallocated): the same name is the same text.
-        if result.error_field(DiagnosticField.SQLSTATE) != b"42P05":
-            _checked(connection, result)
-        prepared.add(statement.name)
+    prepared: set[bytes] | None = pooled.info.get(_PREPARED)
+    if prepared is None or statement.name not in prepared:
+        # Asked of the server first: a PREPARE that fails (the name is taken) would abort
+        # the transaction it runs in.
+        prepared = _on_server(connection)
+        if statement.name not in prepared:
+            _checked(connection, connection.pgconn.prepare(statement.name, statement.positional))
+            prepared.add(statement.name)
+        pooled.info[_PREPARED] = prepared
     return statement.name
+
+
+def _on_server(connection: psycopg.Connection[Any]) -> set[bytes]:
+    """The names of the engine's statements prepared on ``connection``'s session."""
+    result = _checked(connection, connection.pgconn.exec_(_PREPARED_ON_SERVER))
+    return {result.get_value(row, 0) for row in range(result.ntuples)}
+
+
+_PREPARED_ON_SERVER = (
+    b"SELECT name FROM pg_prepared_statements WHERE starts_with(name, 'recoverypoint_')"
+)
 
 
 def _checked(connection: psycopg.Connection[Any], result: Any) -> Any:

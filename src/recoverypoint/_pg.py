@@ -29,6 +29,7 @@ use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,6 +51,10 @@ TextRow = tuple[str | None, ...]
 # SQLSTATEs that mean "the same transaction may succeed if run again".
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
+# What psycopg answers by deallocating every statement prepared on the connection (it
+# reads the command status; this reads the statement, and errs on the side of more).
+_DEALLOCATES = re.compile(r"\b(?:ROLLBACK|DROP|ALTER|DISCARD|DEALLOCATE)\b", re.IGNORECASE)
+
 
 class Transaction:
     """One SERIALIZABLE transaction on a borrowed connection; made by :func:`serializable`."""
@@ -60,6 +65,7 @@ class Transaction:
         self._pooled = pooled
         self._began = False
         self._committed = False
+        self._deallocated = False
         self._sqlalchemy: sa.Connection | None = None
         # The engine's own statements share one cursor: making a cursor costs about half
         # as much client CPU as running a statement. Phase code gets a cursor of its own
@@ -88,6 +94,8 @@ class Transaction:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
         as text. The statement raises when it misses its row, so nothing then commits."""
         began, self._began = self._began, True
+        if self._deallocated:
+            _libpq.forget(self._pooled)
         row = _libpq.execute(
             self._pooled, self.connection, statement, params, begin=not began, commit=True
         )
@@ -99,7 +107,15 @@ class Transaction:
     ) -> psycopg.Cursor[Any]:
         """Run one statement of phase code in the transaction, on a cursor of its own."""
         self._begin()
+        self.note(query)
         return self.connection.cursor().execute(query, params)
+
+    def note(self, statement: object) -> None:
+        """A statement of phase code. After one that makes psycopg deallocate every prepared
+        statement (a ROLLBACK TO SAVEPOINT, DDL), the engine's own are prepared again
+        before the write that records the phase."""
+        if not isinstance(statement, str) or _DEALLOCATES.search(statement):
+            self._deallocated = True
 
     def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:
         """Run one of the engine's statements on a cursor, in the transaction unless
@@ -217,6 +233,9 @@ def _roll_back_leftovers(tx: Transaction) -> None:
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             connection.rollback()
+        # psycopg then deallocates every statement prepared on the connection, the sync
+        # engine's own among them.
+        _libpq.forget(tx._pooled)
     tx._end_sqlalchemy()
 
 

@@ -47,6 +47,8 @@ class Transaction(Protocol):
     @property
     def sqlalchemy_made(self) -> Connection | None: ...
 
+    def note(self, statement: object) -> None: ...
+
 
 _ENDS_TRANSACTION = re.compile(
     r"\s*(?:COMMIT|END|ABORT|PREPARE\s+TRANSACTION"
@@ -112,6 +114,7 @@ def ended(point: str) -> TransactionEnded:
 def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     phase = _PHASE.get()
     if phase is not None and conn is phase[0].sqlalchemy_made:
+        phase[0].note(statement)
         if not phase[0].open:
             # Ended already (a Session's rollback): this statement would commit on its own
             # (in autocommit) or begin a transaction nothing commits.
