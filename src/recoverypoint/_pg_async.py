@@ -69,10 +69,17 @@ class AsyncTransaction:
         self._committed = False
         self._deallocated = False
         self._sqlalchemy: sa.Connection | None = None
-        # The engine's own statements share one cursor: making a cursor costs about half
-        # as much client CPU as running a statement. Phase code gets a cursor of its own
-        # per statement, which it may keep.
-        self._cursor = connection.cursor(row_factory=tuple_row)
+        self._engine_cursor: psycopg.AsyncCursor[Any] | None = None
+
+    @property
+    def _cursor(self) -> psycopg.AsyncCursor[Any]:
+        # The engine's own statements share one cursor, made on first use: making one costs
+        # about half as much client CPU as running a statement, and the sync engine sends
+        # most of its statements through libpq. Phase code gets a cursor of its own per
+        # statement, which it may keep.
+        if self._engine_cursor is None:
+            self._engine_cursor = self.connection.cursor(row_factory=tuple_row)
+        return self._engine_cursor
 
     @property
     def open(self) -> bool:

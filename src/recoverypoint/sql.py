@@ -1,10 +1,13 @@
 """Every statement of the request path, named after its intent, in psycopg's named
-placeholders (``%(name)s``). :mod:`recoverypoint.store` and :mod:`recoverypoint.store_async`
-run them; :mod:`recoverypoint._pg` and :mod:`recoverypoint._pg_async` begin and end the
-transactions they run in.
+placeholders (``%(name)s``; a :class:`Statement` also carries libpq's numbered form).
+:mod:`recoverypoint.store` and :mod:`recoverypoint.store_async` run them;
+:mod:`recoverypoint._pg` and :mod:`recoverypoint._pg_async` begin and end the transactions
+they run in.
 
 Every write after the claim is fenced by the lease's ``lock_token`` and checked by row
-count, so a request that lost its lease can never commit. Three things keep them cheap:
+count (the write that records a phase raises when it finds no row, so the COMMIT sent with
+it never runs), so a request that lost its lease can never commit. Three things keep them
+cheap:
 
 - a finished key is looked up on its own before any transaction begins: a replay costs one
   round trip and writes nothing;
@@ -17,7 +20,8 @@ count, so a request that lost its lease can never commit. Three things keep them
 - the write that records a phase is addressed by the ``ctid`` its own transaction's fence
   (or claim) returned, which nobody else can change while the row is locked, and carries
   the phase's staged jobs in the same statement. A miss means the phase itself changed the
-  key row or ended the transaction: the engine raises ``LockLost`` and never commits.
+  key row or ended the transaction: the statement raises (:data:`KEY_ROW_CHANGED`,
+  :data:`TRANSACTION_ENDED`) and nothing commits.
 """
 
 from __future__ import annotations
