@@ -12,7 +12,7 @@ from urllib.parse import quote_from_bytes
 
 import pytest
 from console_site import LEAKS, MOUNT, Provider, app_for, client, console_database, engine_for
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from workload import plant_keys
 
@@ -129,8 +129,11 @@ def assert_safe(response: Any, pairs: list[tuple[bytes | str, bytes]]) -> None:
 def test_hostile_query_strings_get_a_page_or_a_refusal(
     app: Any, path: str, pairs: list[tuple[bytes | str, bytes]]
 ) -> None:
+    url = f"{MOUNT}{path}?{encoded(pairs)}"
+    # No client sends a longer URL (httpx refuses it; servers' own limits are lower).
+    assume(len(url) <= 65_536)
     with client(app, "operator") as browser:
-        response = browser.get(f"{MOUNT}{path}?{encoded(pairs)}")
+        response = browser.get(url)
     assert_safe(response, pairs)
 
 
