@@ -6,6 +6,8 @@ leaves no half-written key, no broken connection in the pool, and one effect aft
 from __future__ import annotations
 
 import json
+import os
+import resource
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,10 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from psycopg.pq import TransactionStatus
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg.pq import TransactionStatus
 
 import recoverypoint as rp
 from recoverypoint import _libpq, sql
@@ -143,6 +145,31 @@ def test_a_statement_forgotten_inside_a_transaction_keeps_it_going(pooled: Any) 
     _libpq.forget(pooled)
     assert _libpq.execute(pooled, connection, ECHO, _echo_params(), commit=True)
     assert connection.info.transaction_status == TransactionStatus.IDLE
+
+
+def test_a_connection_on_a_high_file_descriptor_works(database_url: str) -> None:
+    """A busy server has thousands of files open: select() cannot watch a descriptor past
+    1023 (FD_SETSIZE), so the engine waits with poll()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files: no descriptor past 1023 can exist")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        db = create_engine(database_url, pool_size=1)
+        pooled = db.raw_connection()
+        try:
+            connection = pooled.driver_connection
+            assert connection.pgconn.socket > 1024
+            assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+            connection.rollback()
+        finally:
+            pooled.close()
+            db.dispose()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _echo_params() -> dict[str, Any]:

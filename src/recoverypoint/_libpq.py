@@ -93,7 +93,7 @@ def _pipelined(
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
         while pgconn.flush():
-            select.select([], [pgconn.socket], [])
+            _wait(pgconn.socket, select.POLLOUT)
         results = []
         for _ in range(begin + 1 + commit):
             results.append(_next_result(pgconn))
@@ -118,9 +118,17 @@ def _next_result(pgconn: Any) -> Any:
     """The next result, waiting for it without the GIL: libpq's own wait would hold it, and
     stall every other thread of the process meanwhile."""
     while pgconn.is_busy():
-        select.select([pgconn.socket], [], [])
+        _wait(pgconn.socket, select.POLLIN)
         pgconn.consume_input()
     return pgconn.get_result()
+
+
+def _wait(fileno: int, event: int) -> None:
+    # poll(), not select(): a process with a thousand files open has descriptors select()
+    # cannot watch.
+    poller = select.poll()
+    poller.register(fileno, event)
+    poller.poll()
 
 
 def _prepared(pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement) -> bytes:
