@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 
 import recoverypoint as rp
 from recoverypoint import _libpq, sql
@@ -172,6 +173,82 @@ def test_a_connection_on_a_high_file_descriptor_works(database_url: str) -> None
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_text_value_with_a_nul_is_refused(pooled: Any) -> None:
+    # libpq would cut it at the NUL; psycopg refuses it, and so does the engine.
+    with pytest.raises(psycopg.DataError, match="NUL"):
+        _libpq.execute(pooled, pooled.driver_connection, ECHO, {**_echo_params(), "s": "a\x00b"})
+    with pytest.raises(psycopg.DataError, match="NUL"):
+        _libpq.execute(pooled, pooled.driver_connection, ECHO, {**_echo_params(), "a": ["\x00"]})
+
+
+def test_before_libpq_17_the_server_says_what_it_holds(
+    pooled: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_libpq, "_CLOSES", False)
+    test_a_statement_forgotten_inside_a_transaction_keeps_it_going(pooled)
+
+
+def shipping(scope: str, meanwhile: Callable[[rp.StepContext], None]) -> rp.Operation[Any]:
+    """Three atomic phases around a foreign step that runs ``meanwhile``."""
+    op: rp.Operation[Any] = rp.Operation(f"shipping_{uuid.uuid4().hex[:8]}")
+    insert = "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, %s, %s)"
+
+    @op.atomic_phase("created")
+    def create(tx: rp.AtomicContext, params: Any) -> None:
+        tx.execute(insert, (scope, "created", tx.key_id))
+
+    @op.foreign_step("charged")
+    def charge(step: rp.StepContext, params: Any) -> None:
+        meanwhile(step)
+
+    @op.atomic_phase("shipped")
+    def ship(tx: rp.AtomicContext, params: Any) -> None:
+        cursor = tx.cursor()  # a cursor the engine does not watch
+        for _ in range(6):  # psycopg prepares a statement on its 5th run
+            cursor.execute("SELECT 1 WHERE 1 = %s", (1,))
+        if params["savepoint"]:
+            cursor.execute("SAVEPOINT part")
+            cursor.execute("ROLLBACK TO SAVEPOINT part")
+        tx.execute(insert, (scope, "shipped", tx.key_id))
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(insert, (scope, "finished", tx.key_id))
+        return rp.Response(201)
+
+    return op
+
+
+@pytest.mark.parametrize("where", ["in a foreign step", "in a phase's own cursor"])
+def test_statements_deallocated_behind_the_engine_cost_an_attempt_at_most(
+    one_connection: rp.Engine, db: sa.Engine, scope: str, where: str
+) -> None:
+    """psycopg sends DEALLOCATE ALL after a ROLLBACK once it prepared a statement of its
+    own: the application's, on the pool's connection while a foreign step runs, or a
+    phase's on a cursor the engine does not watch. The transaction that finds the engine's
+    statements gone runs again, and the request finishes with one of each effect."""
+    engine = one_connection
+
+    def application_work(step: rp.StepContext) -> None:
+        if where != "in a foreign step":
+            return
+        with engine.db.begin() as conn:
+            for _ in range(6):
+                conn.execute(sa.text("SELECT 1 WHERE 1 = :one"), {"one": 1})
+        with engine.db.connect() as conn:  # its close rolls back: DEALLOCATE ALL
+            conn.execute(sa.text("SELECT 1"))
+
+    op = shipping(scope, application_work)
+    engine.register(op)
+    params = {"savepoint": where == "in a phase's own cursor"}
+    assert engine.run(op, key="warm", params={"savepoint": False}, scope=scope).status == 201
+    assert engine.run(op, key="k", params=params, scope=scope).status == 201
+    actions = "SELECT action, count(*) FROM audit_records WHERE scope = :s GROUP BY action"
+    with db.connect() as conn:
+        counted = {action: n for action, n in conn.execute(sa.text(actions), {"s": scope})}
+    assert counted == {"created": 2, "shipped": 2, "finished": 2}
+
+
 def _echo_params() -> dict[str, Any]:
     return {"s": "s", "a": [], "i": 1, "f": 1.0, "u": uuid.uuid4(), "n": None}
 
@@ -237,10 +314,14 @@ def test_an_interrupt_while_a_pipeline_waits_leaves_one_effect_after_a_retry(
 ) -> None:
     op = ride(scope)
     engine.register(op)
+    # The engine's statements prepared first: only the request's own waits are counted.
+    engine.run(op, key="warm-up", params={}, scope=scope)
     waits = {"n": 0}
     real_next_result = _libpq._next_result
 
     def interrupting(pgconn: Any) -> Any:
+        if pgconn.pipeline_status == PipelineStatus.OFF:  # a statement being prepared
+            return real_next_result(pgconn)
         waits["n"] += 1
         if waits["n"] == interrupted_at:
             raise KeyboardInterrupt
@@ -261,8 +342,8 @@ def test_an_interrupt_while_a_pipeline_waits_leaves_one_effect_after_a_retry(
     assert outcome.status == 201
     assert engine.run(op, key="k", params={}, scope=scope).replayed
     audits = "SELECT count(*) FROM audit_records WHERE scope = :s AND action = :a"
-    assert count(db, audits, s=scope, a="created") == 1
-    assert count(db, audits, s=scope, a="finished") == 1
+    assert count(db, audits, s=scope, a="created") == 2  # the warm-up's and this key's
+    assert count(db, audits, s=scope, a="finished") == 2
     jobs = "SELECT count(*) FROM staged_jobs j JOIN idempotency_keys k"
     jobs += " ON k.id = j.idempotency_key_id WHERE k.scope = :s"
-    assert count(db, jobs, s=scope) == 1
+    assert count(db, jobs, s=scope) == 2

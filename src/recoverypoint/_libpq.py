@@ -19,6 +19,7 @@ from typing import Any, cast
 from uuid import UUID
 
 import psycopg
+from psycopg import pq
 from psycopg.pq import ExecStatus, TransactionStatus
 
 from . import sql
@@ -43,9 +44,10 @@ def execute(
     first row. Raises the error of the first command that failed.
 
     psycopg deallocates every prepared statement of a connection, the engine's too, after a
-    ROLLBACK or DDL it runs (so do ``DISCARD ALL`` and ``DEALLOCATE ALL``). A statement found
-    gone before anything else ran in its transaction is prepared again and sent again; one
-    found gone behind a phase's writes fails the attempt (see :func:`forget`)."""
+    ROLLBACK or DDL it sends, for whatever code shares the connection (so do ``DISCARD ALL``
+    and ``DEALLOCATE ALL``). A statement found gone before anything else ran in its
+    transaction is prepared again and sent again; one found gone behind other statements of
+    its transaction raises :class:`Deallocated`, and the transaction runs again."""
     encoding = connection.info.encoding
     # NULLs go as None, as psycopg's own cursors send them (pq's hints say bytes only).
     values = cast("list[bytes]", [_text(params[param], encoding) for param in statement.names])
@@ -56,9 +58,15 @@ def execute(
         if begin:
             connection.pgconn.exec_(b"ROLLBACK")  # through libpq: psycopg's would deallocate
         elif connection.pgconn.transaction_status != TransactionStatus.IDLE:
-            raise  # behind other statements of its transaction, which failed with it
+            raise Deallocated() from None
         result = _run(pooled, connection, statement, values, begin, commit)
     return _first_row(result, encoding)
+
+
+class Deallocated(Exception):
+    """The engine's prepared statements were gone in the middle of a transaction, which
+    failed with them: it runs again (:func:`recoverypoint._pg.serializable`), and its
+    statements are prepared again."""
 
 
 def forget(pooled: Any) -> None:
@@ -92,8 +100,7 @@ def _pipelined(
         if commit:
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
-        while pgconn.flush():
-            _wait(pgconn.socket, select.POLLOUT)
+        _flush(pgconn)
         results = []
         for _ in range(begin + 1 + commit):
             results.append(_next_result(pgconn))
@@ -123,6 +130,11 @@ def _next_result(pgconn: Any) -> Any:
     return pgconn.get_result()
 
 
+def _flush(pgconn: Any) -> None:
+    while pgconn.flush():
+        _wait(pgconn.socket, select.POLLOUT)
+
+
 def _wait(fileno: int, event: int) -> None:
     # poll(), not select(): a process with a thousand files open has descriptors select()
     # cannot watch.
@@ -132,16 +144,34 @@ def _wait(fileno: int, event: int) -> None:
 
 
 def _prepared(pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement) -> bytes:
-    prepared: set[bytes] | None = pooled.info.get(_PREPARED)
-    if prepared is None or statement.name not in prepared:
-        # Asked of the server first: a PREPARE that fails (the name is taken) would abort
-        # the transaction it runs in.
-        prepared = _on_server(connection)
-        if statement.name not in prepared:
-            _checked(connection, connection.pgconn.prepare(statement.name, statement.positional))
-            prepared.add(statement.name)
-        pooled.info[_PREPARED] = prepared
+    prepared: set[bytes] = pooled.info.setdefault(_PREPARED, set())
+    if statement.name not in prepared:
+        _prepare(connection, statement)
+        prepared.add(statement.name)
     return statement.name
+
+
+def _prepare(connection: psycopg.Connection[Any], statement: sql.Statement) -> None:
+    """Prepare ``statement`` under its name, whether the session holds that name or not: a
+    PREPARE of a name it holds would fail, and abort the transaction it runs in."""
+    pgconn = connection.pgconn
+    if _CLOSES:
+        # A Close of a name never prepared is no error, in a transaction too; and PgBouncer
+        # (1.21 on) follows it, where the server's names are PgBouncer's own.
+        # Sent and awaited here: libpq's own close_prepared() waits holding the GIL.
+        pgconn.send_close_prepared(statement.name)
+        _flush(pgconn)
+        _checked(connection, _next_result(pgconn))
+        while _next_result(pgconn) is not None:
+            pass
+    elif statement.name in _on_server(connection):
+        return
+    _checked(connection, pgconn.prepare(statement.name, statement.positional))
+
+
+# libpq sends a Close of a prepared statement from version 17 on; before, the engine asks
+# the server which of its names it holds.
+_CLOSES = pq.version() >= 170000 and hasattr(pq.PGconn, "close_prepared")
 
 
 def _on_server(connection: psycopg.Connection[Any]) -> set[bytes]:
@@ -178,14 +208,17 @@ def _text(value: Any, encoding: str) -> bytes | None:
     """A value as PostgreSQL's text input reads it."""
     if value is None:
         return None
+    if isinstance(value, list):
+        value = _array(value)
     if isinstance(value, str):
+        # libpq reads a text value up to its first NUL: refused, as psycopg does.
+        if "\x00" in value:
+            raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
         return value.encode(encoding)
     if isinstance(value, bool):
         return b"t" if value else b"f"
     if isinstance(value, int | float | UUID):
         return str(value).encode()
-    if isinstance(value, list):
-        return _array(value).encode(encoding)
     raise TypeError(f"no text form for a {type(value).__name__} parameter")
 
 

@@ -212,6 +212,9 @@ def serializable(
                 result = work(tx)
                 tx.commit()
                 return result
+            except _libpq.Deallocated:
+                if attempt == retries:
+                    raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
                 state = sqlstate(exc)
                 if state not in RETRYABLE_SQLSTATES:

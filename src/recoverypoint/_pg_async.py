@@ -243,6 +243,9 @@ async def serializable(
                 result = await work(tx)
                 await tx.commit()
                 return result
+            except _libpq.Deallocated:
+                if attempt == retries:
+                    raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
                 state = sqlstate(exc)
                 if state not in RETRYABLE_SQLSTATES:
