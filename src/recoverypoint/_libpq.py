@@ -101,11 +101,7 @@ def _pipelined(
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
         _flush(pgconn)
-        results = []
-        for _ in range(begin + 1 + commit):
-            results.append(_next_result(pgconn))
-            while _next_result(pgconn) is not None:  # each command's results end with None
-                pass
+        results = [_command_result(pgconn) for _ in range(begin + 1 + commit)]
         synced = _next_result(pgconn)
     finally:
         try:
@@ -119,6 +115,14 @@ def _pipelined(
     if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
         raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
     return results[begin]
+
+
+def _command_result(pgconn: Any) -> Any:
+    """One command's result, past the None that ends each command's results."""
+    result = _next_result(pgconn)
+    while _next_result(pgconn) is not None:
+        pass
+    return result
 
 
 def _next_result(pgconn: Any) -> Any:
@@ -161,9 +165,7 @@ def _prepare(connection: psycopg.Connection[Any], statement: sql.Statement) -> N
         # Sent and awaited here: libpq's own close_prepared() waits holding the GIL.
         pgconn.send_close_prepared(statement.name)
         _flush(pgconn)
-        _checked(connection, _next_result(pgconn))
-        while _next_result(pgconn) is not None:
-            pass
+        _checked(connection, _command_result(pgconn))
     elif statement.name in _on_server(connection):
         return
     _checked(connection, pgconn.prepare(statement.name, statement.positional))
