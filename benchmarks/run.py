@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -394,6 +395,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--refill", action="store_true", help="rebuild the kept big-keys database")
     parser.add_argument(
+        "--no-sized-server",
+        action="store_true",
+        help="skip the claim on a private server configured as the README says (this "
+        "machine's PostgreSQL binaries, shared_buffers holding the key table's indexes)",
+    )
+    parser.add_argument(
         "--drop-big-keys", action="store_true", help="drop the big-keys database at the end"
     )
     parser.add_argument(
@@ -422,10 +429,12 @@ def main() -> None:
         + len(blocks(args.replays, BLOCK))
         + (len(blocks(args.claims, BLOCK)) if args.claims else 0)
     )
-    progress = Progress(per_run * args.runs + (1 if args.big_keys else 0))
+    fills = (2 - args.no_sized_server) if args.big_keys else 0
+    progress = Progress(per_run * args.runs + fills)
     logged = LogToProgress(progress)
 
-    with databases(args.database_url) as (admin_url, url, dbos_url, claims_url):
+    with ExitStack() as stack:
+        admin_url, url, dbos_url, claims_url = stack.enter_context(databases(args.database_url))
         redis_client, redis_version = redis_connect(args.redis_url, progress)
         facts = machine.collect(REPO, admin_url, redis_version)
         upgrade(url)
@@ -434,6 +443,8 @@ def main() -> None:
             conn.execute(SCHEMA)
         fill_seconds = 0.0
         big_url = ""
+        # The claim's key tables: name -> (URL, holds stored keys, whose server CPU counts).
+        tables: dict[str, tuple[str, bool, str]] = {"empty": (claims_url, False, "postgres")}
         if args.big_keys:
             big_url = str(
                 sa.make_url(admin_url)
@@ -446,6 +457,10 @@ def main() -> None:
             )
             if fill_seconds:
                 progress.note(f"stored {args.big_keys:,} keys in {fill_seconds:.0f} s")
+            tables["stored"] = (big_url, True, "postgres")
+            if not args.no_sized_server:
+                progress.step(f"the sized server: {args.big_keys:,} keys (cached)")
+                tables.update(sized_tables(stack, args, progress))
         ours = {sa.make_url(u).database for u in (url, dbos_url, claims_url, big_url) if u}
         postgres_cpu = PostgresCPU(admin_url, {d for d in ours if d})
         if not postgres_cpu.local:
@@ -487,7 +502,7 @@ def main() -> None:
                 run["replay"] = figures(replays)
                 run["errors"].update(errors(replays))
                 if args.claims:
-                    run["claims"] = measure_claims(claims_url, big_url, args, meter, progress, r)
+                    run["claims"] = measure_claims(tables, args, meter, progress, r)
                 runs.append(run)
         finally:
             postgres_cpu.close()
@@ -498,6 +513,8 @@ def main() -> None:
                 conn.execute(
                     f'DROP DATABASE IF EXISTS "{sa.make_url(big_url).database}" WITH (FORCE)'
                 )
+    if args.drop_big_keys:
+        shutil.rmtree(claims.sized_directory(args.big_keys), ignore_errors=True)
     progress.finish()
 
     facts["loadavg_at_end"] = machine.loadavg()
@@ -514,6 +531,11 @@ def main() -> None:
         "big_keys": args.big_keys,
         "big_keys_fill_seconds": round(fill_seconds, 1),
         "big_keys_cached": bool(args.big_keys) and not fill_seconds,
+        "sized_server": (
+            claims.sized_settings(args.big_keys)
+            if args.big_keys and not args.no_sized_server
+            else None
+        ),
         "phase_api": phase_api(),
         "warnings_logged": dict(logged.counts.most_common(20)),
         "wall_minutes": (time.perf_counter() - began) / 60,
@@ -544,27 +566,45 @@ def phase_api() -> str:
     return "`tx.connection` (SQLAlchemy: this checkout's AtomicContext has no `execute`)"
 
 
+def sized_tables(
+    stack: ExitStack, args: argparse.Namespace, progress: Progress
+) -> dict[str, tuple[str, bool, str]]:
+    """The claim's empty and stored key tables on a private server configured as the
+    README's database settings say (``claims.sized_server``), started for the whole run."""
+    admin = stack.enter_context(claims.sized_server(args.big_keys, progress.show))
+    empty, stored = (
+        str(sa.make_url(admin).set(database=name).render_as_string(False))
+        for name in ("rp_bench_claims", claims.big_database_name(args.big_keys))
+    )
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute('DROP DATABASE IF EXISTS "rp_bench_claims" WITH (FORCE)')
+        conn.execute('CREATE DATABASE "rp_bench_claims"')
+    upgrade(empty)
+    seconds = claims.ensure_filled(admin, stored, args.big_keys, args.refill, progress.show)
+    if seconds:
+        progress.note(f"stored {args.big_keys:,} keys on the sized server in {seconds:.0f} s")
+    claims.prewarm(stored)
+    return {"sized empty": (empty, False, "sized"), "sized stored": (stored, True, "sized")}
+
+
 def measure_claims(
-    empty_url: str,
-    big_url: str,
+    tables: dict[str, tuple[str, bool, str]],
     args: argparse.Namespace,
     meter: Meter,
     progress: Progress,
     run_index: int,
 ) -> dict[str, dict[str, float | None]]:
-    """The claim alone in the empty table and (if any) the big one, in turns."""
-    claimers = {"empty": claims.Claimer(empty_url)}
-    if big_url:
-        claimers["stored"] = claims.Claimer(big_url)
+    """The claim alone in each key table, in turns."""
+    claimers = {name: claims.Claimer(url) for name, (url, _, _) in tables.items()}
     try:
-        # Warm both: caches, prepared statements, the big index's upper levels.
+        # Warm each: caches, prepared statements, the big index's upper levels.
         for claimer in claimers.values():
             for _ in range(300):
                 claimer.run(fresh_key())
         windows = interleaved(
             {n: c.run for n, c in claimers.items()},
             {n: fresh_key for n in claimers},
-            {n: "postgres" for n in claimers},
+            {name: server for name, (_, _, server) in tables.items()},
             args.claims,
             meter,
             progress,
@@ -573,9 +613,8 @@ def measure_claims(
     finally:
         for claimer in claimers.values():
             claimer.close()
-        claims.forget_claims(empty_url, big=False)
-        if big_url:
-            claims.forget_claims(big_url, big=True)
+        for url, big, _ in tables.values():
+            claims.forget_claims(url, big=big)
     return figures(windows)
 
 
