@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anyio
+import flask
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -31,7 +33,10 @@ from http_apps import (
     order_operation,
 )
 from http_servers import serve_asgi, serve_wsgi
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rides import count
+from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 import recoverypoint as rp
 from recoverypoint.integrations import fastapi as rp_fastapi
@@ -56,13 +61,15 @@ def http_engine(db: sa.Engine) -> rp.Engine:
 
 
 @pytest.fixture(scope="module")
-def servers(http_engine: rp.Engine, gates: Gates) -> Iterator[dict[str, str]]:
+def apps(http_engine: rp.Engine, gates: Gates) -> tuple[FastAPI, flask.Flask]:
     op = order_operation(gates)
     http_engine.register(op)
-    with (
-        serve_asgi(fastapi_app(http_engine, op, gates)) as fastapi_url,
-        serve_wsgi(flask_app(http_engine, op, gates)) as flask_url,
-    ):
+    return fastapi_app(http_engine, op, gates), flask_app(http_engine, op, gates)
+
+
+@pytest.fixture(scope="module")
+def servers(apps: tuple[FastAPI, flask.Flask]) -> Iterator[dict[str, str]]:
+    with serve_asgi(apps[0]) as fastapi_url, serve_wsgi(apps[1]) as flask_url:
         yield {"fastapi": fastapi_url, "flask": flask_url}
 
 
@@ -629,6 +636,155 @@ def test_bad_single_step_bodies_are_a_4xx_and_store_nothing(
     assert says in assert_problem(response, status)["detail"]
     assert keys_of(db, scope) == 0
     assert runs(db, "x") == 0
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_fastapi_a_return_value_its_response_model_refuses_is_a_kept_500_run_once(
+    servers: dict[str, str], db: sa.Engine, scope: str, flavour: str
+) -> None:
+    target = f"{servers['fastapi']}/{flavour}/invalid-response"
+    item = new_item()
+
+    first = post(target, "key-1", item, scope)
+    again = post(target, "key-1", item, scope)
+
+    body = assert_problem(first, 500)
+    assert body["type"].endswith(":invalid-response")
+    assert RETRY_TEXT not in body["detail"]  # retrying the key would only replay this
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.status_code == 500 and again.json() == body
+    assert runs(db, item) == 1  # the endpoint's work, once
+    assert keys_of(db, scope) == 1
+
+
+# A hostile client streams a body without end: it is refused once past the params limit,
+# never held whole. Driven below HTTP, where what the server read can be counted (over a
+# socket the client would see its upload cut off rather than the 413).
+ENDLESS = 10_000  # chunks of 8 KiB: 80 MiB, far past the 64 KiB limit
+
+
+class EndlessBody:
+    """A request body of ``ENDLESS`` chunks of spaces that counts what was read of it."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def chunk(self, size: int = 8192) -> bytes:
+        size = min(size, ENDLESS * 8192 - self.read)
+        self.read += size
+        return b" " * size
+
+    def more(self) -> bool:
+        return self.read < ENDLESS * 8192
+
+
+@pytest.mark.parametrize("path", ["/sync/single", "/async/single"])
+def test_fastapi_a_body_past_the_limit_is_refused_before_it_is_read_whole(
+    apps: tuple[FastAPI, flask.Flask], http_engine: rp.Engine, db: sa.Engine, scope: str, path: str
+) -> None:
+    body, sent = EndlessBody(), []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body.chunk(), "more_body": body.more()}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = {"idempotency-key": "key-1", "x-tenant": scope, "content-type": "application/json"}
+    request = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        "server": ("testserver", 80),
+        "client": ("testclient", 50000),
+    }
+    anyio.run(apps[0], request, receive, send)
+
+    assert sent[0]["status"] == 413
+    problem = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert "limit" in problem["detail"]
+    assert body.read <= http_engine.max_params_bytes + 8192  # one chunk past it, at most
+    assert keys_of(db, scope) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.binary(max_size=40), max_size=12),
+    limit=st.integers(min_value=0, max_value=200),
+)
+def test_fastapi_body_reading_stops_at_the_limit_for_any_chunking(
+    chunks: list[bytes], limit: int
+) -> None:
+    """Whatever the chunking: the body whole if it fits the limit; else refused, having
+    read no more than the limit and the chunk that crossed it."""
+    handed: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        handed.append(len(handed))
+        last = len(handed) >= len(chunks)
+        return {
+            "type": "http.request",
+            "body": chunks[len(handed) - 1] if chunks else b"",
+            "more_body": not last,
+        }
+
+    whole = b"".join(chunks)
+    if len(whole) <= limit:
+        assert anyio.run(rp_fastapi._read_body, receive, limit) == whole
+    else:
+        with pytest.raises(rp.RequestTooLarge, match="limit"):
+            anyio.run(rp_fastapi._read_body, receive, limit)
+        read = sum(len(c) for c in chunks[: len(handed)])
+        assert read - len(chunks[len(handed) - 1]) <= limit < read
+
+
+class CountingStream:
+    """A WSGI input stream over an :class:`EndlessBody`."""
+
+    def __init__(self) -> None:
+        self.body = EndlessBody()
+
+    def read(self, size: int = -1) -> bytes:
+        return self.body.chunk(ENDLESS * 8192 if size < 0 else size)
+
+
+@pytest.mark.parametrize("path", ["/sync/orders", "/sync/single"])
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_flask_a_body_past_the_limit_is_refused_before_it_is_read_whole(
+    apps: tuple[FastAPI, flask.Flask],
+    http_engine: rp.Engine,
+    db: sa.Engine,
+    scope: str,
+    path: str,
+    declared: bool,
+) -> None:
+    stream = CountingStream()
+    headers = {"Idempotency-Key": "key-1", "X-Tenant": scope, "Content-Type": "application/json"}
+    environ = EnvironBuilder(path, method="POST", headers=headers).get_environ()
+    environ["wsgi.input"] = stream
+    # A server that ends a chunked body itself says so (werkzeug's own does).
+    environ["wsgi.input_terminated"] = True
+    if declared:
+        environ["CONTENT_LENGTH"] = str(ENDLESS * 8192)
+    else:
+        environ.pop("CONTENT_LENGTH", None)
+        environ["HTTP_TRANSFER_ENCODING"] = "chunked"
+
+    chunks, status, answered = run_wsgi_app(apps[1], environ)
+
+    assert status.startswith("413") and answered["Content-Type"] == PROBLEM
+    assert "limit" in json.loads(b"".join(chunks))["detail"]
+    # A declared length is refused unread; a stream, one read past the limit at most.
+    assert stream.body.read <= (0 if declared else http_engine.max_params_bytes + 8192)
+    assert keys_of(db, scope) == 0
 
 
 @pytest.mark.parametrize("framework", ["fastapi", "flask"])

@@ -424,6 +424,11 @@ def single_step_params(body: bytes, limit: int) -> Any:
     return None if kind is None else {kind: value}
 
 
+def body_over(limit: int) -> RequestTooLarge:
+    """The refusal of a body found past ``limit`` bytes, before it was read whole."""
+    return RequestTooLarge(f"the request body takes more than {limit} bytes, the limit")
+
+
 def _read_body(body: bytes, limit: int) -> tuple[str | None, Any]:
     if len(body) > limit:  # refused before it costs a parse
         raise RequestTooLarge(f"the request body takes {len(body)} bytes; the limit is {limit}")

@@ -36,7 +36,9 @@ answer is committed and sent, and never runs for an answer that was not committe
 error, a lease lost). A background task that fails then changes neither the answer nor the
 key; it is logged. An answer FastAPI gave before calling the endpoint (a dependency's 401,
 a 422 for a body that fails validation) leaves no key behind: the client may fix its
-request and send it again with the same key.
+request and send it again with the same key. A value the endpoint returned that its
+``response_model`` refuses comes after the endpoint's work: the key keeps a 500
+(``invalid-response``) and replays it, so a retry does not repeat that work.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import RequestTooLarge
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem
+from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -178,7 +181,12 @@ class SingleStepMiddleware:
                 scope, receive, send
             )
             return
-        body = await _read_body(receive)
+        try:
+            body = await _read_body(receive, idempotency.engine.max_params_bytes)
+        except RequestTooLarge as exc:
+            reply = problem_reply(exc, retry_after=idempotency.retry_after)
+            await _response(reply)(scope, receive, send)
+            return
         if body is None:
             return  # the client left before sending its body: nobody to answer
 
@@ -242,7 +250,9 @@ class _AppRun:
                 await self.app(self.scope, self.received, self.send)
                 self.capture()  # a response whose last body message never came
             except Exception as exc:
-                if self.captured is None:
+                if self.captured is None and self.entry.entered and _refused_answer(exc):
+                    self.keep_refused_answer(exc)
+                elif self.captured is None:
                     self.error = exc
                 else:
                     logger.error(
@@ -270,6 +280,23 @@ class _AppRun:
             if not message.get("more_body", False):
                 self.capture()
                 await self.resumed.wait()
+
+    def keep_refused_answer(self, exc: Exception) -> None:
+        """The endpoint ran to its end, and FastAPI refused what it returned (its
+        ``response_model`` does not fit). The endpoint's work is done: a 500 saying so is
+        the key's answer, replayed to a retry, which would otherwise run the work again."""
+        logger.error(
+            "%s %s: the endpoint's return value failed its response validation; the key "
+            "keeps a 500",
+            self.scope["method"],
+            self.scope["path"],
+            exc_info=exc,
+        )
+        reply = problem(500, "invalid-response", "Invalid response", INVALID_RESPONSE_DETAIL)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]
+        self.start = {"type": "http.response.start", "status": 500, "headers": headers}
+        self.chunks = [reply.body]
+        self.capture()
 
     def capture(self) -> None:
         if self.captured is None and self.start is not None:
@@ -352,13 +379,34 @@ def _endpoint(routes: Iterable[BaseRoute], scope: Scope) -> Any:
     return None
 
 
-async def _read_body(receive: Receive) -> bytes | None:
+INVALID_RESPONSE_DETAIL = (
+    "The server did this request's work but failed to build its response. This answer is "
+    "kept for the Idempotency-Key: retrying with it does not repeat the work."
+)
+
+
+def _refused_answer(exc: Exception) -> bool:
+    """FastAPI's refusal of an endpoint's return value, raised after the endpoint ran.
+    (Matched by name: this module imports Starlette alone.)"""
+    kind = type(exc)
+    return kind.__name__ == "ResponseValidationError" and kind.__module__.startswith("fastapi")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request's body, or None if the client left first. A body past ``limit`` bytes is
+    refused (:class:`RequestTooLarge`) at the message that crosses it: a hostile client
+    cannot make the server hold more than that."""
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise body_over(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 

@@ -30,10 +30,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import flask
+from werkzeug.exceptions import RequestEntityTooLarge
 
+from ..errors import RequestTooLarge
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, body_params, target
-from ._problem import IDEMPOTENCY_KEY, Reply
+from ._base import BaseIdempotency, Captured, body_over, body_params, target
+from ._problem import IDEMPOTENCY_KEY, Reply, problem_reply
 
 __all__ = ["Idempotency"]
 
@@ -66,7 +68,7 @@ class Idempotency(BaseIdempotency[flask.Request]):
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=_target(request),
-            params=lambda: body_params(request.get_data(), limit) if params is _BODY else params,
+            params=lambda: body_params(_body(request, limit), limit) if params is _BODY else params,
         )
         return _response(reply)
 
@@ -97,13 +99,18 @@ class Idempotency(BaseIdempotency[flask.Request]):
                         response.status_code, list(response.headers.items()), response.get_data()
                     )
 
+                tenant = self.scope(request)
+                try:
+                    body = _body(request, self.engine.max_params_bytes)
+                except RequestTooLarge as exc:
+                    return _response(problem_reply(exc, retry_after=self.retry_after))
                 reply, _ = self._serve_single_step(
                     operation,
-                    scope=self.scope(request),
+                    scope=tenant,
                     key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
                     method=request.method,
                     target=_target(request),
-                    body=request.get_data(),
+                    body=body,
                     respond=respond,
                 )
                 return _response(reply)
@@ -111,6 +118,25 @@ class Idempotency(BaseIdempotency[flask.Request]):
             return single_step_view  # type: ignore[return-value]
 
         return decorate
+
+
+def _body(request: flask.Request, limit: int) -> bytes:
+    """The request's body, refused past ``limit`` bytes (or the application's own lower
+    ``max_content_length``) before it is read whole. werkzeug refuses a ``Content-Length``
+    over the request's ``max_content_length`` unread, and stops reading a stream without one
+    there, silently: so that cap is set one byte past the limit, and a body that reaches it
+    is over."""
+    own = request.max_content_length
+    if own is not None and own < limit:
+        limit = own
+    request.max_content_length = limit + 1
+    try:
+        body = request.get_data()
+    except RequestEntityTooLarge:
+        raise body_over(limit) from None
+    if len(body) > limit:
+        raise body_over(limit)
+    return body
 
 
 def _target(request: flask.Request) -> str:
