@@ -570,7 +570,14 @@ def sized_tables(
     stack: ExitStack, args: argparse.Namespace, progress: Progress
 ) -> dict[str, tuple[str, bool, str]]:
     """The claim's empty and stored key tables on a private server configured as the
-    README's database settings say (``claims.sized_server``), started for the whole run."""
+    README's database settings say (``claims.sized_server``), started for the whole run;
+    none without this machine's PostgreSQL binaries."""
+    if shutil.which("pg_config") is None:
+        progress.note(
+            "no sized server: pg_config is not on the PATH (PostgreSQL's server package "
+            "provides it); the claim is measured on this server only"
+        )
+        return {}
     admin = stack.enter_context(claims.sized_server(args.big_keys, progress.show))
     empty, stored = (
         str(sa.make_url(admin).set(database=name).render_as_string(False))
