@@ -60,13 +60,6 @@ class Order(BaseModel):
     note: str = ""
 
 
-class Receipt(BaseModel):
-    """A response model the endpoints of ``/*/invalid-response`` do not fit."""
-
-    order_id: int
-    total_cents: int
-
-
 class Gates:
     """Holds requests inside their work until a test releases them; remembers first runs."""
 
@@ -258,16 +251,6 @@ def fastapi_app(engine: rp.Engine, op: rp.Operation[Order], gates: Gates) -> Fas
             answer = Response(content, media_type=media_type)
         answer.headers["Content-Digest"] = content_digest(answer.body)
         return answer
-
-    @app.post("/sync/invalid-response", response_model=Receipt)
-    @idempotency.single_step("http_single_invalid_sync")
-    def sync_invalid(order: Order) -> Any:
-        return single_step_work(engine.db, gates, order)  # no total_cents: FastAPI refuses it
-
-    @app.post("/async/invalid-response", response_model=Receipt)
-    @idempotency.single_step("http_single_invalid_async")
-    async def async_invalid(order: Order) -> Any:
-        return await anyio.to_thread.run_sync(single_step_work, engine.db, gates, order)
 
     @app.post("/sync/refuse/{status}")
     @idempotency.single_step("http_single_refuse")

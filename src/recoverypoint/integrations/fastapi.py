@@ -36,9 +36,7 @@ answer is committed and sent, and never runs for an answer that was not committe
 error, a lease lost). A background task that fails then changes neither the answer nor the
 key; it is logged. An answer FastAPI gave before calling the endpoint (a dependency's 401,
 a 422 for a body that fails validation) leaves no key behind: the client may fix its
-request and send it again with the same key. A value the endpoint returned that its
-``response_model`` refuses comes after the endpoint's work: the key keeps a 500
-(``invalid-response``) and replays it, so a retry does not repeat that work.
+request and send it again with the same key.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import RequestTooLarge
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem_reply
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -182,7 +180,7 @@ class SingleStepMiddleware:
             )
             return
         try:
-            body = await _read_body(receive, idempotency.engine.max_params_bytes)
+            body = await _read_body(request, receive, idempotency.engine.max_params_bytes)
         except RequestTooLarge as exc:
             reply = problem_reply(exc, retry_after=idempotency.retry_after)
             await _response(reply)(scope, receive, send)
@@ -250,9 +248,7 @@ class _AppRun:
                 await self.app(self.scope, self.received, self.send)
                 self.capture()  # a response whose last body message never came
             except Exception as exc:
-                if self.captured is None and self.entry.entered and _refused_answer(exc):
-                    self.keep_refused_answer(exc)
-                elif self.captured is None:
+                if self.captured is None:
                     self.error = exc
                 else:
                     logger.error(
@@ -280,23 +276,6 @@ class _AppRun:
             if not message.get("more_body", False):
                 self.capture()
                 await self.resumed.wait()
-
-    def keep_refused_answer(self, exc: Exception) -> None:
-        """The endpoint ran to its end, and FastAPI refused what it returned (its
-        ``response_model`` does not fit). The endpoint's work is done: a 500 saying so is
-        the key's answer, replayed to a retry, which would otherwise run the work again."""
-        logger.error(
-            "%s %s: the endpoint's return value failed its response validation; the key "
-            "keeps a 500",
-            self.scope["method"],
-            self.scope["path"],
-            exc_info=exc,
-        )
-        reply = problem(500, "invalid-response", "Invalid response", INVALID_RESPONSE_DETAIL)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]
-        self.start = {"type": "http.response.start", "status": 500, "headers": headers}
-        self.chunks = [reply.body]
-        self.capture()
 
     def capture(self) -> None:
         if self.captured is None and self.start is not None:
@@ -379,23 +358,13 @@ def _endpoint(routes: Iterable[BaseRoute], scope: Scope) -> Any:
     return None
 
 
-INVALID_RESPONSE_DETAIL = (
-    "The server did this request's work but failed to build its response. This answer is "
-    "kept for the Idempotency-Key: retrying with it does not repeat the work."
-)
-
-
-def _refused_answer(exc: Exception) -> bool:
-    """FastAPI's refusal of an endpoint's return value, raised after the endpoint ran.
-    (Matched by name: this module imports Starlette alone.)"""
-    kind = type(exc)
-    return kind.__name__ == "ResponseValidationError" and kind.__module__.startswith("fastapi")
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+async def _read_body(request: Request, receive: Receive, limit: int) -> bytes | None:
     """The request's body, or None if the client left first. A body past ``limit`` bytes is
-    refused (:class:`RequestTooLarge`) at the message that crosses it: a hostile client
-    cannot make the server hold more than that."""
+    refused (:class:`RequestTooLarge`): unread if its ``Content-Length`` says so, else at
+    the message that crosses it; a hostile client cannot make the server hold more."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_over(limit)
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -129,6 +129,8 @@ def _body(request: flask.Request, limit: int) -> bytes:
     own = request.max_content_length
     if own is not None and own < limit:
         limit = own
+    if (request.content_length or 0) > limit:
+        raise body_over(limit)  # also where a hook opened the stream before this cap was set
     request.max_content_length = limit + 1
     try:
         body = request.get_data()
