@@ -295,7 +295,7 @@ class BaseIdempotency(Generic[RequestT]):
         key_headers: Sequence[str],
         method: str,
         target: str,
-        body: bytes,
+        body: Callable[[], bytes],
         respond: Callable[[], Captured],
     ) -> tuple[Reply, bool]:
         """Serve a single-step request; ``respond`` runs the endpoint, if the key needs it.
@@ -327,7 +327,7 @@ class BaseIdempotency(Generic[RequestT]):
         key_headers: Sequence[str],
         method: str,
         target: str,
-        body: bytes,
+        body: Callable[[], bytes],
         respond: Callable[[], Awaitable[Captured]],
     ) -> tuple[Reply, bool]:
         """:meth:`_serve_single_step` on the async engine, for an async endpoint."""
@@ -346,8 +346,10 @@ class BaseIdempotency(Generic[RequestT]):
             _RESPONDER.reset(reset)
         return _single_step_reply(result, produced)
 
-    def _single_step_params(self, body: bytes) -> Callable[[], Any]:
-        return lambda: single_step_params(body, self.engine.max_params_bytes)
+    def _single_step_params(self, body: Callable[[], bytes]) -> Callable[[], Any]:
+        # The body is read inside the engine call, so that a refusal while reading it (too
+        # large) is answered as every other refusal is.
+        return lambda: single_step_params(body(), self.engine.max_params_bytes)
 
     def _execute(
         self,

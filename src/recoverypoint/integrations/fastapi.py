@@ -200,7 +200,7 @@ class SingleStepMiddleware:
                 "key_headers": request.headers.getlist(IDEMPOTENCY_KEY),
                 "method": request.method,
                 "target": target(request.url.path, request.url.query),
-                "body": body,
+                "body": lambda: body,
             }
             committed = False
             try:

@@ -32,10 +32,9 @@ from typing import Any, TypeVar
 import flask
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from ..errors import RequestTooLarge
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, body_params, target
-from ._problem import IDEMPOTENCY_KEY, Reply, problem_reply
+from ._problem import IDEMPOTENCY_KEY, Reply
 
 __all__ = ["Idempotency"]
 
@@ -99,18 +98,14 @@ class Idempotency(BaseIdempotency[flask.Request]):
                         response.status_code, list(response.headers.items()), response.get_data()
                     )
 
-                tenant = self.scope(request)
-                try:
-                    body = _body(request, self.engine.max_params_bytes)
-                except RequestTooLarge as exc:
-                    return _response(problem_reply(exc, retry_after=self.retry_after))
+                limit = self.engine.max_params_bytes
                 reply, _ = self._serve_single_step(
                     operation,
-                    scope=tenant,
+                    scope=self.scope(request),
                     key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
                     method=request.method,
                     target=_target(request),
-                    body=body,
+                    body=lambda: _body(request, limit),
                     respond=respond,
                 )
                 return _response(reply)
