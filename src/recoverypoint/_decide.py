@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import DeclarationError, InvalidParams, LockLost, OperationNotRegistered
+from .errors import (
+    DeclarationError,
+    InvalidParams,
+    LockLost,
+    OperationNotRegistered,
+    ParamsMismatch,
+)
 from .keys import (
     canonical_json,
     check_size,
@@ -100,6 +106,32 @@ class KeyRecord:
         if self.held_for is None:
             return 0
         return max(0, math.ceil(lock_timeout - self.held_for))
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A finished key as a replay reads it: the version that started it and the request's
+    fingerprint, which judge a reused key, and the stored response."""
+
+    operation_version: int
+    fingerprint: str
+    response_status: int
+    response_headers: dict[str, str] | None
+    response_body: str | None
+    """As JSON text: :func:`replay` parses it."""
+
+    @classmethod
+    def parse(cls, row: Sequence[str | None]) -> Finished:
+        """The record from the text of the columns of :data:`recoverypoint.sql.FINISHED`."""
+        version, fingerprint, status, headers, body = row
+        assert version and fingerprint and status
+        return cls(
+            int(version),
+            fingerprint,
+            int(status),
+            None if headers is None else json.loads(headers),
+            body,
+        )
 
 
 @dataclass
@@ -238,7 +270,22 @@ class Registry:
             token=uuid.uuid4(),
         )
 
-    def started_by(self, operation: Operation[Any], record: KeyRecord) -> Operation[Any]:
+    def judge(
+        self,
+        operation: Operation[Any],
+        request: ClaimRequest,
+        params: Any,
+        record: KeyRecord | Finished,
+    ) -> Operation[Any]:
+        """The version of ``operation`` that started the key of ``record``, whose rules judge
+        a reused key; raises :class:`ParamsMismatch` when the key was first used with
+        another method, path or params."""
+        started = self.started_by(operation, record)
+        if fingerprint_as(started, request, params) != record.fingerprint:
+            raise ParamsMismatch(key=request.key)
+        return started
+
+    def started_by(self, operation: Operation[Any], record: KeyRecord | Finished) -> Operation[Any]:
         """The registered version of ``operation`` that started the key of ``record``. A
         finished key replays without it, so one whose version is gone is judged by the
         caller's."""
@@ -256,7 +303,7 @@ def dump_state(phase: Phase, state: dict[str, Any]) -> str:
         raise TypeError(f"the state after phase {phase.point!r} is {exc}") from exc
 
 
-def replay(record: KeyRecord) -> Outcome:
+def replay(record: KeyRecord | Finished) -> Outcome:
     """The stored response, exactly as its first answer gave it."""
     assert record.response_status is not None
     body = as_answered(record.response_body)

@@ -34,14 +34,13 @@ from ._decide import (
     Step,
     as_answered,
     dump_state,
-    fingerprint_as,
     replay,
 )
 from ._pg_async import AsyncTransaction
 from .backoff import backoff_delay
 from .context import AsyncAtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine, normalize_url
-from .errors import DeclarationError, KeyInUse, LockLost, ParamsMismatch
+from .errors import DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
 from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers
 from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
@@ -252,16 +251,18 @@ class AsyncEngine(Registry):
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
         A finished key is looked up first, alone: a replay costs one round trip."""
-        record = await store_async.finished_key(tx, request) or await store_async.claim(tx, request)
+        finished = await store_async.finished_key(tx, request)
+        if finished is not None:
+            self.judge(operation, request, params, finished)
+            return replay(finished)
+        record = await store_async.claim(tx, request)
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
         if not record.inserted:
             # A key is judged by the version that started it: its params rules, its lease.
-            operation = self.started_by(operation, record)
-            if fingerprint_as(operation, request, params) != record.fingerprint:
-                raise ParamsMismatch(key=request.key)
-            if record.response_status is not None:
+            operation = self.judge(operation, request, params, record)
+            if record.response_status is not None:  # it finished since the lookup
                 return replay(record)
             lock_timeout = operation.lock_timeout.total_seconds()
             lease_left = record.lease_left(lock_timeout)

@@ -15,17 +15,17 @@ import psycopg
 import sqlalchemy as sa
 
 from . import sql
-from ._decide import ClaimRequest, KeyRecord, KeyRef, written
+from ._decide import ClaimRequest, Finished, KeyRecord, KeyRef, written
 from ._pg import Transaction, borrowed
 from .context.common import StagedJob
 from .errors import KeyInUse, LockLost
 
 
-def finished_key(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
+def finished_key(tx: Transaction, request: ClaimRequest) -> Finished | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
     row = tx.lookup(sql.FINISHED, params)
-    return None if row is None else KeyRecord.parse(row)
+    return None if row is None else Finished.parse(row)
 
 
 def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:

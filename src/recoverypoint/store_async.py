@@ -13,17 +13,17 @@ import psycopg
 import sqlalchemy.ext.asyncio as sa_async
 
 from . import sql
-from ._decide import ClaimRequest, KeyRecord, KeyRef, written
+from ._decide import ClaimRequest, Finished, KeyRecord, KeyRef, written
 from ._pg_async import AsyncTransaction, borrowed
 from .context.common import StagedJob
 from .errors import KeyInUse, LockLost
 
 
-async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
+async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> Finished | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
     row = await tx.lookup(sql.FINISHED, params)
-    return None if row is None else KeyRecord.parse(row)
+    return None if row is None else Finished.parse(row)
 
 
 async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
