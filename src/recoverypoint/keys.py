@@ -100,6 +100,12 @@ def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
         pending.extend((child, depth + 1) for child in children)
 
 
+# Made once: json.dumps with options makes an encoder per call.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Any) -> str:
     """Serialise ``value`` the same way every time, so equal params hash equal.
 
@@ -107,9 +113,7 @@ def canonical_json(value: Any) -> str:
     infinities, NUL characters, lone surrogates, nesting beyond Python's recursion limit).
     """
     try:
-        text = json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
+        text = _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"not JSON-serialisable: {exc}") from exc
     except RecursionError:
