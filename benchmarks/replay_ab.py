@@ -84,6 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.database_url:
         parser.error("--database-url (or RECOVERYPOINT_DATABASE_URL) is required")
+    if args.head == args.base:
+        parser.error("--head and --base name the same commit: there is nothing to compare")
     admin = normalize_url(args.database_url).set(drivername="postgresql")
     name = f"rp_replay_ab_{secrets.token_hex(4)}"
     admin_url = admin.render_as_string(False)
@@ -114,7 +116,9 @@ def main() -> None:
         cells = []
         for column in range(3):
             values = [row[column] for row in rows]
-            cells.append(f"{statistics.median(values):.3f} ({min(values):.3f} to {max(values):.3f})")
+            cells.append(
+                f"{statistics.median(values):.3f} ({min(values):.3f} to {max(values):.3f})"
+            )
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 

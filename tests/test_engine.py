@@ -487,3 +487,70 @@ def test_downstream_key_does_not_depend_on_the_session_time_zone(
             pass
         zoned.dispose()
     assert len(keys) == 2 and keys[0] == keys[1]
+
+
+def declare_echo(version: int) -> rp.Operation[Any]:
+    op: rp.Operation[Any] = rp.Operation("echo_versions", version=version)
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(200, {"version": version, "params": params})
+
+    return op
+
+
+def test_a_finished_key_whose_version_is_gone_is_judged_by_the_callers_version(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    v1 = declare_echo(1)
+    engine.register(v1)
+    first = engine.run(v1, key="k", params={"a": 1}, scope=scope)
+
+    # A later deploy runs v2 only: the finished key still replays what v1 answered.
+    later = rp.Engine(db)
+    v2 = declare_echo(2)
+    later.register(v2)
+    again = later.run(v2, key="k", params={"a": 1}, scope=scope)
+    assert again.replayed and again.body == first.body == {"version": 1, "params": {"a": 1}}
+    with pytest.raises(rp.ParamsMismatch):
+        later.run(v2, key="k", params={"a": 2}, scope=scope)
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 1
+
+
+def test_a_key_that_finishes_between_the_lookup_and_the_claim_is_replayed(
+    engine: rp.Engine, db: sa.Engine, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    op = declare_echo(1)
+    engine.register(op)
+    first = engine.run(op, key="k", params={"a": 1}, scope=scope)
+
+    # As if the key finished just after the lookup missed it: the claim finds it finished.
+    monkeypatch.setattr(rp.engine.store, "finished_key", lambda tx, request: None)
+    again = engine.run(op, key="k", params={"a": 1}, scope=scope)
+    assert again.replayed and again.body == first.body
+    with pytest.raises(rp.ParamsMismatch):
+        engine.run(op, key="k", params={"a": 2}, scope=scope)
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 1
+
+
+def test_a_replay_hands_its_connection_back_to_the_pool_reset(
+    engine: rp.Engine, db: sa.Engine, scope: str
+) -> None:
+    op = declare_echo(1)
+    engine.register(op)
+    engine.run(op, key="k", params={}, scope=scope)
+    resets: list[bool] = []
+
+    def heard(dbapi_connection: Any, record: Any, state: Any) -> None:
+        resets.append(state.transaction_was_reset)
+
+    sa.event.listen(db.pool, "reset", heard)
+    try:
+        before = db.pool.checkedout()
+        assert engine.run(op, key="k", params={}, scope=scope).replayed
+    finally:
+        sa.event.remove(db.pool, "reset", heard)
+    # Back in the pool, idle, with the pool told that its transaction had already ended
+    # (so it sent no ROLLBACK of its own), as SQLAlchemy's own Connection does.
+    assert db.pool.checkedout() == before
+    assert resets == [True]
