@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -419,14 +420,22 @@ if True:  # ASYNC
                 )
             )
 
-    def open_transactions(db: sa.Engine) -> int:
-        """The engine's connections that are in a transaction."""
-        return count(
-            db,
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name = :a AND state LIKE 'idle in transaction%'",
-            a=APPLICATION,
-        )
+    async def open_transactions(db: sa.Engine) -> int:
+        """The engine's connections that are in a transaction, once the backends of those
+        it closed in the middle of a statement have ended theirs: the server does when it
+        sees the socket close, a moment later (5 s at most here). A connection handed back
+        to the pool inside a transaction stays, and is counted."""
+        deadline = time.monotonic() + 5
+        while True:
+            left = count(
+                db,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = :a AND state LIKE 'idle in transaction%'",
+                a=APPLICATION,
+            )
+            if not left or time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(0.02)
 
     class CancelAtStatement:
         """Cancels the running task while its ``n``-th statement (or COMMIT) is on the wire."""
@@ -490,7 +499,7 @@ if True:  # ASYNC
                 break
             assert n < 60, "the request path sends more statements than expected"
             assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
-            assert open_transactions(db) == 0, (n, activity(db))
+            assert await open_transactions(db) == 0, (n, activity(db))
             with db.connect() as conn:
                 row = conn.execute(
                     sa.text(
@@ -548,7 +557,7 @@ if True:  # ASYNC
                 break
             assert n < 40, "resume sends more statements than expected"
             assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
-            assert open_transactions(db) == 0, (n, activity(db))
+            assert await open_transactions(db) == 0, (n, activity(db))
             row = key_row(db, scope)
             if row.recovery_point != "finished":
                 assert row.lock_token is None, n  # the lease is given up, the claim's too
@@ -571,7 +580,7 @@ if True:  # ASYNC
         row = key_row(db, scope)
         assert row.recovery_point == "charge_created"
         assert row.lock_token is None and row.attempts == 1 and "CancelledError" in row.last_error
-        assert open_transactions(db) == 0
+        assert await open_transactions(db) == 0
         assert (await engine.resume(row.id)).status == 201
 
     async def test_a_server_side_statement_is_cancelled_with_the_task(
@@ -588,7 +597,7 @@ if True:  # ASYNC
             await asyncio.wait_for(engine.run(op, key="k", scope=scope, params={}), 0.5)
         # A new key whose first phase was cancelled leaves nothing behind.
         assert count(db, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
-        assert open_transactions(db) == 0
+        assert await open_transactions(db) == 0
         assert (
             count(
                 db,
