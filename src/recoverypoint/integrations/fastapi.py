@@ -58,10 +58,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import RequestTooLarge
+from ..errors import InvalidKey, RequestTooLarge
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem_reply
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem_reply, read_key
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -180,8 +180,11 @@ class SingleStepMiddleware:
             )
             return
         try:
+            # The key first, from the headers: a request without a valid one is refused
+            # (400) whatever its body, none of which is read, as the Flask integration does.
+            read_key(request.headers.getlist(IDEMPOTENCY_KEY))
             body = await _read_body(request, receive, idempotency.engine.max_params_bytes)
-        except RequestTooLarge as exc:
+        except (InvalidKey, RequestTooLarge) as exc:
             reply = problem_reply(exc, retry_after=idempotency.retry_after)
             await _response(reply)(scope, receive, send)
             return
