@@ -7,7 +7,8 @@ Each round runs one process per commit, in turns (A B, then B A, …), so drift 
 shared machine falls on both. A process finishes one key through the benchmark's Rocket
 Rides operation (flows.py), replays it ``--replays`` times, and reports the p50 and p99
 of one replay and its client CPU. Both commits run on the schema of this checkout,
-migrated into a database made for the run and dropped after it. Prints the median and
+migrated into a database made for the run and dropped after it
+(:func:`recoverypoint.testing.temporary_database`). Prints the median and
 range over the rounds; nothing here asserts a speed.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -24,10 +24,11 @@ import tempfile
 from pathlib import Path
 
 import psycopg
+import sqlalchemy as sa
 from flows import SCHEMA
 
-from recoverypoint.database import normalize_url
 from recoverypoint.migrate import upgrade
+from recoverypoint.testing import temporary_database
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -86,30 +87,27 @@ def main() -> None:
         parser.error("--database-url (or RECOVERYPOINT_DATABASE_URL) is required")
     if args.head == args.base:
         parser.error("--head and --base name the same commit: there is nothing to compare")
-    admin = normalize_url(args.database_url).set(drivername="postgresql")
-    name = f"rp_replay_ab_{secrets.token_hex(4)}"
-    admin_url = admin.render_as_string(False)
-    url = admin.set(database=name).render_as_string(False)
-    with tempfile.TemporaryDirectory() as tmp, psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-        try:
-            upgrade(url)
-            with psycopg.connect(url, autocommit=True) as db:
-                db.execute(SCHEMA)
-            trees = {args.base: source_of(args.base, Path(tmp) / "base")}
-            head = args.head or "this checkout"
-            if args.head:
-                trees[head] = source_of(args.head, Path(tmp) / "head")
-            else:
-                trees[head] = REPO / "src"
-            results: dict[str, list[list[float]]] = {label: [] for label in trees}
-            labels = list(trees)
-            for round_ in range(args.rounds):
-                for label in labels if round_ % 2 == 0 else labels[::-1]:
-                    results[label].append(measure(trees[label], url, args.replays))
-                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-        finally:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        temporary_database(args.database_url, prefix="rp_replay_ab") as made,
+    ):
+        # libpq's form: the reference flow connects with psycopg alone.
+        url = sa.make_url(made).set(drivername="postgresql").render_as_string(False)
+        upgrade(url)
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(SCHEMA)
+        trees = {args.base: source_of(args.base, Path(tmp) / "base")}
+        head = args.head or "this checkout"
+        if args.head:
+            trees[head] = source_of(args.head, Path(tmp) / "head")
+        else:
+            trees[head] = REPO / "src"
+        results: dict[str, list[list[float]]] = {label: [] for label in trees}
+        labels = list(trees)
+        for round_ in range(args.rounds):
+            for label in labels if round_ % 2 == 0 else labels[::-1]:
+                results[label].append(measure(trees[label], url, args.replays))
+            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     print(f"{args.rounds} rounds of {args.replays} replays; median (min to max), ms\n")
     print("| commit | p50 | p99 | client CPU per replay |\n|---|---|---|---|")
     for label, rows in results.items():
