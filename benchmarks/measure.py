@@ -233,9 +233,11 @@ def drive(
     count: int | None = None,
     warmup: int = 0,
     warmup_cap: float = 5.0,
+    cpus: set[int] | None = None,
 ) -> Window:
     """One thread per entry of ``clients`` (each its own request function, connections
-    already open), sending ``keys()`` requests for ``seconds`` or ``count`` requests each.
+    already open), sending ``keys()`` requests for ``seconds`` or ``count`` requests each;
+    on ``cpus`` only, if given (Linux), else wherever the kernel puts them.
 
     Each thread first sends ``warmup`` untimed requests (stopping early after
     ``warmup_cap`` seconds), then all wait; the CPU counters are read and the window opens.
@@ -249,6 +251,8 @@ def drive(
     setup_errors: list[BaseException] = []
 
     def client(run: Callable[[str], Any]) -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # this thread only
         until = time.perf_counter() + warmup_cap
         errors, first_error, sent, failed = 0, "", 0, 0
         for _ in range(warmup):

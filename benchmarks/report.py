@@ -259,7 +259,8 @@ class Report:
             f"{st['seconds']:g} s per system and concurrency, systems interleaved and rotated; "
             f"fresh key per request. Connections are opened and {st['warmup']} warm-up "
             "requests per client sent before each timed window; DBOS is launched only for "
-            f"its own windows. Phase API of the `recoverypoint` system: {st['phase_api']}.",
+            f"its own windows. Phase API of the `recoverypoint` system: {st['phase_api']}. "
+            + client_placement(st),
             "",
             *machine.markdown(self.facts),
             "",
@@ -469,3 +470,11 @@ REPLAY_LABELS = {
     "redis-get": "Redis GET of the stored response",
     "powertools-style": "Powertools-style Redis lookup (SET NX, GET, checks)",
 }
+
+
+def client_placement(settings: dict[str, Any]) -> str:
+    """Where the client threads ran (``--pin-client``)."""
+    cpus = settings.get("client_cpus", "any")
+    if cpus == "any":
+        return "Client threads: wherever the kernel put them."
+    return f"Client threads: pinned to CPU {', '.join(map(str, cpus))} (`--pin-client`)."

@@ -234,7 +234,14 @@ def compare(
                 )
                 try:
                     run = system.open(clients)
-                    window = drive(run, fresh_key, meter, seconds=args.seconds, warmup=args.warmup)
+                    window = drive(
+                        run,
+                        fresh_key,
+                        meter,
+                        seconds=args.seconds,
+                        warmup=args.warmup,
+                        cpus=client_cpus(args),
+                    )
                 finally:
                     system.close()
                 totals[f"{system.name}@{clients}"].add(window)
@@ -297,6 +304,7 @@ def interleaved(
     meter: Meter,
     progress: Progress,
     label: str,
+    cpus: set[int] | None,
 ) -> dict[str, Window]:
     """``total`` sequential requests per system, in blocks, the systems taking turns."""
     out = {name: Window() for name in runs}
@@ -305,7 +313,9 @@ def interleaved(
         progress.step(f"{label}: block {i + 1}")
         order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
-            window = drive([runs[name]], keys[name], meter, server=servers[name], count=size)
+            window = drive(
+                [runs[name]], keys[name], meter, server=servers[name], count=size, cpus=cpus
+            )
             out[name].add(window)
     return out
 
@@ -409,7 +419,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--results", type=Path, default=RESULTS, help="where results.md/json/png go"
     )
+    parser.add_argument(
+        "--pin-client",
+        type=int,
+        metavar="CPU",
+        help="run the client threads on this CPU only (Linux), so that the kernel's placement "
+        "of clients and server processes does not decide the result (see README.md)",
+    )
     return parser.parse_args()
+
+
+def client_cpus(args: argparse.Namespace) -> set[int] | None:
+    """The CPUs the client threads run on; None: wherever the kernel puts them."""
+    return None if args.pin_client is None else {args.pin_client}
 
 
 def main() -> None:
@@ -496,6 +518,7 @@ def main() -> None:
                         meter,
                         progress,
                         f"run {r + 1}/{args.runs} replays",
+                        client_cpus(args),
                     )
                 finally:
                     replayers.close()
@@ -537,6 +560,7 @@ def main() -> None:
             else None
         ),
         "phase_api": phase_api(),
+        "client_cpus": "any" if args.pin_client is None else [args.pin_client],
         "warnings_logged": dict(logged.counts.most_common(20)),
         "wall_minutes": (time.perf_counter() - began) / 60,
     }
@@ -616,6 +640,7 @@ def measure_claims(
             meter,
             progress,
             f"run {run_index + 1}/{args.runs} claims",
+            client_cpus(args),
         )
     finally:
         for claimer in claimers.values():
