@@ -434,8 +434,23 @@ def client_cpus(args: argparse.Namespace) -> set[int] | None:
     return None if args.pin_client is None else {args.pin_client}
 
 
+def check_pin(cpu: int | None) -> None:
+    """Refuse a ``--pin-client`` CPU this process may not run on, before any thread would
+    fail on it."""
+    if cpu is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("--pin-client needs Linux (os.sched_setaffinity); run without it")
+    usable = sorted(os.sched_getaffinity(0))
+    if cpu not in usable:
+        raise SystemExit(
+            f"--pin-client {cpu}: this process may run on CPUs {usable} only; pick one of them"
+        )
+
+
 def main() -> None:
     args = parse_args()
+    check_pin(args.pin_client)
     began = time.perf_counter()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     wanted = [s for s in args.systems.split(",") if s]
