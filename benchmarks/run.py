@@ -395,7 +395,7 @@ def parse_args() -> argparse.Namespace:
         "--warmup", type=int, default=6, help="untimed requests per client before each window"
     )
     parser.add_argument("--replays", type=int, default=3000, help="per replay system, per run")
-    parser.add_argument("--claims", type=int, default=2000, help="per key table, per run")
+    parser.add_argument("--claims", type=int, default=10000, help="per key table, per run")
     parser.add_argument(
         "--big-keys",
         type=int,
