@@ -54,6 +54,16 @@ RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 # What psycopg answers by deallocating every statement prepared on the connection (it
 # reads the command status; this reads the statement, and errs on the side of more).
 _DEALLOCATES = re.compile(r"\b(?:ROLLBACK|DROP|ALTER|DISCARD|DEALLOCATE)\b", re.IGNORECASE)
+_DEALLOCATING_WORDS = ("ROLLBACK", "DROP", "ALTER", "DISCARD", "DEALLOCATE")
+
+
+def _deallocates(statement: str) -> bool:
+    """Whether ``statement`` may make psycopg deallocate; the words are looked for first, as
+    the pattern alone, tried at every position, cost a tenth of a phase's statement."""
+    upper = statement.upper()
+    return any(word in upper for word in _DEALLOCATING_WORDS) and bool(
+        _DEALLOCATES.search(statement)
+    )
 
 
 class Transaction:
@@ -121,7 +131,7 @@ class Transaction:
         """A statement of phase code. After one that makes psycopg deallocate every prepared
         statement (a ROLLBACK TO SAVEPOINT, DDL), the engine's own are prepared again
         before the write that records the phase."""
-        if not isinstance(statement, str) or _DEALLOCATES.search(statement):
+        if not isinstance(statement, str) or _deallocates(statement):
             self._deallocated = True
 
     def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:

@@ -118,7 +118,9 @@ def canonical_json(value: Any) -> str:
         raise ValueError(f"not JSON-serialisable: {exc}") from exc
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    if _ESCAPED_NUL.search(text):
+    # The substring test first: the pattern, tried at every position, cost as much as the
+    # encoding of a small value.
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
         raise ValueError("contains a NUL character, which PostgreSQL cannot store")
     if not _encodable(text):
         raise ValueError("contains a lone surrogate, which is not valid Unicode text")

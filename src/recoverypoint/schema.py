@@ -59,10 +59,9 @@ idempotency_keys = Table(
     UniqueConstraint(
         "idempotency_key", "scope", "operation", name="idempotency_keys_scope_operation_key"
     ),
-    CheckConstraint(
-        "char_length(idempotency_key) BETWEEN 1 AND 255", name="idempotency_keys_key_length"
-    ),
-    CheckConstraint("char_length(scope) <= 255", name="idempotency_keys_scope_length"),
+    # No CHECK on the key's and scope's lengths: the engine refuses them before its claim,
+    # the only statement that inserts a key row, and PostgreSQL compiles a table's CHECK
+    # constraints again for every statement that writes a row of it (migration 0008).
     # A finished key always has its response, so a replay never finds half a record.
     CheckConstraint(
         "(finished_at IS NULL) = (response_status IS NULL)", name="idempotency_keys_finished"
@@ -99,8 +98,9 @@ staged_jobs = Table(
     Column("job_name", Text, nullable=False),
     Column("job_args", JSONB, nullable=False),
     # Derived from the key record and the job's position in it: stable across retries,
-    # so a consumer can dedupe on it.
-    Column("job_key", Text, nullable=False, unique=True),
+    # so a consumer can dedupe on it. Unique by construction (the phase that stages it
+    # commits once per key); not indexed, as nothing looks a job up by it (migration 0008).
+    Column("job_key", Text, nullable=False),
     # The key record that staged the job. Deliberately not a foreign key: under
     # SERIALIZABLE, the check of one would lock the primary-key index page that every new
     # key is inserted into, and concurrent requests would abort each other (40001). The
