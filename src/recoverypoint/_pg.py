@@ -53,8 +53,8 @@ RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
 # What psycopg answers by deallocating every statement prepared on the connection (it
 # reads the command status; this reads the statement, and errs on the side of more).
-_DEALLOCATES = re.compile(r"\b(?:ROLLBACK|DROP|ALTER|DISCARD|DEALLOCATE)\b", re.IGNORECASE)
 _DEALLOCATING_WORDS = ("ROLLBACK", "DROP", "ALTER", "DISCARD", "DEALLOCATE")
+_DEALLOCATES = re.compile(rf"\b(?:{'|'.join(_DEALLOCATING_WORDS)})\b", re.IGNORECASE)
 
 
 def _deallocates(statement: str) -> bool:
