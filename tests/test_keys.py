@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from recoverypoint.context import KeyIdentity
 from recoverypoint.errors import InvalidKey, InvalidParams, RequestTooLarge
 from recoverypoint.keys import (
     MAX_JSON_DEPTH,
@@ -104,6 +105,16 @@ def test_derived_keys_depend_on_every_stored_field_and_no_time_zone() -> None:
     }
     assert key not in others and len(others) == 6
     assert key.startswith("rp_") and len(key) == 67
+
+
+def test_derived_keys_never_change_between_releases() -> None:
+    # A foreign system has these keys already: a key derived otherwise by a new release,
+    # for a request an old one began, would charge again. Also checks the record's cached
+    # part (KeyIdentity) against the plain function.
+    at = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    known = "rp_7d9512b97555ebb9b4efae97a4a33939fe18ba6a991beaed6a59321f2ed38b98"
+    assert derived_key("downstream", 7, at, "charged", "", operation="rides") == known
+    assert KeyIdentity("rides", 7, at).derive("downstream", "charged", "") == known
 
 
 def test_safe_headers_drop_cookies_and_hop_by_hop_headers_in_any_case() -> None:

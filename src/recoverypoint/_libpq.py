@@ -14,8 +14,8 @@ value is compared with); rows come back as text, for the caller to read.
 from __future__ import annotations
 
 import select
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -49,8 +49,7 @@ def execute(
     transaction is prepared again and sent again; one found gone behind other statements of
     its transaction raises :class:`Deallocated`, and the transaction runs again."""
     encoding = _encoding(connection)
-    # NULLs go as None, as psycopg's own cursors send them (pq's hints say bytes only).
-    values = cast("list[bytes]", [_text(params[param], encoding) for param in statement.names])
+    values = _values(params, statement.names, encoding)
     try:
         result = _run(pooled, connection, statement, values, begin, commit)
     except psycopg.errors.InvalidSqlStatementName:
@@ -110,7 +109,15 @@ def _pipelined(
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
         _flush(pgconn)
-        results = [_command_result(pgconn) for _ in range(begin + 1 + commit)]
+        commands = begin + 1 + commit
+        results: list[Any] = []
+        ended = 0  # each command's results end with a None
+        while ended < commands:
+            result = _next_result(pgconn)
+            if result is None:
+                ended += 1
+            else:
+                results.append(result)
         synced = _next_result(pgconn)
     finally:
         try:
@@ -119,8 +126,13 @@ def _pipelined(
             # Results still pending (an interrupt while waiting for them): the connection
             # cannot be used again, and the pool drops a closed one.
             connection.close()
+    if len(results) != commands:
+        raise psycopg.OperationalError(
+            f"the server sent no result: {connection.pgconn.error_message!r}"
+        )
     for result in results:
-        _checked(connection, result)
+        if result.status == ExecStatus.FATAL_ERROR:  # PIPELINE_ABORTED only follows one
+            _checked(connection, result)
     if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
         raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
     return results[begin]
@@ -209,36 +221,60 @@ def _checked(connection: psycopg.Connection[Any], result: Any) -> Any:
 def _first_row(result: Any, encoding: str) -> Row | None:
     if result.ntuples == 0:
         return None
-    return tuple(
-        None if value is None else value.decode(encoding)
-        for value in (result.get_value(0, column) for column in range(result.nfields))
-    )
+    # List comprehensions: a generator would be resumed once per column.
+    values = [result.get_value(0, column) for column in range(result.nfields)]
+    return tuple([None if value is None else value.decode(encoding) for value in values])
 
 
-def _text(value: Any, encoding: str) -> bytes | None:
-    """A value as PostgreSQL's text input reads it."""
-    if value is None:
-        return None
+def _values(params: Mapping[str, Any], names: Sequence[str], encoding: str) -> list[bytes]:
+    """The values of ``names`` in ``params`` as PostgreSQL's text input reads them. NULLs go
+    as None, as psycopg's own cursors send them (pq's hints say bytes only). The types the
+    engine sends are told apart in the loop: a call per value cost as much as the rest."""
+    values: list[Any] = []
+    for name in names:
+        value = params[name]
+        kind = type(value)
+        if kind is str:
+            if "\x00" in value:
+                raise _nul_refused()
+            values.append(value.encode(encoding))
+        elif value is None:
+            values.append(None)
+        elif kind is int:
+            values.append(str(value).encode())
+        elif kind is UUID:
+            values.append(value.hex.encode())  # uuid's input reads 32 hex digits
+        else:
+            values.append(_text(value, encoding))
+    return values
+
+
+def _text(value: Any, encoding: str) -> bytes:
+    """A value of any other type the engine sends (or a subclass of one) as text."""
     if isinstance(value, list):
         value = _array(value)
     if isinstance(value, str):
-        # libpq reads a text value up to its first NUL: refused, as psycopg does.
         if "\x00" in value:
-            raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+            raise _nul_refused()
         return value.encode(encoding)
     if isinstance(value, bool):
         return b"t" if value else b"f"
     if isinstance(value, UUID):
-        return value.hex.encode()  # uuid's input reads 32 hex digits; a third of str()'s cost
+        return value.hex.encode()
     if isinstance(value, int | float):
         return str(value).encode()
     raise TypeError(f"no text form for a {type(value).__name__} parameter")
 
 
+def _nul_refused() -> psycopg.DataError:
+    # libpq reads a text value up to its first NUL: refused, as psycopg does.
+    return psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+
+
 def _array(items: list[str | None]) -> str:
     """A text[] literal: every element quoted, backslashes and quotes escaped."""
-    quoted = (
+    quoted = [
         "NULL" if item is None else '"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"'
         for item in items
-    )
+    ]
     return "{" + ",".join(quoted) + "}"

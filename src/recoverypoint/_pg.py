@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -59,11 +59,13 @@ _DEALLOCATES = re.compile(rf"\b(?:{'|'.join(_DEALLOCATING_WORDS)})\b", re.IGNORE
 
 def _deallocates(statement: str) -> bool:
     """Whether ``statement`` may make psycopg deallocate; the words are looked for first, as
-    the pattern alone, tried at every position, cost a tenth of a phase's statement."""
+    the pattern alone, tried at every position, cost a tenth of a phase's statement (and a
+    loop, as a generator would be resumed once per word)."""
     upper = statement.upper()
-    return any(word in upper for word in _DEALLOCATING_WORDS) and bool(
-        _DEALLOCATES.search(statement)
-    )
+    for word in _DEALLOCATING_WORDS:
+        if word in upper:
+            return _DEALLOCATES.search(statement) is not None
+    return False
 
 
 class Transaction:
@@ -123,7 +125,8 @@ class Transaction:
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.Cursor[Any]:
         """Run one statement of phase code in the transaction, on a cursor of its own."""
-        self._begin()
+        if not self._began:
+            self._begin()
         self.note(query)
         return self.connection.cursor().execute(query, params)
 
@@ -266,8 +269,8 @@ def borrowed(
     """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
     then commits on its own), handed back as the pool gave it (an application's engine may
     be in autocommit itself), or dropped if it broke."""
-    pooled = db.raw_connection()
-    connection = cast("psycopg.Connection[Any]", pooled.driver_connection)
+    pooled: Any = db.raw_connection()  # its driver_connection is psycopg's
+    connection: psycopg.Connection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
     try:

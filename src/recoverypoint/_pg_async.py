@@ -59,11 +59,13 @@ _DEALLOCATES = re.compile(rf"\b(?:{'|'.join(_DEALLOCATING_WORDS)})\b", re.IGNORE
 
 def _deallocates(statement: str) -> bool:
     """Whether ``statement`` may make psycopg deallocate; the words are looked for first, as
-    the pattern alone, tried at every position, cost a tenth of a phase's statement."""
+    the pattern alone, tried at every position, cost a tenth of a phase's statement (and a
+    loop, as a generator would be resumed once per word)."""
     upper = statement.upper()
-    return any(word in upper for word in _DEALLOCATING_WORDS) and bool(
-        _DEALLOCATES.search(statement)
-    )
+    for word in _DEALLOCATING_WORDS:
+        if word in upper:
+            return _DEALLOCATES.search(statement) is not None
+    return False
 
 
 class AsyncTransaction:
@@ -137,7 +139,8 @@ class AsyncTransaction:
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.AsyncCursor[Any]:
         """Run one statement of phase code in the transaction, on a cursor of its own."""
-        await self._begin()
+        if not self._began:
+            await self._begin()
         self.note(query)
         return await self.connection.cursor().execute(query, params)
 
@@ -300,8 +303,8 @@ async def borrowed(
     """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
     then commits on its own), handed back as the pool gave it (an application's engine may
     be in autocommit itself), or dropped if it broke."""
-    pooled = await db.raw_connection()
-    connection = cast("psycopg.AsyncConnection[Any]", pooled.driver_connection)
+    pooled: Any = await db.raw_connection()  # its driver_connection is psycopg's
+    connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
     try:

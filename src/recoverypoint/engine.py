@@ -408,7 +408,7 @@ class _Run:
         ctx = AtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
         )
-        with phase_guard.guarding(tx, phase.point):
+        with phase_guard.Guarding(tx, phase.point):
             result = phase.fn(ctx, self.params)
         ctx.close()
         phase_guard.check_still_open(tx, phase.point)

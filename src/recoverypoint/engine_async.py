@@ -432,7 +432,7 @@ class _AsyncRun:
         ctx = AsyncAtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
         )
-        with phase_guard.guarding(tx, phase.point):
+        with phase_guard.Guarding(tx, phase.point):
             result = await phase.fn(ctx, self.params)
         await ctx.close()
         phase_guard.check_still_open(tx, phase.point)

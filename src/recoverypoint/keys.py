@@ -52,7 +52,7 @@ def validate_scope(scope: object) -> str:
         not isinstance(scope, str)
         or len(scope) > MAX_SCOPE_LENGTH
         or "\x00" in scope
-        or not _encodable(scope)
+        or not (scope.isascii() or _encodable(scope))
     ):
         raise ValueError(
             f"scope must be a str of at most {MAX_SCOPE_LENGTH} characters without NUL or "
@@ -72,7 +72,7 @@ def validate_request(method: object, path: object) -> tuple[str, str]:
         raise RequestTooLarge(
             f"the request path is {len(path)} characters long; the limit is {MAX_PATH_LENGTH}"
         )
-    if "\x00" in path or not _encodable(path):
+    if "\x00" in path or not (path.isascii() or _encodable(path)):
         raise InvalidParams(
             "the request path holds a NUL character or a lone surrogate, "
             "which cannot be stored; fix the URL"
@@ -122,16 +122,15 @@ def canonical_json(value: Any) -> str:
     # encoding of a small value.
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
         raise ValueError("contains a NUL character, which PostgreSQL cannot store")
-    if not _encodable(text):
+    if not text.isascii() and not _encodable(text):
         raise ValueError("contains a lone surrogate, which is not valid Unicode text")
     return text
 
 
 def _encodable(text: str) -> bool:
     """Whether ``text`` is valid Unicode, which a lone surrogate (``"\\ud800"`` in JSON,
-    accepted by Python's json) is not: UTF-8 and PostgreSQL refuse it."""
-    if text.isascii():
-        return True
+    accepted by Python's json) is not: UTF-8 and PostgreSQL refuse it. Callers try
+    ``isascii()`` first, which is enough for nearly every text and costs no call."""
     try:
         text.encode()
     except UnicodeEncodeError:
@@ -165,10 +164,20 @@ def derived_key(
     even when several databases share one foreign account; hashing hides the scope and the
     client's key. 67 characters at most.
     """
+    return derived_key_of(key_material(key_id, created_at, operation), kind, *names)
+
+
+def key_material(key_id: int, created_at: datetime, operation: str = "") -> str:
+    """What every key derived from one key record shares, made once per record."""
     # The instant, not its rendering: the session's TimeZone must not change the key.
     created = created_at.astimezone(timezone.utc).isoformat()
-    material = "\x00".join((kind, operation, str(key_id), created, *names))
-    return f"rp_{hashlib.sha256(material.encode()).hexdigest()}"
+    return f"{operation}\x00{key_id}\x00{created}"
+
+
+def derived_key_of(material: str, kind: str, *names: str) -> str:
+    """The key ``kind`` derived from a record's :func:`key_material` and ``names``."""
+    text = "\x00".join((kind, material, *names))
+    return f"rp_{hashlib.sha256(text.encode()).hexdigest()}"
 
 
 def safe_headers(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -24,8 +24,6 @@ again.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -67,14 +65,18 @@ def install(db: sa.Engine) -> None:
         event.listen(db, "before_cursor_execute", _refuse_ending_statement)
 
 
-@contextmanager
-def guarding(tx: Transaction, point: str) -> Iterator[None]:
-    """While inside, SQLAlchemy statements on ``tx`` that would end it refuse to run."""
-    reset = _PHASE.set((tx, point))
-    try:
-        yield
-    finally:
-        _PHASE.reset(reset)
+class Guarding:
+    """While inside, SQLAlchemy statements on ``tx`` that would end it refuse to run. (A
+    class rather than a generator: every atomic phase enters it.)"""
+
+    def __init__(self, tx: Transaction, point: str) -> None:
+        self._phase = (tx, point)
+
+    def __enter__(self) -> None:
+        self._reset = _PHASE.set(self._phase)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _PHASE.reset(self._reset)
 
 
 def refusing_to_end(conn: C, point: str) -> C:

@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
@@ -62,7 +61,7 @@ async def key_operation(db: sa_async.AsyncEngine, key_id: int) -> tuple[str, int
 async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
-    with _waiting_for_key():
+    with _waiting_for_key:
         row = await tx.begin_with(sql.fence_by_ctid(key.ctid, key.id, key.token))
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             row = await tx.fetchone(sql.FENCE_BY_ID, {"id": key.id, "token": key.token})
@@ -118,24 +117,33 @@ class PhaseEndedTransaction(Exception):
     phase code ended its own (the engine raises :class:`TransactionEnded`)."""
 
 
-@contextmanager
-def _waiting_for_key() -> Iterator[None]:
+class _WaitingForKey:
     """A wait for the key row that the role's ``lock_timeout`` or ``statement_timeout``
-    cut short means another request holds the key: :class:`KeyInUse`, not a 500."""
-    try:
-        yield
-    except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-        raise KeyInUse(
-            "another request with this key is running: the database's lock or statement "
-            "timeout ended the wait for it; retry with the same key after the Retry-After delay",
-            retry_after=1,
-        ) from exc
+    cut short means another request holds the key: :class:`KeyInUse`, not a 500. (A class
+    rather than a generator: every claim and fence enters it.)"""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if isinstance(exc, psycopg.errors.LockNotAvailable | psycopg.errors.QueryCanceled):
+            raise KeyInUse(
+                "another request with this key is running: the database's lock or statement "
+                "timeout ended the wait for it; retry with the same key after the Retry-After "
+                "delay",
+                retry_after=1,
+            ) from exc
+
+
+_waiting_for_key = _WaitingForKey()
 
 
 async def _fetch_record(
     tx: AsyncTransaction, statement: sql.Statement, params: dict[str, Any]
 ) -> KeyRecord | None:
-    with _waiting_for_key():
+    with _waiting_for_key:
         row = await tx.fetch(statement, params)
     return None if row is None else KeyRecord.parse(row)
 
@@ -175,7 +183,7 @@ async def _commit_fenced(
             raise
         return written(key, row)[2]
     # A foreign step's result, committed on its own: it stages no jobs.
-    with _waiting_for_key():
+    with _waiting_for_key:
         row = await tx.fetchone(statement.by_ctid, params)
         if row is None:
             row = await tx.fetchone(statement.by_id, params)
@@ -190,7 +198,7 @@ async def _fenced_alone(
     """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
     async with borrowed(db) as (_, connection):
-        with _waiting_for_key():
+        with _waiting_for_key:
             cursor = await connection.execute(statement.by_ctid, params)
             row = await cursor.fetchone()
             if row is None:

@@ -9,20 +9,25 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from ..keys import canonical_json, derived_key
+from ..keys import canonical_json, derived_key_of, key_material
 from ..observe import NO_OBSERVER, Observer
 
 
-@dataclass(frozen=True)
 class KeyIdentity:
-    """The stored fields every derived key is built from."""
+    """The stored fields every derived key is built from; what the keys share is made
+    once per run."""
 
-    operation: str
-    key_id: int
-    created_at: datetime
+    __slots__ = ("_material", "created_at", "key_id", "operation")
+
+    def __init__(self, operation: str, key_id: int, created_at: datetime) -> None:
+        self.operation = operation
+        self.key_id = key_id
+        self.created_at = created_at
+        self._material = key_material(key_id, created_at, operation)
 
     def derive(self, kind: str, *names: str) -> str:
-        return derived_key(kind, self.key_id, self.created_at, *names, operation=self.operation)
+        """:func:`~recoverypoint.keys.derived_key` of this record."""
+        return derived_key_of(self._material, kind, *names)
 
 
 @dataclass(frozen=True)
