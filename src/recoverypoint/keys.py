@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -97,12 +97,25 @@ def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
                 f"the params nest arrays and objects deeper than {limit} levels; "
                 "flatten the request"
             )
-        pending.extend((child, depth + 1) for child in children)
+        pending.extend([(child, depth + 1) for child in children])
 
 
 # Made once: json.dumps with options makes an encoder per call.
 _CANONICAL = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+# And its encode() makes json's C encoder anew for every value, which cost a third of
+# encoding a phase's state: that one is made once here, as encode() makes it, except that
+# it keeps no record of the containers it is inside (shared by every thread, such a record
+# would be wrong), so a value that holds itself raises RecursionError, as one nested too
+# deeply does. A Python without json's C speedups uses encode() itself.
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+_CANONICAL_CHUNKS: Callable[[Any, int], Sequence[str]] = (
+    (lambda value, _: (_CANONICAL.encode(value),))
+    if _C_MAKE_ENCODER is None
+    else _C_MAKE_ENCODER(
+        None, _CANONICAL.default, json.encoder.encode_basestring, None, ":", ",", True, False, False
+    )
 )
 
 
@@ -113,11 +126,11 @@ def canonical_json(value: Any) -> str:
     infinities, NUL characters, lone surrogates, nesting beyond Python's recursion limit).
     """
     try:
-        text = _CANONICAL.encode(value)
+        text = "".join(_CANONICAL_CHUNKS(value, 0))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"not JSON-serialisable: {exc}") from exc
     except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels, or holding itself") from None
     # The substring test first: the pattern, tried at every position, cost as much as the
     # encoding of a small value.
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
