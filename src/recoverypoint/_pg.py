@@ -213,7 +213,9 @@ def serializable(
     # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
     # first (libpq), and psycopg sends none of its own inside it.
     autocommit = False
-    with borrowed(db, autocommit=autocommit) as (pooled, connection):
+    # Not through borrowed(): its generator would cost a dozen calls per transaction.
+    pooled, connection, switched = _borrow(db, autocommit)
+    try:
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
             try:
@@ -235,6 +237,8 @@ def serializable(
                 _roll_back_leftovers(tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
+    finally:
+        _give_back(pooled, connection, switched)
     raise AssertionError("unreachable")
 
 
@@ -254,7 +258,8 @@ def _roll_back_leftovers(tx: Transaction) -> None:
         # psycopg then deallocates every statement prepared on the connection, the sync
         # engine's own among them.
         _libpq.forget(tx._pooled)
-    tx._end_sqlalchemy()
+    if tx.sqlalchemy_made is not None:
+        tx._end_sqlalchemy()
 
 
 @contextmanager
@@ -264,16 +269,31 @@ def borrowed(
     """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
     then commits on its own), handed back as the pool gave it (an application's engine may
     be in autocommit itself), or dropped if it broke."""
+    pooled, connection, switched = _borrow(db, autocommit)
+    try:
+        yield pooled, connection
+    finally:
+        _give_back(pooled, connection, switched)
+
+
+def _borrow(db: sa.Engine, autocommit: bool) -> tuple[Any, psycopg.Connection[Any], bool]:
+    """A pooled connection, its psycopg connection, and whether autocommit was switched on
+    for the borrower (see :func:`borrowed`)."""
     pooled: Any = db.raw_connection()  # its driver_connection is psycopg's
     connection: psycopg.Connection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
-    try:
-        if switched:
+    if switched:
+        try:
             connection.autocommit = True
-        yield pooled, connection
-    finally:
-        _hand_back(pooled, connection, switched)
+        except BaseException:
+            _give_back(pooled, connection, switched)
+            raise
+    return pooled, connection, switched
+
+
+def _give_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
+    _hand_back(pooled, connection, switched)
 
 
 def _hand_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:

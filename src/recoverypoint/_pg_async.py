@@ -244,7 +244,9 @@ async def serializable(
         # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
         # first (libpq), and psycopg sends none of its own inside it.
         autocommit = False
-    async with borrowed(db, autocommit=autocommit) as (pooled, connection):
+    # Not through borrowed(): its generator would cost a dozen calls per transaction.
+    pooled, connection, switched = await _borrow(db, autocommit)
+    try:
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
             try:
@@ -269,6 +271,8 @@ async def serializable(
                     _roll_back_leftovers(tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
+    finally:
+        await _give_back(pooled, connection, switched)
     raise AssertionError("unreachable")
 
 
@@ -288,7 +292,8 @@ async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
         # psycopg then deallocates every statement prepared on the connection, the sync
         # engine's own among them.
         _libpq.forget(tx._pooled)
-    await tx._end_sqlalchemy()
+    if tx.sqlalchemy_made is not None:
+        await tx._end_sqlalchemy()
 
 
 @asynccontextmanager
@@ -298,23 +303,42 @@ async def borrowed(
     """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
     then commits on its own), handed back as the pool gave it (an application's engine may
     be in autocommit itself), or dropped if it broke."""
+    pooled, connection, switched = await _borrow(db, autocommit)
+    try:
+        yield pooled, connection
+    finally:
+        await _give_back(pooled, connection, switched)
+
+
+async def _borrow(
+    db: sa_async.AsyncEngine, autocommit: bool
+) -> tuple[Any, psycopg.AsyncConnection[Any], bool]:
+    """A pooled connection, its psycopg connection, and whether autocommit was switched on
+    for the borrower (see :func:`borrowed`)."""
     pooled: Any = await db.raw_connection()  # its driver_connection is psycopg's
     connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
-    try:
-        if switched:
+    if switched:
+        try:
             if True:  # ASYNC
                 await connection.set_autocommit(True)
             else:
                 connection.autocommit = True
-        yield pooled, connection
-    finally:
-        if True:  # ASYNC
-            # The pool's own code runs in SQLAlchemy's greenlet.
-            await shielded(greenlet_spawn(_hand_back, pooled, connection, switched))
-        else:
-            _hand_back(pooled, connection, switched)
+        except BaseException:
+            await _give_back(pooled, connection, switched)
+            raise
+    return pooled, connection, switched
+
+
+async def _give_back(
+    pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
+) -> None:
+    if True:  # ASYNC
+        # The pool's own code runs in SQLAlchemy's greenlet.
+        await shielded(greenlet_spawn(_hand_back, pooled, connection, switched))
+    else:
+        _hand_back(pooled, connection, switched)
 
 
 def _hand_back(pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool) -> None:
