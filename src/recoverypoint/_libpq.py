@@ -235,6 +235,8 @@ def _values(params: Mapping[str, Any], names: Sequence[str], encoding: str) -> l
     for name in names:
         value = params[name]
         kind = type(value)
+        if kind is list:  # the staged jobs' columns
+            value, kind = _array(value), str
         if kind is str:
             if "\x00" in value:
                 raise _nul_refused()

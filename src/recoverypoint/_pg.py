@@ -29,6 +29,7 @@ use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,10 +58,12 @@ _DEALLOCATING_WORDS = ("ROLLBACK", "DROP", "ALTER", "DISCARD", "DEALLOCATE")
 _DEALLOCATES = re.compile(rf"\b(?:{'|'.join(_DEALLOCATING_WORDS)})\b", re.IGNORECASE)
 
 
+@functools.lru_cache(maxsize=1024)
 def _deallocates(statement: str) -> bool:
     """Whether ``statement`` may make psycopg deallocate; the words are looked for first, as
     the pattern alone, tried at every position, cost a tenth of a phase's statement (and a
-    loop, as a generator would be resumed once per word)."""
+    loop, as a generator would be resumed once per word). Phase code runs the same few
+    statements again and again: the answer is kept for each."""
     upper = statement.upper()
     for word in _DEALLOCATING_WORDS:
         if word in upper:
