@@ -167,7 +167,10 @@ def test_derived_keys_never_change_between_releases() -> None:
     at = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
     known = "rp_7d9512b97555ebb9b4efae97a4a33939fe18ba6a991beaed6a59321f2ed38b98"
     assert derived_key("downstream", 7, at, "charged", "", operation="rides") == known
-    assert KeyIdentity("rides", 7, at).derive("downstream", "charged", "") == known
+    identity = KeyIdentity("rides", 7, at)
+    assert identity.derive("downstream", "charged", "") == known
+    with pytest.raises(AttributeError, match="read-only"):
+        identity.key_id = 8  # type: ignore[misc]
 
 
 def test_safe_headers_drop_cookies_and_hop_by_hop_headers_in_any_case() -> None:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from psycopg.pq import PipelineStatus, TransactionStatus
 
 import recoverypoint as rp
-from recoverypoint import _libpq, sql
+from recoverypoint import _libpq, _pg, sql
 from recoverypoint.database import create_engine
 
 # Any text PostgreSQL can store: no NUL, no lone surrogate.
@@ -347,3 +347,22 @@ def test_an_interrupt_while_a_pipeline_waits_leaves_one_effect_after_a_retry(
     jobs = "SELECT count(*) FROM staged_jobs j JOIN idempotency_keys k"
     jobs += " ON k.id = j.idempotency_key_id WHERE k.scope = :s"
     assert count(db, jobs, s=scope) == 2
+
+
+def test_the_deallocation_check_keeps_short_statement_texts_only() -> None:
+    # Phase code's statements are checked for words that make psycopg deallocate; the
+    # answer is kept per text, but not for long texts (values written into them), which
+    # would otherwise be kept once per request.
+    tx = _pg.Transaction.__new__(_pg.Transaction)
+    kept = _pg._deallocates_kept.cache_info().currsize
+    for n in range(3):
+        tx._deallocated = False
+        tx.note(f"SELECT 1 -- {n} " + "x" * 5000)
+        assert not tx._deallocated
+    tx.note("DROP TABLE t -- " + "x" * 5000)
+    assert tx._deallocated
+    assert _pg._deallocates_kept.cache_info().currsize == kept
+    tx._deallocated = False
+    tx.note("SELECT 1 -- a short text")
+    assert not tx._deallocated
+    assert _pg._deallocates_kept.cache_info().currsize == kept + 1

@@ -126,13 +126,13 @@ def _pipelined(
             # Results still pending (an interrupt while waiting for them): the connection
             # cannot be used again, and the pool drops a closed one.
             connection.close()
+    for result in results:
+        if result.status == ExecStatus.FATAL_ERROR:  # PIPELINE_ABORTED only follows one
+            _checked(connection, result)
     if len(results) != commands:
         raise psycopg.OperationalError(
             f"the server sent no result: {connection.pgconn.error_message!r}"
         )
-    for result in results:
-        if result.status == ExecStatus.FATAL_ERROR:  # PIPELINE_ABORTED only follows one
-            _checked(connection, result)
     if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
         raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
     return results[begin]

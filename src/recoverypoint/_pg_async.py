@@ -58,17 +58,22 @@ _DEALLOCATING_WORDS = ("ROLLBACK", "DROP", "ALTER", "DISCARD", "DEALLOCATE")
 _DEALLOCATES = re.compile(rf"\b(?:{'|'.join(_DEALLOCATING_WORDS)})\b", re.IGNORECASE)
 
 
-@functools.lru_cache(maxsize=1024)
 def _deallocates(statement: str) -> bool:
     """Whether ``statement`` may make psycopg deallocate; the words are looked for first, as
     the pattern alone, tried at every position, cost a tenth of a phase's statement (and a
-    loop, as a generator would be resumed once per word). Phase code runs the same few
-    statements again and again: the answer is kept for each."""
+    loop, as a generator would be resumed once per word)."""
     upper = statement.upper()
     for word in _DEALLOCATING_WORDS:
         if word in upper:
             return _DEALLOCATES.search(statement) is not None
     return False
+
+
+# Phase code runs the same few statements again and again: the answer is kept for each
+# text short enough to keep (a long one writes its values into the text, and would be kept
+# once per request).
+_deallocates_kept = functools.lru_cache(maxsize=1024)(_deallocates)
+_KEPT_LENGTH = 2048
 
 
 class AsyncTransaction:
@@ -151,7 +156,11 @@ class AsyncTransaction:
         """A statement of phase code. After one that makes psycopg deallocate every prepared
         statement (a ROLLBACK TO SAVEPOINT, DDL), the engine's own are prepared again
         before the write that records the phase."""
-        if not isinstance(statement, str) or _deallocates(statement):
+        if not isinstance(statement, str) or (
+            _deallocates_kept(statement)
+            if len(statement) <= _KEPT_LENGTH
+            else _deallocates(statement)
+        ):
             self._deallocated = True
 
     async def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:
@@ -334,9 +343,7 @@ async def _borrow(
     return pooled, connection, switched
 
 
-async def _give_back(
-    pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
-) -> None:
+async def _give_back(pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool) -> None:
     if True:  # ASYNC
         # The pool's own code runs in SQLAlchemy's greenlet.
         await shielded(greenlet_spawn(_hand_back, pooled, connection, switched))

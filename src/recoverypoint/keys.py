@@ -130,7 +130,7 @@ def canonical_json(value: Any) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"not JSON-serialisable: {exc}") from exc
     except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels, or holding itself") from None
+        raise ValueError("nested too deeply, or holding itself") from None
     # The substring test first: the pattern, tried at every position, cost as much as the
     # encoding of a small value.
     if "\\u0000" in text and _ESCAPED_NUL.search(text):

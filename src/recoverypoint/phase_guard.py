@@ -67,7 +67,8 @@ def install(db: sa.Engine) -> None:
 
 class Guarding:
     """While inside, SQLAlchemy statements on ``tx`` that would end it refuse to run. (A
-    class rather than a generator: every atomic phase enters it.)"""
+    class rather than a generator: every atomic phase enters it. Made afresh for each
+    phase, and entered once: it keeps the token that restores the context.)"""
 
     def __init__(self, tx: Transaction, point: str) -> None:
         self._phase = (tx, point)

@@ -19,11 +19,20 @@ class KeyIdentity:
 
     __slots__ = ("_material", "created_at", "key_id", "operation")
 
+    operation: str
+    key_id: int
+    created_at: datetime
+    _material: str
+
     def __init__(self, operation: str, key_id: int, created_at: datetime) -> None:
-        self.operation = operation
-        self.key_id = key_id
-        self.created_at = created_at
-        self._material = key_material(key_id, created_at, operation)
+        set_once = object.__setattr__  # read-only after: the material is made from them
+        set_once(self, "operation", operation)
+        set_once(self, "key_id", key_id)
+        set_once(self, "created_at", created_at)
+        set_once(self, "_material", key_material(key_id, created_at, operation))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a KeyIdentity is read-only: {name} cannot change")
 
     def derive(self, kind: str, *names: str) -> str:
         """:func:`~recoverypoint.keys.derived_key` of this record."""
