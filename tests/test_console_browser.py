@@ -106,13 +106,20 @@ def by_id(browser: Any, element_id: str) -> Any:
 
 
 def follow(browser: Any, element: Any) -> None:
-    """Click ``element`` and wait for the page it leads to."""
-    from selenium.webdriver.support import expected_conditions
+    """Click ``element`` and wait until the page it leads to has loaded."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.wait import WebDriverWait
 
-    old = browser.find_element("tag name", "html")
+    # Asked of the document, not of an element of the old page: while a page is replaced,
+    # Chromium's driver can answer for an old element with an "unknown error" (its node no
+    # longer belongs to the document) instead of calling it stale.
+    browser.execute_script("window.recoverypointOldPage = true")
     element.click()
-    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(old))
+    WebDriverWait(browser, 15, ignored_exceptions=(WebDriverException,)).until(
+        lambda b: b.execute_script(
+            "return !window.recoverypointOldPage && document.readyState === 'complete'"
+        )
+    )
 
 
 def stuck_key(engine: rp.Engine, provider: Provider, db: sa.Engine, key: str) -> int:
