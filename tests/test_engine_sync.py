@@ -23,6 +23,7 @@ from rides import Provider, count
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
+from recoverypoint.keys import derived_key_of, legacy_key_material
 
 REQUEST = rp.Request("POST", "/rides")
 # The engine's connections, told apart from those of other tests on the same database.
@@ -126,6 +127,18 @@ def key_row(db: sa.Engine, scope: str) -> Any:
         ).one_or_none()
 
 
+def staged_job_keys(db: sa.Engine, key_id: int) -> list[str]:
+    with db.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT job_key FROM staged_jobs WHERE idempotency_key_id = :i ORDER BY id"
+                ),
+                {"i": key_id},
+            ).scalars()
+        )
+
+
 def test_new_key_runs_every_phase_then_replays(
     engine: rp.Engine, op: rp.Operation[Any], db: sa.Engine, scope: str, gate: Gate
 ) -> None:
@@ -219,6 +232,108 @@ def test_a_failure_anywhere_resumes_and_charges_once(
     assert len(set(provider.keys_seen)) == 1
     replayed = engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
     assert replayed.replayed and replayed.body == resumed.body
+
+
+def test_a_lost_key_row_hands_the_provider_the_same_keys_again(
+    engine: rp.Engine,
+    op: rp.Operation[Any],
+    db: sa.Engine,
+    scope: str,
+    provider: Provider,
+) -> None:
+    # A failover to a lagging standby loses the key row and the phases' rows of the last
+    # moments, not the charge the provider made: the client's retry must hand the provider
+    # the same downstream key, and the job consumer the same job key.
+    params = {"scope": scope}
+    first = engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    lost = key_row(db, scope)
+    assert first.status == 201 and lost is not None
+    job_keys = staged_job_keys(db, lost.id)
+    with db.begin() as conn:
+        for table, column in (("staged_jobs", "idempotency_key_id"), ("idempotency_keys", "id")):
+            conn.execute(sa.text(f"DELETE FROM {table} WHERE {column} = :i"), {"i": lost.id})
+        conn.execute(sa.text("DELETE FROM rides WHERE scope = :s"), {"s": scope})
+    again = engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    assert again.status == 201 and not again.replayed
+    claimed = key_row(db, scope)
+    assert claimed is not None and claimed.id != lost.id
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
+    assert len(provider.keys_seen) == 2 and len(set(provider.keys_seen)) == 1
+    assert again.body["charge_id"] == first.body["charge_id"]
+    assert staged_job_keys(db, claimed.id) == job_keys
+
+
+def test_databases_with_other_namespaces_derive_other_keys(
+    engine: rp.Engine,
+    op: rp.Operation[Any],
+    db: sa.Engine,
+    scope: str,
+    provider: Provider,
+) -> None:
+    # Two databases sharing one provider account (staging and production, two shards)
+    # must not hand it the same key for their own requests: one engine on the test
+    # database's own namespace, one told another; both take the same request.
+    params = {"scope": scope}
+    with db.connect() as conn:
+        stored = conn.execute(sa.text("SELECT namespace FROM recoverypoint_namespace")).scalar()
+    assert stored and len(stored) == 36  # made at random by migration 0009
+    engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    other = rp.Engine(engine.db, namespace="another-database")
+    other.register(op)
+    with db.begin() as conn:  # the same request, in "another database"
+        conn.execute(sa.text("DELETE FROM idempotency_keys WHERE scope = :s"), {"s": scope})
+    other.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    assert engine.namespace == stored and other.namespace == "another-database"
+    assert len(set(provider.keys_seen)) == 2
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 2
+
+
+def test_a_key_claimed_before_seeds_keeps_its_downstream_keys(
+    engine: rp.Engine,
+    op: rp.Operation[Any],
+    db: sa.Engine,
+    scope: str,
+    gate: Gate,
+    provider: Provider,
+) -> None:
+    # A key in flight while a deployment upgrades: its row has no seed (claimed by a
+    # release before migration 0009), and the provider already has the key derived from
+    # its id and creation time. Resumed after the upgrade, it hands out that key again.
+    def boom() -> None:
+        gate.hooks.pop("finished:start")
+        raise rp.Retryable("stop after the charge")
+
+    gate.hooks["finished:start"] = boom
+    params = {"scope": scope}
+    with pytest.raises(rp.Retryable):
+        engine.run(op, key="k", scope=scope, params=params, request=REQUEST)
+    row = key_row(db, scope)
+    assert row is not None
+    with db.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET derivation_seed = NULL WHERE id = :i"),
+            {"i": row.id},
+        )
+        created_at = conn.execute(
+            sa.text("SELECT created_at FROM idempotency_keys WHERE id = :i"), {"i": row.id}
+        ).scalar_one()
+    material = legacy_key_material(row.id, created_at, op.name)
+    legacy = derived_key_of(material, "downstream", "charge_created", "")
+    with db.begin() as conn:  # the charge as the old release made it
+        conn.execute(sa.text("DELETE FROM provider_charges WHERE scope = :s"), {"s": scope})
+    provider.charge(legacy, scope, 2000)
+    with db.begin() as conn:  # and its recovery point: before the charge's result landed
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET recovery_point = 'ride_created', "
+                "state = state - 'charge_id' WHERE id = :i"
+            ),
+            {"i": row.id},
+        )
+    resumed = engine.resume(row.id)
+    assert resumed.status == 201
+    assert provider.keys_seen[-1] == legacy
+    assert count(db, "SELECT count(*) FROM provider_charges WHERE scope = :s", s=scope) == 1
 
 
 def test_fifty_callers_racing_one_key_run_the_phase_once(

@@ -19,10 +19,14 @@ from recoverypoint.keys import (
     canonical_json,
     check_depth,
     check_size,
-    derived_key,
+    derived_key_of,
     fingerprint,
+    key_seed,
+    legacy_key_material,
+    record_material,
     safe_headers,
     validate_key,
+    validate_namespace,
     validate_request,
     validate_scope,
 )
@@ -143,34 +147,71 @@ def test_fingerprints_tell_every_part_of_the_request_apart() -> None:
     assert fingerprint("POST", "/a", "{}") != fingerprint("POST", "/a", '{"a":1}')
 
 
-def test_derived_keys_depend_on_every_stored_field_and_no_time_zone() -> None:
-    at = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
-    key = derived_key("downstream", 7, at, "charged", operation="rides")
-    same_instant = at.astimezone(timezone(timedelta(hours=5)))
-    assert derived_key("downstream", 7, same_instant, "charged", operation="rides") == key
+def test_seeds_depend_on_the_namespace_and_every_part_of_what_the_client_sent() -> None:
+    seed = key_seed("ns", "acct_1", "rides", "k-1")
     others = {
-        derived_key("job", 7, at, "charged", operation="rides"),
-        derived_key("downstream", 8, at, "charged", operation="rides"),
-        derived_key("downstream", 7, at + timedelta(microseconds=1), "charged", operation="rides"),
-        derived_key("downstream", 7, at, "refunded", operation="rides"),
-        derived_key("downstream", 7, at, "charged", "2", operation="rides"),
-        derived_key("downstream", 7, at, "charged", operation="orders"),
+        key_seed("other-ns", "acct_1", "rides", "k-1"),
+        key_seed("ns", "acct_2", "rides", "k-1"),
+        key_seed("ns", "acct_1", "orders", "k-1"),
+        key_seed("ns", "acct_1", "rides", "k-2"),
+        # NUL separates the parts: no two splits of the same characters meet.
+        key_seed("ns", "acct_1r", "ides", "k-1"),
     }
-    assert key not in others and len(others) == 6
+    assert seed not in others and len(others) == 5
+    assert "acct_1" not in seed and "k-1" not in seed
+
+
+def test_derived_keys_depend_on_the_material_the_kind_and_every_name() -> None:
+    seed = key_seed("ns", "", "rides", "k")
+    key = derived_key_of(seed, "downstream", "charged", "")
+    others = {
+        derived_key_of(seed, "job", "charged", ""),
+        derived_key_of(seed, "downstream", "refunded", ""),
+        derived_key_of(seed, "downstream", "charged", "2"),
+        derived_key_of(key_seed("ns", "", "rides", "k2"), "downstream", "charged", ""),
+    }
+    assert key not in others and len(others) == 4
     assert key.startswith("rp_") and len(key) == 67
+
+
+def test_a_record_without_a_seed_derives_from_its_id_and_instant_in_any_time_zone() -> None:
+    at = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
+    material = record_material(None, 7, at, "rides")
+    same_instant = at.astimezone(timezone(timedelta(hours=5)))
+    assert record_material(None, 7, same_instant, "rides") == material
+    others = {
+        record_material(None, 8, at, "rides"),
+        record_material(None, 7, at + timedelta(microseconds=1), "rides"),
+        record_material(None, 7, at, "orders"),
+    }
+    assert material not in others and len(others) == 3
+    assert record_material("a-seed", 7, at, "rides") == "a-seed"
 
 
 def test_derived_keys_never_change_between_releases() -> None:
     # A foreign system has these keys already: a key derived otherwise by a new release,
-    # for a request an old one began, would charge again. Also checks the record's cached
-    # part (KeyIdentity) against the plain function.
+    # for a request an old one began, would charge again. Pinned both ways: a record claimed
+    # before seeds existed (by its id and creation time), and one with a seed. Also checks
+    # the record's cached part (KeyIdentity) against the plain functions.
     at = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
-    known = "rp_7d9512b97555ebb9b4efae97a4a33939fe18ba6a991beaed6a59321f2ed38b98"
-    assert derived_key("downstream", 7, at, "charged", "", operation="rides") == known
-    identity = KeyIdentity("rides", 7, at)
-    assert identity.derive("downstream", "charged", "") == known
+    legacy = "rp_7d9512b97555ebb9b4efae97a4a33939fe18ba6a991beaed6a59321f2ed38b98"
+    assert derived_key_of(legacy_key_material(7, at, "rides"), "downstream", "charged", "") == (
+        legacy
+    )
+    assert KeyIdentity("rides", 7, at, None).derive("downstream", "charged", "") == legacy
+    seed = key_seed("3f0c", "acct_1", "rides", "k-1")
+    seeded = "rp_434752542446072b258b883a4478e5e46bdec9e087a3d0935a7cfc40cdbc12bd"
+    assert derived_key_of(seed, "downstream", "charged", "") == seeded
+    identity = KeyIdentity("rides", 7, at, seed)
+    assert identity.derive("downstream", "charged", "") == seeded
     with pytest.raises(AttributeError, match="read-only"):
         identity.key_id = 8  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("namespace", ["", "x" * 256, "a\x00b", "\ud800", 7, None])
+def test_a_namespace_that_cannot_set_keys_apart_is_refused(namespace: object) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        validate_namespace(namespace)
 
 
 def test_safe_headers_drop_cookies_and_hop_by_hop_headers_in_any_case() -> None:

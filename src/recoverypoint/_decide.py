@@ -25,6 +25,7 @@ from .keys import (
     canonical_json,
     check_size,
     fingerprint,
+    key_seed,
     validate_key,
     validate_request,
     validate_scope,
@@ -47,6 +48,8 @@ class ClaimRequest(NamedTuple):
     path: str
     params_json: str
     fingerprint: str
+    seed: str
+    """What every key derived for the request is made from (:func:`.keys.key_seed`)."""
     token: uuid.UUID
 
 
@@ -65,6 +68,8 @@ class KeyRecord(NamedTuple):
     response_headers: dict[str, str] | None
     response_body: str | None
     attempts: int
+    seed: str | None
+    """The row's derivation seed; ``None`` for a row claimed before seeds existed."""
     ctid: str
     xid: str | None
     """The claim's transaction, once it wrote the row (a new key)."""
@@ -78,7 +83,7 @@ class KeyRecord(NamedTuple):
         then ``claimed``, ``inserted`` and ``held_for``)."""
         (
             key_id, created_at, version, fingerprint, point, state, params, status, headers,
-            body, attempts, ctid, xid, claimed, inserted, held_for,
+            body, attempts, seed, ctid, xid, claimed, inserted, held_for,
         ) = row  # fmt: skip
         assert key_id and created_at and version and fingerprint and point and state
         assert params is not None and attempts and ctid
@@ -94,6 +99,7 @@ class KeyRecord(NamedTuple):
             None if headers is None else json.loads(headers),
             body,
             int(attempts),
+            seed,
             ctid,
             xid,
             claimed == "t",
@@ -244,8 +250,10 @@ class Registry:
         scope: str,
         request: Request | None,
         max_params_bytes: int,
+        namespace: str,
     ) -> ClaimRequest:
-        """The request to claim, validated; raises before anything is stored."""
+        """The request to claim, validated; raises before anything is stored.
+        ``namespace``: the database's, of derived keys."""
         if self._operations.get((operation.name, operation.version)) is not operation:
             self.operation(operation.name, operation.version)  # raises: not registered
             raise OperationNotRegistered(
@@ -266,6 +274,7 @@ class Registry:
             path=path,
             params_json=params_json,
             fingerprint=fingerprint(method, path, params_json),
+            seed=key_seed(namespace, scope, operation.name, key),
             token=uuid.uuid4(),
         )
 

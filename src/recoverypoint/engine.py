@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from . import _pg, phase_guard, store
+from . import _pg, phase_guard, sql, store
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -44,7 +44,7 @@ from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine
 from .errors import DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
-from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers
+from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
 from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
 from .operation import (
     STARTED,
@@ -87,6 +87,12 @@ class Engine(Registry):
         Hears of every run, phase, retry and staged job, and of the workers' work (see
         :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
         your own; several at once with :func:`recoverypoint.observe.combine`.
+    namespace:
+        What sets this database's derived keys (downstream keys, job keys) apart from any
+        other's that shares a foreign account with it. By default the one migration 0009
+        made at random in the database, which replicates with it (read on first use); set
+        it to keep deriving the same keys in a database restored or rebuilt from scratch.
+        Keys already claimed keep the keys they were derived with.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class Engine(Registry):
         retry_cap: float = 3600.0,
         jobs: JobBackend | None = None,
         observer: Observer | None = None,
+        namespace: str | None = None,
     ) -> None:
         super().__init__(asynchronous=False)
         self.db = create_engine(database)
@@ -116,6 +123,7 @@ class Engine(Registry):
         self.retry_cap = retry_cap
         self.jobs = jobs
         self.observer = NO_OBSERVER if observer is None else observer
+        self.namespace = None if namespace is None else validate_namespace(namespace)
 
     def dispose(self) -> None:
         """Close the pooled connections of the engine made from a URL; an engine you passed
@@ -157,8 +165,11 @@ class Engine(Registry):
         scope: str,
         request: Request | None,
     ) -> Outcome:
+        namespace = self.namespace
+        if namespace is None:
+            namespace = self._database_namespace()
         claim_request = self.claim_request(
-            operation, key, params, scope, request, self.max_params_bytes
+            operation, key, params, scope, request, self.max_params_bytes, namespace
         )
         claimed: list[_Run] = []  # the claim's run, once there is one
         try:
@@ -177,6 +188,17 @@ class Engine(Registry):
             return first
         run, step = first
         return self._drive(run, step)
+
+    def _database_namespace(self) -> str:
+        """The namespace migration 0009 stored in the database; read once, then kept."""
+        row = _pg.run_alone(self.db, sql.NAMESPACE, {})
+        if row is None:
+            raise ValueError(
+                "recoverypoint_namespace is empty: run `recoverypoint migrate`, or pass "
+                "namespace= to the engine"
+            )
+        self.namespace = validate_namespace(row[0])
+        return self.namespace
 
     def resume(self, key_id: int, *, token: uuid.UUID | None = None) -> Outcome:
         """Resume the unfinished key record ``key_id`` from its recovery point, in-process,
@@ -338,7 +360,7 @@ class _Run:
         self.operation = operation
         self.record = record
         self.key = KeyRef(record.id, token, record.ctid)
-        self.identity = KeyIdentity(operation.name, record.id, record.created_at)
+        self.identity = KeyIdentity(operation.name, record.id, record.created_at, record.seed)
         self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 
     @functools.cached_property

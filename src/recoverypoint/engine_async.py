@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
-from . import _pg_async, phase_guard, store_async
+from . import _pg_async, phase_guard, sql, store_async
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -42,7 +42,7 @@ from .context import AsyncAtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine, normalize_url
 from .errors import DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
-from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers
+from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
 from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
 from .operation import (
     STARTED,
@@ -85,6 +85,12 @@ class AsyncEngine(Registry):
         Hears of every run, phase, retry and staged job, and of the workers' work (see
         :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
         your own; several at once with :func:`recoverypoint.observe.combine`.
+    namespace:
+        What sets this database's derived keys (downstream keys, job keys) apart from any
+        other's that shares a foreign account with it. By default the one migration 0009
+        made at random in the database, which replicates with it (read on first use); set
+        it to keep deriving the same keys in a database restored or rebuilt from scratch.
+        Keys already claimed keep the keys they were derived with.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class AsyncEngine(Registry):
         retry_cap: float = 3600.0,
         jobs: JobBackend | None = None,
         observer: Observer | None = None,
+        namespace: str | None = None,
     ) -> None:
         if True:  # ASYNC
             super().__init__(asynchronous=True)
@@ -127,6 +134,7 @@ class AsyncEngine(Registry):
         self.retry_cap = retry_cap
         self.jobs = jobs
         self.observer = NO_OBSERVER if observer is None else observer
+        self.namespace = None if namespace is None else validate_namespace(namespace)
 
     async def dispose(self) -> None:
         """Close the pooled connections of the engine made from a URL; an engine you passed
@@ -170,8 +178,11 @@ class AsyncEngine(Registry):
         scope: str,
         request: Request | None,
     ) -> Outcome:
+        namespace = self.namespace
+        if namespace is None:
+            namespace = await self._database_namespace()
         claim_request = self.claim_request(
-            operation, key, params, scope, request, self.max_params_bytes
+            operation, key, params, scope, request, self.max_params_bytes, namespace
         )
         claimed: list[_AsyncRun] = []  # the claim's run, once there is one
         try:
@@ -190,6 +201,17 @@ class AsyncEngine(Registry):
             return first
         run, step = first
         return await self._drive(run, step)
+
+    async def _database_namespace(self) -> str:
+        """The namespace migration 0009 stored in the database; read once, then kept."""
+        row = await _pg_async.run_alone(self.async_db, sql.NAMESPACE, {})
+        if row is None:
+            raise ValueError(
+                "recoverypoint_namespace is empty: run `recoverypoint migrate`, or pass "
+                "namespace= to the engine"
+            )
+        self.namespace = validate_namespace(row[0])
+        return self.namespace
 
     async def resume(self, key_id: int, *, token: uuid.UUID | None = None) -> Outcome:
         """Resume the unfinished key record ``key_id`` from its recovery point, in-process,
@@ -357,7 +379,7 @@ class _AsyncRun:
         self.operation = operation
         self.record = record
         self.key = KeyRef(record.id, token, record.ctid)
-        self.identity = KeyIdentity(operation.name, record.id, record.created_at)
+        self.identity = KeyIdentity(operation.name, record.id, record.created_at, record.seed)
         self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 
     @functools.cached_property

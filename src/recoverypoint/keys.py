@@ -167,28 +167,55 @@ def fingerprint(method: str, path: str, params_json: str) -> str:
     return digest.hexdigest()
 
 
-def derived_key(
-    kind: str, key_id: int, created_at: datetime, *names: str, operation: str = ""
-) -> str:
-    """A key derived from one key record, for a foreign system or a job consumer.
-
-    It depends only on stored fields of the record, so it is the same across retries,
-    lease takeovers and completer runs; the record's id and creation time make it unique
-    even when several databases share one foreign account; hashing hides the scope and the
-    client's key. 67 characters at most.
-    """
-    return derived_key_of(key_material(key_id, created_at, operation), kind, *names)
+MAX_NAMESPACE_LENGTH = 255
 
 
-def key_material(key_id: int, created_at: datetime, operation: str = "") -> str:
-    """What every key derived from one key record shares, made once per record."""
+def validate_namespace(namespace: object) -> str:
+    """Return ``namespace`` if it can tell one database's derived keys from another's."""
+    if (
+        not isinstance(namespace, str)
+        or not namespace
+        or len(namespace) > MAX_NAMESPACE_LENGTH
+        or "\x00" in namespace
+        or not (namespace.isascii() or _encodable(namespace))
+    ):
+        raise ValueError(
+            f"namespace must be a non-empty str of at most {MAX_NAMESPACE_LENGTH} characters "
+            f"without NUL or lone surrogates, got {namespace!r:.80}"
+        )
+    return namespace
+
+
+def key_seed(namespace: str, scope: str, operation: str, key: str) -> str:
+    """What every key derived for one request shares: a function of what the client sent
+    and of the database's namespace, never of the key row. A row lost in a failover to a
+    lagging standby is claimed again with the same seed, so a provider that dedupes sees
+    the same downstream key and does not charge twice. Hashed: it reveals neither the
+    scope nor the client's key."""
+    text = "\x00".join(("recoverypoint-seed-1", namespace, scope, operation, key))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def legacy_key_material(key_id: int, created_at: datetime, operation: str = "") -> str:
+    """What the keys derived for a record claimed before seeds existed share: its id and
+    creation time. Kept so that keys in flight across an upgrade keep handing out the
+    downstream keys they already handed out (their row has no seed)."""
     # The instant, not its rendering: the session's TimeZone must not change the key.
     created = created_at.astimezone(timezone.utc).isoformat()
     return f"{operation}\x00{key_id}\x00{created}"
 
 
+def record_material(
+    seed: str | None, key_id: int, created_at: datetime, operation: str
+) -> str:
+    """What the keys derived for one key record share: its seed, or for a record claimed
+    before seeds existed, its :func:`legacy_key_material`."""
+    return seed if seed is not None else legacy_key_material(key_id, created_at, operation)
+
+
 def derived_key_of(material: str, kind: str, *names: str) -> str:
-    """The key ``kind`` derived from a record's :func:`key_material` and ``names``."""
+    """The key ``kind`` derived from a record's seed (or legacy material) and ``names``;
+    67 characters."""
     text = "\x00".join((kind, material, *names))
     return f"rp_{hashlib.sha256(text.encode()).hexdigest()}"
 

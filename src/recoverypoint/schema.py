@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -54,6 +55,11 @@ idempotency_keys = Table(
     Column("finished_at", DateTime(timezone=True)),
     # Set when the completer gives the key up after its last attempt (see workers.completer).
     Column("abandoned_at", DateTime(timezone=True)),
+    # What every key derived for the row is made from (recoverypoint.keys.key_seed): a
+    # function of the request and the database's namespace, so that a row lost in a
+    # failover is claimed again with the same one. NULL in rows claimed before migration
+    # 0009, which derive from their id and creation time.
+    Column("derivation_seed", Text),
     # The client's key first: the claim names all three columns, a search by the key alone
     # (the console's, a support ticket's) only the first.
     UniqueConstraint(
@@ -141,6 +147,16 @@ worker_passes = Table(
     Column("pid", Integer, nullable=False),
     Column("last_pass_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("last_error", Text),
+)
+
+# One row: the namespace of this database's derived keys (recoverypoint.keys.key_seed),
+# made at random by migration 0009 and replicated with the database.
+recoverypoint_namespace = Table(
+    "recoverypoint_namespace",
+    metadata,
+    Column("one", Boolean, primary_key=True, server_default=text("true")),
+    Column("namespace", Text, nullable=False),
+    CheckConstraint("one", name="recoverypoint_namespace_one_row"),
 )
 
 # One row per operator action (recoverypoint.admin, so the CLI and the console alike),

@@ -74,7 +74,7 @@ _RECORD_COLUMNS = """
     id::text, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
-    response_body::text, attempts::text,
+    response_body::text, attempts::text, derivation_seed,
     ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
 """
 
@@ -100,9 +100,9 @@ CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
-            request_path, request_params, fingerprint, locked_at, lock_token)
+            request_path, request_params, fingerprint, derivation_seed, locked_at, lock_token)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, now(), %(token)s)
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for
     )
@@ -143,6 +143,9 @@ FINISHED = Statement("""
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND finished_at IS NOT NULL
 """)
+
+# The database's namespace of derived keys (migration 0009), read once per engine.
+NAMESPACE = "SELECT namespace FROM recoverypoint_namespace"
 
 # Which operation and version a key record belongs to (Engine.resume looks it up by id).
 KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"

@@ -38,6 +38,7 @@ def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
         "path": request.path,
         "params": request.params_json,
         "fingerprint": request.fingerprint,
+        "seed": request.seed,
         "token": request.token,
     }
     return _fetch_record(tx, sql.CLAIM, params)

@@ -36,6 +36,7 @@ async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None
         "path": request.path,
         "params": request.params_json,
         "fingerprint": request.fingerprint,
+        "seed": request.seed,
         "token": request.token,
     }
     return await _fetch_record(tx, sql.CLAIM, params)

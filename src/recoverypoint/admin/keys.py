@@ -15,7 +15,7 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
-from ..keys import derived_key
+from ..keys import derived_key_of, record_material
 from ..operation import STARTED, Operation
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
 from .base import ABANDONED, FINISHED, STATES, Admin, NotFound
@@ -238,6 +238,7 @@ def find_key(
             raise NotFound(f"there is no {what}: list keys with `recoverypoint keys list`")
         jobs = tuple(Job(**j._mapping) for j in conn.execute(_JOBS_OF_KEY, {"id": found.id}))
     values = dict(found._mapping)
+    seed = values.pop("derivation_seed")
     detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
     row = KeyRow(**values)
     if not reveal:
@@ -247,7 +248,7 @@ def find_key(
     return KeyDetail(
         row=row,
         **detail,
-        phases=phases(operation_, row) if operation_ is not None else (),
+        phases=phases(operation_, row, seed) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
             row.locked_at + timedelta(seconds=row.lock_timeout) if row.locked_at else None
@@ -268,8 +269,9 @@ _DETAIL_FIELDS = (
 )
 
 
-def phases(operation: Operation[Any], row: KeyRow) -> tuple[Phase, ...]:
-    """The declared phases, the key's point marked, each step's downstream key."""
+def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[Phase, ...]:
+    """The declared phases, the key's point marked, each step's downstream key (``seed``:
+    the record's, see :func:`recoverypoint.keys.key_seed`)."""
     points = [STARTED, *(p.point for p in operation.phases)]
     at = points.index(row.point) if row.point in points else -1
     found: list[Phase] = [Phase(STARTED, "start", _mark(0, at))]
@@ -278,9 +280,8 @@ def phases(operation: Operation[Any], row: KeyRow) -> tuple[Phase, ...]:
         downstream = None
         if not phase.atomic:
             # What StepContext.downstream_key() returns in this step: the same inputs.
-            downstream = derived_key(
-                "downstream", row.id, row.created_at, phase.point, "", operation=operation.name
-            )
+            material = record_material(seed, row.id, row.created_at, operation.name)
+            downstream = derived_key_of(material, "downstream", phase.point, "")
         found.append(Phase(phase.point, phase.kind, mark, downstream))
     return tuple(found)
 

@@ -9,13 +9,14 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from ..keys import canonical_json, derived_key_of, key_material
+from ..keys import canonical_json, derived_key_of, record_material
 from ..observe import NO_OBSERVER, Observer
 
 
 class KeyIdentity:
-    """The stored fields every derived key is built from; what the keys share is made
-    once per run."""
+    """The stored fields every derived key is built from (the record's seed, or for a
+    record claimed before seeds existed its id and creation time); what the keys share is
+    made once per run."""
 
     __slots__ = ("_material", "created_at", "key_id", "operation")
 
@@ -24,18 +25,20 @@ class KeyIdentity:
     created_at: datetime
     _material: str
 
-    def __init__(self, operation: str, key_id: int, created_at: datetime) -> None:
+    def __init__(
+        self, operation: str, key_id: int, created_at: datetime, seed: str | None
+    ) -> None:
         set_once = object.__setattr__  # read-only after: the material is made from them
         set_once(self, "operation", operation)
         set_once(self, "key_id", key_id)
         set_once(self, "created_at", created_at)
-        set_once(self, "_material", key_material(key_id, created_at, operation))
+        set_once(self, "_material", record_material(seed, key_id, created_at, operation))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a KeyIdentity is read-only: {name} cannot change")
 
     def derive(self, kind: str, *names: str) -> str:
-        """:func:`~recoverypoint.keys.derived_key` of this record."""
+        """:func:`~recoverypoint.keys.derived_key_of` this record's material."""
         return derived_key_of(self._material, kind, *names)
 
 
