@@ -5,7 +5,7 @@ Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
    observe (the hooks every layer calls)
-1. plumbing: database, migrate, testing, embedded, jobs
+1. plumbing: database, outage, migrate, testing, embedded, jobs
 2. the connection and the request path's queries: _pg, store, phase_guard, context (what
    a phase receives wraps the connection), and the planned sql
 3. the engine, and the package's curated ``__init__``
@@ -42,7 +42,7 @@ LAYERS = {
         ],
         0,
     ),
-    **dict.fromkeys(["database", "migrate", "testing", "embedded", "jobs"], 1),
+    **dict.fromkeys(["database", "outage", "migrate", "testing", "embedded", "jobs"], 1),
     **dict.fromkeys(
         ["_pg", "_pg_async", "_libpq", "store", "store_async", "sql", "phase_guard", "context"],
         2,

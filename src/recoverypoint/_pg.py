@@ -45,6 +45,7 @@ from . import _libpq, sql
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
 from .observe import NO_OBSERVER, Observer
+from .outage import drop_older_connections
 
 T = TypeVar("T")
 TextRow = tuple[str | None, ...]
@@ -250,7 +251,7 @@ def serializable(
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
-        _give_back(pooled, connection, switched)
+        _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
 
 
@@ -285,7 +286,7 @@ def borrowed(
     try:
         yield pooled, connection
     finally:
-        _give_back(pooled, connection, switched)
+        _give_back(db, pooled, connection, switched)
 
 
 def _borrow(db: sa.Engine, autocommit: bool) -> tuple[Any, psycopg.Connection[Any], bool]:
@@ -299,16 +300,18 @@ def _borrow(db: sa.Engine, autocommit: bool) -> tuple[Any, psycopg.Connection[An
         try:
             connection.autocommit = True
         except BaseException:
-            _give_back(pooled, connection, switched)
+            _give_back(db, pooled, connection, switched)
             raise
     return pooled, connection, switched
 
 
-def _give_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
-    _hand_back(pooled, connection, switched)
+def _give_back(
+    db: sa.Engine, pooled: Any, connection: psycopg.Connection[Any], switched: bool
+) -> None:
+    _hand_back(db.pool, pooled, connection, switched)
 
 
-def _hand_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
+def _hand_back(pool: Any, pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
     if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
         if switched:
             # Through the pool's own connection object: in the async pool it is
@@ -322,6 +325,8 @@ def _hand_back(pooled: Any, connection: psycopg.Connection[Any], switched: bool)
             checkin(transaction_reset=True)
             return
     elif pooled.is_valid:  # SQLAlchemy drops a connection whose statement was interrupted
+        if connection.broken:  # lost: the server went away, its older siblings with it
+            drop_older_connections(pool, pooled)
         pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
     pooled.close()
 

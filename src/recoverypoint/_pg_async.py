@@ -45,6 +45,7 @@ from . import _libpq, sql
 from .backoff import backoff_delay
 from .errors import ConcurrentUpdate
 from .observe import NO_OBSERVER, Observer
+from .outage import drop_older_connections
 
 T = TypeVar("T")
 TextRow = tuple[str | None, ...]
@@ -284,7 +285,7 @@ async def serializable(
             if attempt:  # the first retry at once: most conflicts are false positives
                 await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
-        await _give_back(pooled, connection, switched)
+        await _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
 
 
@@ -319,7 +320,7 @@ async def borrowed(
     try:
         yield pooled, connection
     finally:
-        await _give_back(pooled, connection, switched)
+        await _give_back(db, pooled, connection, switched)
 
 
 async def _borrow(
@@ -338,20 +339,24 @@ async def _borrow(
             else:
                 connection.autocommit = True
         except BaseException:
-            await _give_back(pooled, connection, switched)
+            await _give_back(db, pooled, connection, switched)
             raise
     return pooled, connection, switched
 
 
-async def _give_back(pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool) -> None:
+async def _give_back(
+    db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
+) -> None:
     if True:  # ASYNC
         # The pool's own code runs in SQLAlchemy's greenlet.
-        await shielded(greenlet_spawn(_hand_back, pooled, connection, switched))
+        await shielded(greenlet_spawn(_hand_back, db.pool, pooled, connection, switched))
     else:
-        _hand_back(pooled, connection, switched)
+        _hand_back(db.pool, pooled, connection, switched)
 
 
-def _hand_back(pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool) -> None:
+def _hand_back(
+    pool: Any, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
+) -> None:
     if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
         if switched:
             # Through the pool's own connection object: in the async pool it is
@@ -365,6 +370,8 @@ def _hand_back(pooled: Any, connection: psycopg.AsyncConnection[Any], switched: 
             checkin(transaction_reset=True)
             return
     elif pooled.is_valid:  # SQLAlchemy drops a connection whose statement was interrupted
+        if connection.broken:  # lost: the server went away, its older siblings with it
+            drop_older_connections(pool, pooled)
         pooled.invalidate()  # broken, or stuck in a transaction: never hand it out again
     pooled.close()
 

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
@@ -56,9 +57,13 @@ from .operation import (
     Response,
     Withdrawn,
 )
+from .outage import is_outage, unavailable
 from .testing import faults
 
 logger = logging.getLogger("recoverypoint")
+
+# What the driver and the pool raise; each is told apart by outage.is_outage.
+_DRIVER_ERRORS = (psycopg.Error, sa.exc.SQLAlchemyError)
 
 T = TypeVar("T")
 
@@ -147,13 +152,19 @@ class Engine(Registry):
         A new key runs every phase; an unfinished key resumes after its recovery point; a
         finished key replays its stored response (``Outcome.replayed``). Raises an
         :class:`IdempotencyError` for bad input (nothing stored), a key in use or reused
-        with other params, and re-raises what a phase raised once the lease is released.
+        with other params, a database outage (:class:`DatabaseUnavailable`, whatever the
+        driver raised), and re-raises what a phase raised once the lease is released.
         """
         observing = self.observer.run(
             operation.name, operation.version, by=CLIENT, scope=scope, key=key
         )
         with observing as observed:
-            outcome = self._run(observed, operation, key, params, scope, request)
+            try:
+                outcome = self._run(observed, operation, key, params, scope, request)
+            except _DRIVER_ERRORS as exc:
+                if not is_outage(exc):
+                    raise
+                raise unavailable(exc) from exc
             return observed.finished(outcome)
 
     def _run(
@@ -210,8 +221,16 @@ class Engine(Registry):
         another request holds its lease, :class:`LookupError` when there is no such key,
         and what a phase raised, once the lease is released and the attempt counted.
         ``token`` is a lease the caller already holds on the key; without it the lease is
-        taken if it is free or expired.
+        taken if it is free or expired. A database outage raises :class:`DatabaseUnavailable`.
         """
+        try:
+            return self._resume(key_id, token)
+        except _DRIVER_ERRORS as exc:
+            if not is_outage(exc):
+                raise
+            raise unavailable(exc) from exc
+
+    def _resume(self, key_id: int, token: uuid.UUID | None) -> Outcome:
         ident = store.key_operation(self.db, key_id)
         if ident is None:
             raise LookupError(f"there is no key record {key_id}")

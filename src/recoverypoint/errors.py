@@ -12,6 +12,8 @@
     ├── LockLost                     409  our lease was taken over; our writes rolled back
     ├── ConcurrentUpdate             409  serialization failures outlasted in-process retries
     ├── Retryable                    503  raised by phase code for a transient foreign failure
+    ├── DatabaseUnavailable          503  the database failed over, restarted or cannot be
+    │                                     reached (retry_after)
     ├── OperationNotRegistered       500  the engine does not know the operation (or version)
     ├── DeclarationError             500  an operation declared wrongly (raised at import time)
     ├── TransactionEnded             500  phase code ended the phase's transaction itself
@@ -92,6 +94,17 @@ class Retryable(IdempotencyError):
     """A foreign system failed transiently; retry with the same key."""
 
     http_status = 503
+
+
+class DatabaseUnavailable(IdempotencyError):
+    """The database is unavailable for a moment (a failover, a restart, a lost connection);
+    retry with the same idempotency key after the Retry-After delay: the request resumes
+    where it stopped, and nothing it did runs twice."""
+
+    http_status = 503
+    retry_after = 1
+    """Seconds: a failover or a restart takes a few, and a client retrying sooner only
+    finds the key's lease still held."""
 
 
 class OperationNotRegistered(IdempotencyError):

@@ -17,6 +17,7 @@ params too large                               413
 params unusable, or key reused with others     422
 the key is in flight (or a lease was lost)     409     ``Retry-After``
 a foreign system failed (``rp.Retryable``)     503     ``Retry-After``
+the database is unavailable (a failover...)    503     ``Retry-After``
 anything unexpected                            500
 =============================================  ======  =================================
 
