@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -21,6 +20,7 @@ from fastapi import FastAPI, Request, Response
 from http_servers import serve_asgi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from outages import database_down, terminate
 from rides import Provider, count
 from sqlalchemy.pool import NullPool
 
@@ -30,35 +30,6 @@ from recoverypoint.integrations import fastapi as rp_fastapi
 from recoverypoint.outage import is_outage, unavailable
 
 APPLICATION = "recoverypoint-outage-tests"
-
-
-@contextmanager
-def database_down(server_url: str, database_url: str) -> Iterator[None]:
-    """While inside, ``database_url``'s database refuses connections, and every
-    connection it had was killed on the way in."""
-    name = sa.make_url(database_url).database
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-            terminate(conn, name)
-        yield
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-        admin.dispose()
-
-
-def terminate(conn: sa.Connection, database: str | None) -> int:
-    """Kill every backend of ``database`` but ``conn``'s own; how many were killed."""
-    killed = conn.execute(
-        sa.text(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = :n AND pid <> pg_backend_pid()"
-        ),
-        {"n": database},
-    ).scalar_one()
-    return int(killed)
 
 
 def rides(provider: Provider, before_finish: Any = None) -> rp.Operation[Any]:

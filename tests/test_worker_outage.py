@@ -1,45 +1,22 @@
 """A worker's loop outlives the passes that fail: the database goes away for a moment (every
-connection killed, new ones refused), each pass meanwhile fails and is logged, and once the
-database is back the completer completes and the enqueuer publishes as before."""
+connection killed, new ones refused), each pass meanwhile fails, one line says so when the
+outage begins (not one per pass) and another when it ends, and once the database is back
+the completer completes, the enqueuer publishes and the reaper reaps as before."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.pool import NullPool
+from outages import database_down
 from workload import JOB, Recorder, plant_keys, rows, stage_jobs, steps_operation, wait_for
 
 import recoverypoint as rp
-from recoverypoint.database import create_engine
 from recoverypoint.jobs import InProcessBackend
-from recoverypoint.workers import Completer, Enqueuer, Worker
-
-
-@contextmanager
-def database_down(server_url: str, database_url: str) -> Iterator[None]:
-    """While inside, ``database_url``'s database refuses connections, and every
-    connection it had was killed on the way in."""
-    name = sa.make_url(database_url).database
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-                ),
-                {"n": name},
-            )
-        yield
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-        admin.dispose()
+from recoverypoint.workers import Completer, Enqueuer, Reaper, Worker
 
 
 def test_the_completer_and_the_enqueuer_outlive_passes_that_fail(
@@ -54,14 +31,24 @@ def test_the_completer_and_the_enqueuer_outlive_passes_that_fail(
     workers: list[Worker[rp.workers.Result]] = [
         Completer(engine, min_age=0),
         Enqueuer(engine),
+        Reaper(engine),
     ]
+    passes = {w.name: 0 for w in workers}
+    for worker in workers:
+        run_once = worker.run_once
+
+        def counted(run_once: Any = run_once, name: str = worker.name) -> Any:
+            passes[name] += 1
+            return run_once()
+
+        worker.run_once = counted  # type: ignore[method-assign]
     threads = [
         threading.Thread(target=w.run_forever, kwargs={"interval": 0.05}, daemon=True)
         for w in workers
     ]
 
-    def errors(worker: str) -> int:
-        return sum(f"event=error worker={worker} " in r.getMessage() for r in caplog.records)
+    def lines(event: str, worker: str) -> int:
+        return sum(f"event={event} worker={worker} " in r.getMessage() for r in caplog.records)
 
     caplog.set_level(logging.INFO, logger="recoverypoint.workers")
     try:
@@ -69,15 +56,21 @@ def test_the_completer_and_the_enqueuer_outlive_passes_that_fail(
             thread.start()
         with database_down(server_url, worker_database_url):
             # Each worker's passes fail (its pooled connections were killed, new ones are
-            # refused), and its loop goes on.
+            # refused), and its loop goes on: three passes each after the outage began.
+            wait_for(lambda: all(lines("database_unavailable", w.name) for w in workers))
+            during = dict(passes)
             wait_for(
                 lambda: (
-                    (errors("completer") >= 2 and errors("enqueuer") >= 2)
+                    all(passes[name] >= n + 3 for name, n in during.items())
                     or not all(thread.is_alive() for thread in threads)
                 )
             )
             assert all(thread.is_alive() for thread in threads)
         worker_db.dispose()  # the test's own pooled connections died too
+        wait_for(lambda: all(lines("database_back", w.name) for w in workers))
+        for worker in workers:  # one line for the outage, none per failed pass
+            assert lines("database_unavailable", worker.name) == 1
+            assert lines("error", worker.name) == 0
 
         # Work that arrives after the outage is done as usual.
         keys = plant_keys(worker_db, "steps", 3)
@@ -98,4 +91,4 @@ def test_the_completer_and_the_enqueuer_outlive_passes_that_fail(
     assert published.issuperset(jobs)
     assert rows(worker_db, "SELECT * FROM staged_jobs") == []
     stopped = [r.getMessage() for r in caplog.records if "event=stopped" in r.getMessage()]
-    assert len(stopped) == 2
+    assert len(stopped) == 3

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 from ..engine import Engine
 from ..logfmt import logfmt
+from ..outage import is_outage
 
 logger = logging.getLogger("recoverypoint.workers")
 
@@ -106,6 +107,7 @@ class Worker(ABC, Generic[R]):
         # Workers claim with SKIP LOCKED and must see each other's commits at once,
         # whatever isolation the application's engine defaults to.
         self.db: sa.Engine = engine.db.execution_options(isolation_level="READ COMMITTED")
+        self._down_since: float | None = None  # when the database went away, if it has
 
     @abstractmethod
     def run_once(self) -> R:
@@ -132,14 +134,34 @@ class Worker(ABC, Generic[R]):
             try:
                 result = self.run_once()
             except Exception as exc:
-                self.log_error("error", exc)
-                self._record_pass(describe(exc))
+                if is_outage(exc):
+                    self._database_down(exc, interval)
+                else:
+                    self.log_error("error", exc)
+                    self._record_pass(describe(exc))
             else:
+                if self._down_since is not None:
+                    down_for = round(time.monotonic() - self._down_since, 1)
+                    self.log(logging.WARNING, "database_back", seconds_down=down_for)
+                    self._down_since = None
                 if result:
                     self.log_pass(result, seconds=round(time.monotonic() - began, 3))
                 self._record_pass(None)
             self.stop_event.wait(interval + random.uniform(0, jitter))
         self.log(logging.INFO, "stopped")
+
+    def _database_down(self, exc: BaseException, interval: float) -> None:
+        """One line when an outage begins (not one per pass, nor a traceback: the database
+        is down, not the worker), and nothing recorded in a database that cannot take it."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self.log(
+                logging.WARNING,
+                "database_unavailable",
+                error=describe(exc),
+                retry_every=interval,
+                action="check the database and the URL; the worker resumes by itself",
+            )
 
     def _record_pass(self, error: str | None) -> None:
         """Note the pass in ``worker_passes`` for ``recoverypoint doctor``; a database that
