@@ -77,8 +77,9 @@ def test_a_step_recorded_after_the_next_phase_committed_does_not_move_the_point_
 
     monkeypatch.setattr(worker_db.dialect, "do_commit", commit_then_lose_the_answer)
 
-    with pytest.raises(sa.exc.OperationalError):
+    with pytest.raises(rp.DatabaseUnavailable) as lost:  # the COMMIT's outcome is unknown
         engine.run(op, key="k", params={})
+    assert isinstance(lost.value.__cause__, sa.exc.OperationalError)
 
     row = key_row(worker_db)
     assert row.recovery_point == "recorded"  # not back at "charged"

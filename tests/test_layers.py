@@ -6,7 +6,7 @@ Layers, lowest first (a module may import its own layer and those below):
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
    observe (the hooks every layer calls)
 1. plumbing: database, outage, migrate, testing, embedded, jobs
-2. the connection and the request path's queries: _pg, store, phase_guard, context (what
+2. the connection and the request path's queries: _pg, _pooler, store, phase_guard, context (what
    a phase receives wraps the connection), and the planned sql
 3. the engine, and the package's curated ``__init__``
 4. services on the engine: admin, workers, integrations, client — and admin, which the
@@ -44,7 +44,17 @@ LAYERS = {
     ),
     **dict.fromkeys(["database", "outage", "migrate", "testing", "embedded", "jobs"], 1),
     **dict.fromkeys(
-        ["_pg", "_pg_async", "_libpq", "store", "store_async", "sql", "phase_guard", "context"],
+        [
+            "_pg",
+            "_pg_async",
+            "_libpq",
+            "_pooler",
+            "store",
+            "store_async",
+            "sql",
+            "phase_guard",
+            "context",
+        ],
         2,
     ),
     **dict.fromkeys([PACKAGE, "engine", "engine_async", "idempotent"], 3),

@@ -1,6 +1,7 @@
 """The sync engine's own statements on libpq, through psycopg's ``pq`` module.
 
-Each :class:`~recoverypoint.sql.Statement` is prepared once per connection; a transaction's
+Each :class:`~recoverypoint.sql.Statement` is prepared once per connection (sent unnamed
+behind a pooler, :mod:`recoverypoint._pooler`); a transaction's
 first statement travels in one pipeline with its BEGIN, and the write that records a phase
 with its COMMIT (that write raises when it misses its row, which aborts the transaction
 before COMMIT runs). A psycopg cursor costs about as much client CPU again as the round
@@ -23,6 +24,7 @@ from psycopg import pq
 from psycopg.pq import ExecStatus, TransactionStatus
 
 from . import sql
+from ._pooler import POOLED
 
 # Where a pooled connection keeps the names of the statements prepared on it: the
 # SQLAlchemy pool's per-connection dict, which lives and dies with the connection.
@@ -92,19 +94,30 @@ def _run(
 ) -> Any:
     name = _prepared(pooled, connection, statement)
     if begin or commit:
-        return _pipelined(connection, name, values, begin, commit)
-    return _checked(connection, connection.pgconn.exec_prepared(name, values))
+        return _pipelined(connection, statement, name, values, begin, commit)
+    pgconn = connection.pgconn
+    if name is None:
+        return _checked(connection, pgconn.exec_params(statement.positional, values))
+    return _checked(connection, pgconn.exec_prepared(name, values))
 
 
 def _pipelined(
-    connection: psycopg.Connection[Any], name: bytes, values: list[bytes], begin: bool, commit: bool
+    connection: psycopg.Connection[Any],
+    statement: sql.Statement,
+    name: bytes | None,
+    values: list[bytes],
+    begin: bool,
+    commit: bool,
 ) -> Any:
     pgconn = connection.pgconn
     pgconn.enter_pipeline_mode()
     try:
         if begin:
             pgconn.send_query_params(sql.BEGIN, None)
-        pgconn.send_query_prepared(name, values)
+        if name is None:  # unnamed: parsed with this execution, in the same round trip
+            pgconn.send_query_params(statement.positional, values)
+        else:
+            pgconn.send_query_prepared(name, values)
         if commit:
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
@@ -168,8 +181,15 @@ def _wait(fileno: int, event: int) -> None:
     poller.poll()
 
 
-def _prepared(pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement) -> bytes:
-    prepared: set[bytes] = pooled.info.setdefault(_PREPARED, set())
+def _prepared(
+    pooled: Any, connection: psycopg.Connection[Any], statement: sql.Statement
+) -> bytes | None:
+    """The name ``statement`` is prepared under on ``pooled``, preparing it if need be;
+    ``None`` behind a pooler, where it is sent unnamed (see :mod:`recoverypoint._pooler`)."""
+    info = pooled.info
+    if POOLED in info:
+        return None
+    prepared: set[bytes] = info.setdefault(_PREPARED, set())
     if statement.name not in prepared:
         _prepare(connection, statement)
         prepared.add(statement.name)

@@ -25,7 +25,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from . import _pg, phase_guard, sql, store
+from . import _pg, _pooler, phase_guard, sql, store
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -116,6 +116,7 @@ class Engine(Registry):
         self.db = create_engine(database)
         driver = self.db.dialect.driver
         phase_guard.install(self.db)
+        _pooler.install(self.db)  # the workers' and the admin's connections too
         if driver not in ("psycopg", "psycopg_async"):
             raise ValueError(
                 f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "

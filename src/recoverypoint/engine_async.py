@@ -24,7 +24,7 @@ import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
-from . import _pg_async, phase_guard, sql, store_async
+from . import _pg_async, _pooler, phase_guard, sql, store_async
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -123,11 +123,13 @@ class AsyncEngine(Registry):
             # on the same database (it connects only when they use it).
             self.db = create_engine(self.async_db.url.set(drivername="postgresql+psycopg"))
             phase_guard.install(self.async_db.sync_engine)
+            _pooler.install(self.async_db.sync_engine)
         else:
             super().__init__(asynchronous=False)
             self.db = create_engine(database)
             driver = self.db.dialect.driver
             phase_guard.install(self.db)
+        _pooler.install(self.db)  # the workers' and the admin's connections too
         if driver not in ("psycopg", "psycopg_async"):
             raise ValueError(
                 f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
