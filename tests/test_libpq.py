@@ -366,3 +366,41 @@ def test_the_deallocation_check_keeps_short_statement_texts_only() -> None:
     tx.note("SELECT 1 -- a short text")
     assert not tx._deallocated
     assert _pg._deallocates_kept.cache_info().currsize == kept + 1
+
+
+def _prepared_on(db: sa.Engine) -> tuple[set[str], Any]:
+    """The names prepared on one of ``db``'s pooled connections, and its prepare threshold."""
+    with db.connect() as conn:
+        names = set(conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars())
+        threshold = conn.connection.driver_connection.prepare_threshold  # type: ignore[union-attr]
+    return names, threshold
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_statements_are_prepared_unless_the_engine_is_told_not_to(
+    database_url: str, scope: str, setting: bool | None
+) -> None:
+    # Connected to PostgreSQL itself, the default prepares (as True does); False prepares
+    # nothing, the engine's statements nor psycopg's, and requests work all the same.
+    db = create_engine(database_url, pool_size=1, max_overflow=0)
+    engine = rp.Engine(db, prepared_statements=setting)
+    op: rp.Operation[Any] = rp.Operation(f"prepared-{setting}")
+
+    @op.atomic_phase("done")
+    def done(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        for _ in range(6):  # past psycopg's threshold of 5
+            tx.execute("SELECT %s::int", (1,))
+        return rp.Response(201)
+
+    engine.register(op)
+    for n in range(3):
+        assert engine.run(op, key=f"k{n}", params={}, scope=scope).status == 201
+    names, threshold = _prepared_on(db)
+    ours = {name for name in names if name.startswith("recoverypoint_")}
+    if setting is False:
+        assert names == set() and threshold is None
+    else:
+        assert ours and any(name.startswith("_pg3_") for name in names)
+    with pytest.raises(ValueError, match="prepared_statements"):
+        rp.Engine(db, prepared_statements=not setting)
+    db.dispose()

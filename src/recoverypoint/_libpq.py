@@ -24,7 +24,7 @@ from psycopg import pq
 from psycopg.pq import ExecStatus, TransactionStatus
 
 from . import sql
-from ._pooler import POOLED
+from ._pooler import UNPREPARED
 
 # Where a pooled connection keeps the names of the statements prepared on it: the
 # SQLAlchemy pool's per-connection dict, which lives and dies with the connection.
@@ -187,7 +187,7 @@ def _prepared(
     """The name ``statement`` is prepared under on ``pooled``, preparing it if need be;
     ``None`` behind a pooler, where it is sent unnamed (see :mod:`recoverypoint._pooler`)."""
     info = pooled.info
-    if POOLED in info:
+    if UNPREPARED in info:
         return None
     prepared: set[bytes] = info.setdefault(_PREPARED, set())
     if statement.name not in prepared:

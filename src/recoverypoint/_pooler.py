@@ -1,5 +1,5 @@
-"""A connection that reaches PostgreSQL through a pooler (PgBouncer, and any proxy that
-hands a client's transactions to the server connections it pools).
+"""Prepared statements, and the poolers that lose them (PgBouncer, and any proxy that hands
+a client's transactions to the server connections it pools).
 
 In transaction pooling, each transaction may run on another server connection, and a
 statement prepared in one is missing from, or named otherwise in, the next: before
@@ -13,12 +13,15 @@ phase code's alike.
 
 A pooler is told by its cancel key: a client connected to PostgreSQL itself is told the
 pid of its backend, which ``pg_backend_pid()`` names again; a pooler makes up a key of its
-own (it relays cancel requests). Checked once per connection, as the pool makes it.
+own (it relays cancel requests). Checked once per connection, as the pool makes it, unless
+the engine was told (``prepared_statements=``).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,19 +29,35 @@ from sqlalchemy import event
 
 logger = logging.getLogger("recoverypoint")
 
-POOLED = "recoverypoint_behind_pooler"
-"""Set in a pooled connection's ``info`` when a pooler sits between it and PostgreSQL."""
+UNPREPARED = "recoverypoint_unprepared"
+"""Set in a pooled connection's ``info`` when nothing may be prepared on it."""
 
+_installed: weakref.WeakKeyDictionary[sa.Engine, bool | None] = weakref.WeakKeyDictionary()
 _warned: set[str] = set()
 
 
-def install(db: sa.Engine) -> None:
-    """Check every connection ``db``'s pool makes (an async engine's ``sync_engine``)."""
-    if not event.contains(db, "connect", _check):
-        event.listen(db, "connect", _check)
+def install(db: sa.Engine, prepared_statements: bool | None) -> None:
+    """Decide for every connection ``db``'s pool makes (an async engine's ``sync_engine``)
+    whether statements may be prepared on it: ``None`` unless it reaches PostgreSQL through
+    a pooler, ``True`` always (PgBouncer 1.21 on, with ``max_prepared_statements``, keeps
+    them), ``False`` never."""
+    if db in _installed:
+        if _installed[db] != prepared_statements:
+            raise ValueError(
+                "this SQLAlchemy engine already serves a recoverypoint engine with "
+                f"prepared_statements={_installed[db]}; give both the same"
+            )
+        return
+    _installed[db] = prepared_statements
+    if prepared_statements is not True:
+        event.listen(db, "connect", _LISTENERS[prepared_statements])
 
 
-def _check(dbapi_connection: Any, record: Any) -> None:
+def _never(dbapi_connection: Any, record: Any) -> None:
+    _unprepared(dbapi_connection, record)
+
+
+def _unless_pooled(dbapi_connection: Any, record: Any) -> None:
     # The adapter's cursor: an async engine's runs it on the event loop (SQLAlchemy's
     # greenlet), a sync engine's directly.
     cursor = dbapi_connection.cursor()
@@ -48,16 +67,32 @@ def _check(dbapi_connection: Any, record: Any) -> None:
     finally:
         cursor.close()
     dbapi_connection.rollback()  # the SELECT began a transaction: the pool hands out none
-    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    driver = _driver(dbapi_connection)
     if pid == driver.pgconn.backend_pid:
         return
-    record.info[POOLED] = True
-    driver.prepare_threshold = None  # psycopg prepares nothing on it
+    _unprepared(dbapi_connection, record)
     where = f"{driver.info.host}:{driver.info.port}"
     if where not in _warned:
         _warned.add(where)
         logger.info(
             "%s is a pooler, not PostgreSQL itself: recoverypoint prepares no statement on "
-            "its connections (each transaction may run on another server connection)",
+            "its connections (pass prepared_statements=True to the engine if it keeps them, "
+            "as PgBouncer does from 1.21 on with max_prepared_statements)",
             where,
         )
+
+
+_LISTENERS: dict[bool | None, Callable[[Any, Any], None]] = {
+    None: _unless_pooled,
+    False: _never,
+}
+
+
+def _unprepared(dbapi_connection: Any, record: Any) -> None:
+    record.info[UNPREPARED] = True
+    _driver(dbapi_connection).prepare_threshold = None  # psycopg prepares nothing on it
+
+
+def _driver(dbapi_connection: Any) -> Any:
+    """psycopg's connection, under SQLAlchemy's async adapter or not."""
+    return getattr(dbapi_connection, "driver_connection", dbapi_connection)

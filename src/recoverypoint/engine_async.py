@@ -97,6 +97,14 @@ class AsyncEngine(Registry):
         made at random in the database, which replicates with it (read on first use); set
         it to keep deriving the same keys in a database restored or rebuilt from scratch.
         Keys already claimed keep the keys they were derived with.
+    prepared_statements:
+        Whether statements are prepared on the database's connections (the sync engine's
+        own, and those psycopg prepares as they recur). ``None``, the default: yes, unless
+        a connection reaches PostgreSQL through a pooler, where a transaction may run on
+        another server connection than the last (PgBouncer before 1.21 loses them).
+        ``True``: yes, for PgBouncer 1.21 on with ``max_prepared_statements`` set, which
+        keeps them (unnamed statements cost the server a parse and a plan each time).
+        ``False``: never.
     """
 
     def __init__(
@@ -110,6 +118,7 @@ class AsyncEngine(Registry):
         jobs: JobBackend | None = None,
         observer: Observer | None = None,
         namespace: str | None = None,
+        prepared_statements: bool | None = None,
     ) -> None:
         if True:  # ASYNC
             super().__init__(asynchronous=True)
@@ -123,13 +132,13 @@ class AsyncEngine(Registry):
             # on the same database (it connects only when they use it).
             self.db = create_engine(self.async_db.url.set(drivername="postgresql+psycopg"))
             phase_guard.install(self.async_db.sync_engine)
-            _pooler.install(self.async_db.sync_engine)
+            _pooler.install(self.async_db.sync_engine, prepared_statements)
         else:
             super().__init__(asynchronous=False)
             self.db = create_engine(database)
             driver = self.db.dialect.driver
             phase_guard.install(self.db)
-        _pooler.install(self.db)  # the workers' and the admin's connections too
+        _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
         if driver not in ("psycopg", "psycopg_async"):
             raise ValueError(
                 f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
