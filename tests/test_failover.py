@@ -37,9 +37,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import http_apps
+import httpx
 import pgcluster
 import pytest
 import sqlalchemy as sa
+from http_servers import serve_asgi, serve_wsgi
 from rides import SCHEMA, Faults, Provider, ride_operation
 from test_engine_async import Gate
 from test_engine_async import rides as async_ride_operation
@@ -89,6 +92,7 @@ def pg_template() -> Iterator[pgcluster.Template]:
         try:
             with db.begin() as conn:
                 conn.exec_driver_sql(SCHEMA)
+                conn.exec_driver_sql(http_apps.SCHEMA)
         finally:
             db.dispose()
 
@@ -554,6 +558,97 @@ def test_a_libpq_multi_host_url_follows_the_primary(
             f"SELECT idempotency_key FROM idempotency_keys WHERE scope = '{scope}' ORDER BY 1"
         )
     assert on_new_primary == [("after",), ("before",)]
+
+
+# -- the database down ------------------------------------------------------------------------
+
+
+def told(call: Callable[[str], object]) -> object:
+    """What ``call`` raised: its class's name, its HTTP status, whether it says when to
+    retry."""
+    try:
+        call("down")
+    except Exception as exc:
+        retry_after = getattr(exc, "retry_after", None)
+        says_when = isinstance(retry_after, int) and retry_after >= 1
+        return type(exc).__name__, getattr(exc, "http_status", None), says_when
+    return "nothing raised"
+
+
+def test_while_the_database_is_down_every_caller_is_told_to_retry_and_then_served(
+    pg_template: pgcluster.Template, provider: Provider
+) -> None:
+    """The primary stopped, no standby: ``rp.Engine.run``, ``rp.AsyncEngine.run``,
+    ``@rp.idempotent`` and ``Engine.resume`` raise ``rp.DatabaseUnavailable`` (503, with a
+    Retry-After), and HTTP clients get a 503 problem+json with Retry-After; once the server is
+    back, each one's next call is served (no broken pooled connection is handed out)."""
+    scope = f"down-{uuid.uuid4().hex[:12]}"
+    with (
+        pgcluster.cluster(pg_template, standby=False) as cluster,
+        engines(cluster.primary.url(), provider) as calls,
+    ):
+        engine = rp.Engine(cluster.primary.url())
+        gates = http_apps.Gates()
+        order = http_apps.order_operation(gates)
+        engine.register(order)
+
+        @rp.idempotent(engine, key="key", name=f"pay_{scope}")
+        def pay(key: str, amount: int) -> int:
+            return amount
+
+        try:
+            with (
+                serve_asgi(http_apps.fastapi_app(engine, order, gates)) as fastapi_url,
+                serve_wsgi(http_apps.flask_app(engine, order, gates)) as flask_url,
+            ):
+                routes = {
+                    "fastapi-sync": f"{fastapi_url}/sync/orders",
+                    "fastapi-async": f"{fastapi_url}/async/orders",
+                    "flask": f"{flask_url}/sync/orders",
+                }
+
+                def post(route: str, key: str) -> httpx.Response:
+                    headers = {"Idempotency-Key": f"{route}-{key}", "X-Tenant": scope}
+                    return httpx.post(
+                        routes[route], json={"item": key}, headers=headers, timeout=60
+                    )
+
+                assert {
+                    route: post(route, "before").status_code for route in routes
+                } == dict.fromkeys(routes, 201)
+                key_id = cluster.primary.value(
+                    f"SELECT min(id) FROM idempotency_keys WHERE scope = '{scope}'"
+                )
+                callers: dict[str, Callable[[str], object]] = {
+                    "rp.Engine.run": lambda key: calls["sync"](scope, key),
+                    "rp.AsyncEngine.run": lambda key: calls["async"](scope, key),
+                    "@rp.idempotent": lambda key: pay(key=key, amount=1),
+                    "Engine.resume": lambda key: engine.resume(key_id),
+                }
+                for call in callers.values():
+                    call("before")  # each pool holds a connection to the server
+
+                cluster.primary.stop("immediate")
+                raised = {name: told(call) for name, call in callers.items()}
+                answered = {route: post(route, "down") for route in routes}
+
+                cluster.primary.start()
+                served_after = {name: call("after") is not None for name, call in callers.items()}
+                replies_after = {route: post(route, "after").status_code for route in routes}
+        finally:
+            engine.dispose()
+
+    assert raised == dict.fromkeys(callers, ("DatabaseUnavailable", 503, True))
+    assert {
+        route: (
+            r.status_code,
+            r.headers.get("content-type", "").split(";")[0],
+            r.headers.get("retry-after", "").isdigit(),
+        )
+        for route, r in answered.items()
+    } == dict.fromkeys(routes, (503, "application/problem+json", True))
+    assert served_after == dict.fromkeys(callers, True)
+    assert replies_after == dict.fromkeys(routes, 201)
 
 
 # -- the primary's connections killed, the primary restarted -----------------------------------
