@@ -523,22 +523,27 @@ def test_a_key_record_lost_with_a_lagging_standby_is_not_charged_again(
 ) -> None:
     """Deterministic: a request finished on a primary whose standby lags, the primary lost,
     the same request (same key, same params) again on the promoted standby, where its key
-    record never arrived: the provider still holds one charge, and the answer names it."""
+    record never arrived: the provider still holds one charge, the answer names it, and the
+    receipt job staged again has the job key the lost one had (a consumer dedupes on it)."""
     scope, key = f"lost-{uuid.uuid4().hex[:12]}", "ride-1"
     with pgcluster.cluster(pg_template) as cluster:
         cluster.lag()
         first = answer(engine, engine_url(cluster), provider, scope, key)
         assert (first.status, charges(provider, scope, key)) == (201, 1)
+        staged = cluster.primary.query("SELECT job_key FROM staged_jobs")
         cluster.stop_immediate()
         cluster.promote()
         lost = cluster.primary.query(f"SELECT 1 FROM idempotency_keys WHERE scope = '{scope}'")
         assert not lost, "the key record survived: the standby did not lag"
 
         again = answer(engine, engine_url(cluster), provider, scope, key)
+        staged_again = cluster.primary.query("SELECT job_key FROM staged_jobs")
 
     assert again.status == 201
     assert charges(provider, scope, key) == 1
     assert again.body["charge_id"] == first.body["charge_id"]
+    assert len(staged) == 1
+    assert staged_again == staged
 
 
 @pytest.mark.parametrize("engine", ["sync", "async"])
