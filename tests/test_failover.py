@@ -18,6 +18,11 @@ was asynchronous and lagging: reported there), keys unfinished after the complet
 raw errors seen by callers (0), answers contradicting the stored one (0), and the time from
 the promotion (or the disruption) to the first success of each engine, reported.
 
+Without load: a request whose key record is lost with a lagging standby, sent again after the
+promotion, is not charged again; a libpq multi-host URL follows the primary; and while the
+database is down every caller (both engines, ``@rp.idempotent``, ``Engine.resume``, HTTP) is
+told to retry, and is served once it is back.
+
 Skipped without PostgreSQL 15's binaries or PgBouncer, unless RECOVERYPOINT_REQUIRE_SERVICES=1:
 then those tests fail.
 """
@@ -67,8 +72,10 @@ SUCCESSES = 40
 
 
 def engine_url(cluster: pgcluster.Cluster) -> str:
-    """The URL the engines are built from: every server of the cluster, and
-    ``target_session_attrs=read-write``, so that they follow the primary."""
+    """The URL the load's engines are built from: every server of the cluster, and
+    ``target_session_attrs=read-write``, so that they follow the primary. SQLAlchemy's
+    repeated ``host`` form; libpq's ``h1:p1,h2:p2`` form (``cluster.url()``) has a test of
+    its own below, and can replace it here once both engines accept it."""
     return cluster.sqlalchemy_url()
 
 
