@@ -186,3 +186,19 @@ def module_database_url(server_url: str) -> Iterator[str]:
     """A database of one test module alone, with no tables, dropped after the module."""
     with temporary_database(server_url) as url:
         yield url
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The failover tests' figures (tests/test_failover.py), passed or failed, in one place."""
+    tables = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "failover"
+    ]
+    if tables:
+        terminalreporter.section("failover figures")
+        for table in tables:
+            terminalreporter.write_line(str(table))
