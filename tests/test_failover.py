@@ -72,11 +72,10 @@ SUCCESSES = 40
 
 
 def engine_url(cluster: pgcluster.Cluster) -> str:
-    """The URL the load's engines are built from: every server of the cluster, and
-    ``target_session_attrs=read-write``, so that they follow the primary. SQLAlchemy's
-    repeated ``host`` form; libpq's ``h1:p1,h2:p2`` form (``cluster.url()``) has a test of
-    its own below, and can replace it here once both engines accept it."""
-    return cluster.sqlalchemy_url()
+    """The URL the load's engines are built from: every server of the cluster in libpq's
+    ``h1:p1,h2:p2`` form, and ``target_session_attrs=read-write``, so that they follow the
+    primary (SQLAlchemy's repeated ``host`` form has a test of its own below)."""
+    return cluster.url()
 
 
 @pytest.fixture(scope="session")
