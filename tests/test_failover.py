@@ -54,7 +54,7 @@ from test_engine_async import rides as async_ride_operation
 from workload import rows
 
 import recoverypoint as rp
-from recoverypoint import migrate
+from recoverypoint import _pooler, migrate
 from recoverypoint.database import create_engine
 from recoverypoint.workers import Completer, CompleterResult
 
@@ -749,3 +749,25 @@ def test_pgbouncer_admin_commands(
 
     made = nullcontext(cluster)
     scenario(f"PgBouncer {command}", request, provider, made, admin, url=lambda _: bouncer.url())
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_behind_pgbouncer_nothing_is_prepared_unless_the_engine_is_told(
+    pooled: tuple[pgcluster.Cluster, pgcluster.PgBouncer], setting: bool | None
+) -> None:
+    # PgBouncer 1.18 hands each transaction to any server connection: a connection through
+    # it is told apart from one to PostgreSQL itself, and nothing is prepared on it (the
+    # load above shows what preparing there costs: 26000, 42P05, 08P01). Told it keeps
+    # prepared statements (PgBouncer 1.21 on), the engine prepares as it does elsewhere.
+    cluster, bouncer = pooled
+    for url, through_pooler in ((bouncer.url(), True), (cluster.primary.url(), False)):
+        engine = rp.Engine(url, prepared_statements=setting)
+        pooled_connection = engine.db.raw_connection()
+        try:
+            driver: Any = pooled_connection.driver_connection
+            unprepared = _pooler.UNPREPARED in pooled_connection.info
+            assert unprepared == (through_pooler and setting is None)
+            assert (driver.prepare_threshold is None) == unprepared
+        finally:
+            pooled_connection.close()
+            engine.dispose()
