@@ -72,6 +72,26 @@ def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_
     assert figures["other process exits"] == 0, report.process_exits
 
 
+def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_path: Path) -> None:
+    """``api --async``: the operation's phases are ``async def`` on ``rp.AsyncEngine``, and
+    the completer and the enqueuer take ``--app …workers:async_engine`` alone."""
+    config = DemoConfig(
+        requests=REQUESTS,
+        concurrency=6,
+        faults=MIXES["everything-at-20%"],
+        seed=13,
+        asynchronous=True,
+    )
+    with temporary_database(server_url, prefix="rp_chaos") as url:
+        report = run(config, url, tmp_path)
+
+    assert_sound(report)
+    assert_workers_never_crashed(report, tmp_path)
+    figures = report.figures()
+    assert figures["finished by the completer"] > 0, report.table()
+    assert figures["other process exits"] == 0, report.process_exits
+
+
 def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> None:
     """A server of the test's own, crashed (immediate shutdown) and started again when
     half the rides are booked, with faults at 10% all along."""
