@@ -112,10 +112,12 @@ def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> No
     assert_workers_never_crashed(report, tmp_path)
 
 
-def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["rp.Engine", "rp.AsyncEngine"])
+def test_the_demo_command(engine: str, server_url: str, tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     command = [sys.executable, "-m", "recoverypoint", "demo", "--requests", "20"]
     command += ["--concurrency", "4", "--seed", "3", "--database-url", server_url]
+    command += ["--async"] if engine == "rp.AsyncEngine" else []
     ran = subprocess.run(
         [*command, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False
     )
@@ -123,8 +125,10 @@ def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "every invariant holds" in ran.stdout
     assert "faults (20%): API process exits" in ran.stdout
+    assert f"the API on {engine}\n" in ran.stdout
     written = json.loads(out.read_text())
     assert written["ok"] is True
+    assert written["settings"]["asynchronous"] is (engine == "rp.AsyncEngine")
     assert written["figures"]["requests sent"] == 20
     assert written["settings"]["seed"] == 3
     assert all(inv["count"] == 0 for inv in written["invariants"].values())
