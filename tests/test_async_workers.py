@@ -22,7 +22,7 @@ from workload import Recorder, async_steps_operation, plant_keys, rows, steps_op
 
 import recoverypoint as rp
 from recoverypoint.cli import main, metrics
-from recoverypoint.exits import EXIT_OK
+from recoverypoint.exits import EXIT_OK, EXIT_USAGE
 from recoverypoint.testing import FAULT_EXIT_STATUS
 from recoverypoint.workers import Completer
 
@@ -229,6 +229,28 @@ def test_a_second_engine_on_another_database_is_refused(
         elsewhere.dispose()
 
 
+def test_engines_that_cannot_serve_together_are_refused(
+    worker_db: sa.Engine, async_engine: rp.AsyncEngine, worker_database_url: str
+) -> None:
+    recorder = Recorder(worker_db)
+    async_engine.register(async_steps_operation(ASYNC_OPERATION, recorder))
+    plant_keys(worker_db, ASYNC_OPERATION, 3)
+    # Named twice, it is one engine: its keys are claimed and resumed once.
+    twice = Completer((async_engine, async_engine), min_age=0)
+    try:
+        assert (twice.run_once().finished, step_calls(worker_db)) == (3, 3)
+    finally:
+        twice.close()
+    other = rp.AsyncEngine(worker_database_url)
+    other.register(async_steps_operation(ASYNC_OPERATION, recorder))
+    with pytest.raises(ValueError, match="two engines register 'async_steps' v1"):
+        Completer((async_engine, other))
+    with pytest.raises(TypeError, match="got str"):
+        Completer([async_engine, "myapp:engine"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="no engine given"):
+        Completer(())
+
+
 def test_a_failing_async_key_backs_off_then_is_abandoned_with_a_replayed_error(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine
 ) -> None:
@@ -303,7 +325,9 @@ def test_the_operator_commands_take_an_async_engine(
     async_app: rp.AsyncEngine,
     worker_db: sa.Engine,
     worker_database_url: str,
+    database_url: str,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     op = async_app.operation(ASYNC_OPERATION, 1)
     client_call(async_app, async_app.run(op, key="k1", params={"n": 1}))
@@ -321,6 +345,11 @@ def test_the_operator_commands_take_an_async_engine(
     assert [k["id"] for k in run("keys", "list")] == [key_id]
     assert [j["job_name"] for j in run("jobs", "list")] == ["notify"]
     assert {c["name"]: c["status"] for c in run("doctor")}["schema"] == "ok"
+    elsewhere = rp.Engine(database_url)  # another database
+    monkeypatch.setattr(sys.modules["rp_async_cli_app"], "elsewhere", elsewhere, raising=False)
+    status = main(["keys", "list", *app, "--app", "rp_async_cli_app:elsewhere"])
+    assert status == EXIT_USAGE
+    assert "must share one database" in capsys.readouterr().err
     parsed = argparse.Namespace(app=["rp_async_cli_app:engine"], database_url=None)
     db, operations = metrics._database(parsed)
     assert db.url.database == sa.make_url(worker_database_url).database

@@ -31,15 +31,16 @@ class Engines:
     workers' passes, and the first job backend set is the one the enqueuer publishes to."""
 
     def __init__(self, engines: AnyEngine | Sequence[AnyEngine], worker: str) -> None:
-        found = (engines,) if isinstance(engines, (Engine, AsyncEngine)) else tuple(engines)
-        if not found:
+        given = (engines,) if isinstance(engines, (Engine, AsyncEngine)) else tuple(engines)
+        if not given:
             raise ValueError(f"{worker}: no engine given")
-        for engine in found:
+        for engine in given:
             if not isinstance(engine, (Engine, AsyncEngine)):
                 raise TypeError(
                     f"{worker}: expected a recoverypoint.Engine or AsyncEngine, "
                     f"got {type(engine).__name__}"
                 )
+        found = tuple(dict.fromkeys(given))  # an engine named twice is one engine
         first = found[0]
         for engine in found[1:]:
             if _place(engine.db) != _place(first.db):
