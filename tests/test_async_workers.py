@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from test_worker_cli import TESTS, worker
-from workload import Recorder, async_steps_operation, plant_keys, rows, steps_operation
+from workload import Recorder, async_steps_operation, plant_keys, rows, steps_operation, wait_for
 
 import recoverypoint as rp
 from recoverypoint.cli import main, metrics
@@ -189,6 +191,51 @@ def test_the_completer_resumes_a_batch_of_async_keys_at_once(
     assert (result.finished, result.failed, result.errors) == (batch, 0, 0)
     assert phase_runs(worker_db) == {"reserved": batch, "finished": batch}
     assert step_calls(worker_db) == batch
+
+
+def test_a_running_completer_closes_its_loop_as_it_stops(
+    worker_db: sa.Engine, async_engine: rp.AsyncEngine
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait)
+
+    async_engine.register(async_steps_operation("held", Recorder(worker_db), gate=hold))
+    plant_keys(worker_db, "held", 1)
+    completer = Completer(async_engine, min_age=0)
+    thread = threading.Thread(target=completer.run_forever, kwargs={"interval": 0.05})
+    thread.start()
+    try:
+        assert entered.wait(60)
+        completer.close()  # from another thread, mid-resume: left to the running loop
+    finally:
+        completer.stop()
+        release.set()
+        thread.join(60)
+
+    assert not thread.is_alive()
+    assert completer._loop is None  # closed by run_forever as it returned
+    assert rows(worker_db, "SELECT response_status FROM idempotency_keys") == [(201,)]
+
+
+def test_sigterm_stops_the_workers_of_an_async_app_after_their_batch(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    keys = plant_keys(worker_db, ASYNC_OPERATION, 12, point="reserved")
+    process = worker(
+        "all", "--app", "async_worker_app:engine", "--min-age", "0", "--interval", "0.1",
+        database_url=worker_database_url,
+    )  # fmt: skip
+    wait_for(lambda: rows(worker_db, "SELECT count(*) FROM published")[0][0] == len(keys))
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    for name in ("completer", "enqueuer", "reaper"):
+        assert f"event=stopped worker={name}" in stderr
 
 
 def test_one_completer_resumes_the_keys_of_an_application_with_both_engines(

@@ -208,14 +208,14 @@ def _check_database(db: sa.Engine) -> None:
 def _workers(
     engines: Engines, args: argparse.Namespace, stop: threading.Event
 ) -> list[Worker[Any]]:
-    engine = engines.all  # each worker takes the application's engines, one or two
+    served = engines.all  # each worker takes the application's engines, one or two
     factories: dict[str, Callable[[], Worker[Any]]] = {
         "completer": lambda: Completer(
-            engine, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
+            served, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
         ),
-        "enqueuer": lambda: Enqueuer(engine, batch_size=args.batch_size, stop_event=stop),
+        "enqueuer": lambda: Enqueuer(served, batch_size=args.batch_size, stop_event=stop),
         "reaper": lambda: Reaper(
-            engine,
+            served,
             batch_size=args.batch_size,
             retention=timedelta(seconds=args.retention),
             abandoned_retention=timedelta(seconds=args.abandoned_retention),

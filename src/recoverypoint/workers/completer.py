@@ -193,9 +193,13 @@ class Completer(Worker[CompleterResult]):
             self.close()
 
     def close(self) -> None:
-        """Close the event loop the async resumes ran on; the next pass opens another."""
-        loop, self._loop = self._loop, None
-        if loop is not None and not loop.is_closed():
+        """Close the event loop the async resumes ran on; the next pass opens another. A
+        loop still running (in :meth:`run_forever`'s thread) is closed there, as it ends."""
+        loop = self._loop
+        if loop is None or loop.is_running():
+            return
+        self._loop = None
+        if not loop.is_closed():
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
