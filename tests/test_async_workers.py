@@ -19,11 +19,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_worker_cli import TESTS, worker
 from workload import Recorder, async_steps_operation, plant_keys, rows, steps_operation, wait_for
 
 import recoverypoint as rp
 from recoverypoint.cli import main, metrics
+from recoverypoint.cli._app import UsageError, load_engines
 from recoverypoint.exits import EXIT_OK, EXIT_USAGE
 from recoverypoint.testing import FAULT_EXIT_STATUS
 from recoverypoint.workers import Completer
@@ -401,3 +404,40 @@ def test_the_operator_commands_take_an_async_engine(
     db, operations = metrics._database(parsed)
     assert db.url.database == sa.make_url(worker_database_url).database
     assert [o.name for o in operations] == [ASYNC_OPERATION]
+
+
+_TEXT = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)))
+_MODULE = st.sampled_from(["rp_hostile_app"]) | st.builds(
+    "".join, st.tuples(st.sampled_from(["rp_absent", ".", "..", "rp_hostile_app."]), _TEXT)
+)
+_ATTR = st.sampled_from(["sync_a", "async_a", "async_a2", "sync_b", "backend", "nothing"]) | _TEXT
+_SPEC = st.builds(lambda m, sep, a: f"{m}{sep}{a}", _MODULE, st.sampled_from([":", ""]), _ATTR)
+
+
+@pytest.fixture(scope="module")
+def hostile_app() -> Iterator[types.ModuleType]:
+    """Engines that never connect: two on database ``a`` (one of each kind), one on ``b``."""
+    module = types.ModuleType("rp_hostile_app")
+    module.sync_a = rp.Engine("postgresql://127.0.0.1:1/a")  # type: ignore[attr-defined]
+    module.async_a = rp.AsyncEngine("postgresql://127.0.0.1:1/a")  # type: ignore[attr-defined]
+    module.async_a2 = rp.AsyncEngine("postgresql://u@127.0.0.1:1/a")  # type: ignore[attr-defined]
+    module.sync_b = rp.Engine("postgresql://127.0.0.1:1/b")  # type: ignore[attr-defined]
+    module.backend = object()  # type: ignore[attr-defined]
+    sys.modules["rp_hostile_app"] = module
+    yield module
+    del sys.modules["rp_hostile_app"]
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(_SPEC, min_size=1, max_size=4))
+def test_any_app_options_give_engines_on_one_database_or_a_usage_error(
+    hostile_app: types.ModuleType, specs: list[str]
+) -> None:
+    try:
+        engines = load_engines(specs)
+    except UsageError as exc:
+        assert str(exc).startswith("--app")
+        return
+    named = [getattr(hostile_app, spec.split(":", 1)[1]) for spec in specs]
+    assert engines.all == tuple(dict.fromkeys(named))
+    assert len({engine.db.url.database for engine in engines.all}) == 1

@@ -53,6 +53,7 @@ def test_an_unmigrated_database_fails_at_start(empty_database_url: str) -> None:
     ("app", "message"),
     [
         ("worker_app", "--app must be MODULE:ATTR"),
+        (".worker_app:engine", "MODULE must be absolute"),
         ("no_such_module:engine", "cannot import 'no_such_module'"),
         ("worker_app:nothing", "has no attribute 'nothing'"),
         (

@@ -34,6 +34,8 @@ def load_engine(spec: str) -> AnyEngine:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--app must be MODULE:ATTR, e.g. myapp.jobs:engine; got {spec!r}")
+    if module_name.startswith("."):  # relative to nothing: importlib raises TypeError
+        raise UsageError(f"--app {spec}: MODULE must be absolute, e.g. myapp.jobs")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
