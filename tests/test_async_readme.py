@@ -1,11 +1,18 @@
-"""README, "Async": its example runs word for word against a migrated database."""
+"""README, "Async": its example runs word for word against a migrated database; so does the
+asyncio application of "Running the workers", with its own command."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from workload import plant_keys, rows
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,3 +25,64 @@ def test_the_async_example_runs_as_written(
     assert example is not None
     monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
     exec(compile(example.group(1), "README.md", "exec"), {"__name__": "readme_async"})
+
+
+OPERATIONS = """
+import recoverypoint as rp
+
+orders = rp.Operation("place_order")
+
+
+@orders.atomic_phase("order_placed")
+async def place(tx: rp.AsyncAtomicContext, params: dict) -> None:
+    tx.state["order_id"] = 1
+
+
+@orders.foreign_step("confirmed")
+async def confirm(step: rp.StepContext, params: dict) -> dict:
+    return {"confirmation": step.downstream_key()}
+
+
+@orders.atomic_phase("finished")
+async def finish(tx: rp.AsyncAtomicContext, params: dict) -> rp.Response:
+    return rp.Response(201, {"order_id": tx.state["order_id"]})
+"""
+
+
+def test_the_workers_of_the_async_application_run_as_written(
+    worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
+) -> None:
+    section = README.read_text().split("## Running the workers\n", 1)[1].split("\n## ", 1)[0]
+    asynchronous = section.split("An asyncio application names its", 1)[1]
+    found = re.search(
+        r"```python\n(.*?)```\s*```\n(recoverypoint worker .*?)\n```", asynchronous, re.DOTALL
+    )
+    assert found is not None
+    recovery, command = found.groups()
+    app = tmp_path / "myapp"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    (app / "operations.py").write_text(OPERATIONS)
+    (app / "recovery.py").write_text(recovery)
+    [key_id] = plant_keys(worker_db, "place_order", 1)
+
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recoverypoint",
+            *shlex.split(command)[1:],
+            "--once",
+            "--min-age",
+            "0",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "RECOVERYPOINT_DATABASE_URL": worker_database_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert worker.returncode == 0, worker.stderr
+    done = "SELECT response_status, response_body FROM idempotency_keys WHERE id = :i"
+    assert rows(worker_db, done, i=key_id) == [(201, {"order_id": 1})]

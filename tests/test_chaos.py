@@ -72,6 +72,26 @@ def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_
     assert figures["other process exits"] == 0, report.process_exits
 
 
+def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_path: Path) -> None:
+    """``api --async``: the operation's phases are ``async def`` on ``rp.AsyncEngine``, and
+    the completer and the enqueuer take ``--app …workers:async_engine`` alone."""
+    config = DemoConfig(
+        requests=REQUESTS,
+        concurrency=6,
+        faults=MIXES["everything-at-20%"],
+        seed=13,
+        asynchronous=True,
+    )
+    with temporary_database(server_url, prefix="rp_chaos") as url:
+        report = run(config, url, tmp_path)
+
+    assert_sound(report)
+    assert_workers_never_crashed(report, tmp_path)
+    figures = report.figures()
+    assert figures["finished by the completer"] > 0, report.table()
+    assert figures["other process exits"] == 0, report.process_exits
+
+
 def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> None:
     """A server of the test's own, crashed (immediate shutdown) and started again when
     half the rides are booked, with faults at 10% all along."""
@@ -95,10 +115,12 @@ def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> No
     assert_workers_never_crashed(report, tmp_path)
 
 
-def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["rp.Engine", "rp.AsyncEngine"])
+def test_the_demo_command(engine: str, server_url: str, tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     command = [sys.executable, "-m", "recoverypoint", "demo", "--requests", "20"]
     command += ["--concurrency", "4", "--seed", "3", "--database-url", server_url]
+    command += ["--async"] if engine == "rp.AsyncEngine" else []
     ran = subprocess.run(
         [*command, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False
     )
@@ -106,8 +128,10 @@ def test_the_demo_command(server_url: str, tmp_path: Path) -> None:
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "every invariant holds" in ran.stdout
     assert "faults (20%): API process exits" in ran.stdout
+    assert f"the API on {engine}\n" in ran.stdout
     written = json.loads(out.read_text())
     assert written["ok"] is True
+    assert written["settings"]["asynchronous"] is (engine == "rp.AsyncEngine")
     assert written["figures"]["requests sent"] == 20
     assert written["settings"]["seed"] == 3
     assert all(inv["count"] == 0 for inv in written["invariants"].values())

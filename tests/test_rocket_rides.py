@@ -102,11 +102,17 @@ def rr_db(module_database_url: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["Engine", "AsyncEngine"])
 def services(
-    rr_db: sa.Engine, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    rr_db: sa.Engine,
+    module_database_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Service]]:
+    """Each test runs against the API on ``rp.Engine``, then on ``rp.AsyncEngine``
+    (``api --async``)."""
     tmp = tmp_path_factory.mktemp("rocket_rides")
+    on_async = ["--async"] if request.param == "AsyncEngine" else []
     db = ["--database-url", module_database_url]
     faults = {
         "healthy": ["--latency-ms", "200"],
@@ -119,7 +125,7 @@ def services(
             provider = _start(stack, tmp, f"{name}-provider", "provider", *db, *knobs)
             started[f"{name}-provider"] = provider
             started[name] = _start(
-                stack, tmp, f"{name}-api", "api", *db, "--provider-url", provider[0].url
+                stack, tmp, f"{name}-api", "api", *db, "--provider-url", provider[0].url, *on_async
             )
         for service, proc in started.values():
             _wait_ready(service, proc)

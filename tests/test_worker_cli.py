@@ -53,9 +53,13 @@ def test_an_unmigrated_database_fails_at_start(empty_database_url: str) -> None:
     ("app", "message"),
     [
         ("worker_app", "--app must be MODULE:ATTR"),
+        (".worker_app:engine", "MODULE must be absolute"),
         ("no_such_module:engine", "cannot import 'no_such_module'"),
         ("worker_app:nothing", "has no attribute 'nothing'"),
-        ("worker_app:backend", "expected a recoverypoint.Engine, got InProcessBackend"),
+        (
+            "worker_app:backend",
+            "expected a recoverypoint.Engine or AsyncEngine, got InProcessBackend",
+        ),
     ],
 )
 def test_a_bad_app_is_a_usage_error(app: str, message: str) -> None:

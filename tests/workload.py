@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -98,6 +98,49 @@ def steps_operation(name: str, recorder: Recorder, **options: Any) -> rp.Operati
     @op.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
         ran(tx, "finished")
+        tx.stage_job(JOB, {"key_id": tx.key_id})
+        return rp.Response(201, {"charge": tx.state["charge"]})
+
+    return op
+
+
+def async_steps_operation(
+    name: str,
+    recorder: Recorder,
+    *,
+    provider_down: Callable[[], bool] = lambda: False,
+    gate: Callable[[], Awaitable[None]] | None = None,
+    **options: Any,
+) -> rp.Operation[Any]:
+    """:func:`steps_operation` with ``async def`` phases, for ``rp.AsyncEngine``.
+
+    Its foreign step also fails while ``provider_down()`` holds, and awaits ``gate()``
+    first (a test's barrier) when one is given.
+    """
+    op: rp.Operation[Any] = rp.Operation(name, **options)
+
+    async def ran(tx: rp.AsyncAtomicContext, phase: str) -> None:
+        await tx.execute(
+            "INSERT INTO phase_runs (key_id, phase, pid) VALUES (%s, %s, %s)",
+            (tx.key_id, phase, os.getpid()),
+        )
+
+    @op.atomic_phase("reserved")
+    async def reserve(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+        await ran(tx, "reserved")
+
+    @op.foreign_step("charged")
+    async def charge(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
+        if gate is not None:
+            await gate()
+        recorder.step_called(step.key_id)
+        if params.get("fail") == "charged" or provider_down():
+            raise RuntimeError("card network down")
+        return {"charge": step.downstream_key()}
+
+    @op.atomic_phase("finished")
+    async def finish(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        await ran(tx, "finished")
         tx.stage_job(JOB, {"key_id": tx.key_id})
         return rp.Response(201, {"charge": tx.state["charge"]})
 

@@ -22,7 +22,7 @@ from ..admin import Admin, NotFound, Refused
 from ..database import DATABASE_URL_ENV, create_engine, normalize_url
 from ..exits import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_USAGE, fail
 from ..logfmt import logfmt
-from ._app import UsageError, load_engine
+from ._app import UsageError, load_engines
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
@@ -38,9 +38,10 @@ def add_database_options(parser: argparse.ArgumentParser, *, json: bool = True) 
     )
     parser.add_argument(
         "--app",
+        action="append",
         metavar="MODULE:ATTR",
-        help="your recoverypoint Engine (as for `recoverypoint worker`): its operations give "
-        "keys their lock timeout, phases and downstream keys",
+        help="your recoverypoint Engine or AsyncEngine, twice for both (as for `recoverypoint "
+        "worker`): their operations give keys their lock timeout, phases and downstream keys",
     )
     if json:
         parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
@@ -60,24 +61,22 @@ def add_stuck_after(parser: argparse.ArgumentParser) -> None:
 def admin_for(args: argparse.Namespace) -> Iterator[Admin]:
     """The Admin the options name: --database-url (or $RECOVERYPOINT_DATABASE_URL) for the
     database, --app for the operations (and the database, when no URL is given)."""
-    engine = None
-    if args.app:
-        engine = load_engine(args.app)
+    engines = load_engines(args.app) if args.app else None
     if args.database_url:
         try:
             url = normalize_url(args.database_url)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         db = create_engine(url, poolclass=NullPool)
-    elif engine is not None:
-        db = engine.db
+    elif engines is not None:
+        db = engines.db
     else:
         raise UsageError(
             f"no database: pass --database-url postgresql://user:password@host/db, "
             f"set {DATABASE_URL_ENV}, or pass --app MODULE:ATTR"
         )
     stuck_after = timedelta(seconds=getattr(args, "stuck_after", 300.0))
-    operations = tuple(engine.operations) if engine is not None else ()
+    operations = engines.operations if engines is not None else ()
     try:
         yield Admin(db, operations, stuck_after=stuck_after, via="cli")
     finally:

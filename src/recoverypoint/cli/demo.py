@@ -54,6 +54,13 @@ def add_demo(subparsers: _Subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="repeat a run (default: random)")
     parser.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="run the API's operation on rp.AsyncEngine (async def phases, on the event "
+        "loop), and the workers on that engine alone",
+    )
+    parser.add_argument(
         "--database-url",
         metavar="URL",
         default=os.environ.get(DATABASE_URL_ENV),
@@ -82,11 +89,16 @@ def _demo(args: argparse.Namespace) -> int:
         return fail("demo", EXIT_USAGE, str(exc))
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     config = DemoConfig(
-        requests=args.requests, concurrency=args.concurrency, faults=faults, seed=seed
+        requests=args.requests,
+        concurrency=args.concurrency,
+        faults=faults,
+        seed=seed,
+        asynchronous=args.asynchronous,
     )
     where = url.render_as_string(hide_password=True) if url else "an embedded PostgreSQL"
     print(
-        f"Rocket Rides: {config.requests} rides from {config.concurrency} clients, on {where}\n"
+        f"Rocket Rides: {config.requests} rides from {config.concurrency} clients, on {where}, "
+        f"the API on {'rp.AsyncEngine' if config.asynchronous else 'rp.Engine'}\n"
         f"faults ({args.faults:g}%): {faults.describe()}\n"
         f"seed {seed} (--seed {seed} repeats its requests and fault draws)",
         flush=True,

@@ -21,7 +21,7 @@ from ..database import DATABASE_URL_ENV, create_engine, normalize_url
 from ..exits import EXIT_OK, EXIT_USAGE, fail
 from ..operation import Operation
 from ..workers.loop import on_stop
-from ._app import UsageError, load_engine
+from ._app import UsageError, load_engines
 from ._common import Subparsers, add_stuck_after, address
 
 DEFAULT_BIND = "127.0.0.1:9464"  # 9464: the port OpenTelemetry's Prometheus exporter uses
@@ -53,9 +53,10 @@ def add_metrics(subparsers: Subparsers) -> None:
     )
     serve.add_argument(
         "--app",
+        action="append",
         metavar="MODULE:ATTR",
-        help="your recoverypoint Engine: its operations give keys their lock timeout, "
-        "and each of them a series even at 0",
+        help="your recoverypoint Engine or AsyncEngine, twice for both: their operations "
+        "give keys their lock timeout, and each of them a series even at 0",
     )
     add_stuck_after(serve)
     serve.set_defaults(handler=_serve)
@@ -97,13 +98,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _database(args: argparse.Namespace) -> tuple[sa.Engine, tuple[Operation[Any], ...]]:
-    engine = load_engine(args.app) if args.app else None
-    operations = tuple(engine.operations) if engine is not None else ()
+    engines = load_engines(args.app) if args.app else None
+    operations = engines.operations if engines is not None else ()
     if args.database_url:
         # NullPool: a scrape every 15 s or so needs no connection kept open between them.
         return create_engine(normalize_url(args.database_url), poolclass=NullPool), operations
-    if engine is not None:
-        return engine.db, operations
+    if engines is not None:
+        return engines.db, operations
     raise UsageError(
         f"no database: pass --database-url postgresql://user:password@host/db, "
         f"set {DATABASE_URL_ENV}, or pass --app MODULE:ATTR"

@@ -1,7 +1,9 @@
 """``recoverypoint worker completer|reaper|enqueuer|all --app module:attr``.
 
-``--app`` names your :class:`~recoverypoint.Engine`, with its operations registered and its
-job backend set, as ``uvicorn`` and ``celery -A`` name an application. The command checks
+``--app`` names your :class:`~recoverypoint.Engine` or :class:`~recoverypoint.AsyncEngine`,
+with its operations registered and its job backend set, as ``uvicorn`` and ``celery -A``
+name an application; an application with both passes ``--app`` twice, and one completer
+resumes the keys of both. The command checks
 the database and its schema first and exits with status 1, in one line, when either is
 not usable. ``all`` runs the three workers in threads of one process; should one of them
 crash, the others stop too and the command fails. SIGTERM or SIGINT stops the workers
@@ -25,15 +27,15 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
-from ..engine import Engine
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from ..logfmt import logfmt
 from ..migrate import VERSION_TABLE, migrations_dir
 from ..workers.completer import Completer
+from ..workers.engines import Engines
 from ..workers.enqueuer import Enqueuer
 from ..workers.loop import STRUCTURED, Worker, log_event, on_stop
 from ..workers.reaper import DEFAULT_VACUUM_AFTER, Reaper
-from ._app import UsageError, load_engine
+from ._app import UsageError, dispose, load_engines
 from ._common import Subparsers as _Subparsers
 
 # `all` runs them in this order with --once: keys the completer finishes stage jobs for
@@ -61,9 +63,10 @@ def add_worker(subparsers: _Subparsers) -> None:
     parser.add_argument(
         "--app",
         required=True,
+        action="append",
         metavar="MODULE:ATTR",
-        help="your recoverypoint Engine, e.g. myapp.jobs:engine (MODULE is imported from "
-        "the current directory too)",
+        help="your recoverypoint Engine or AsyncEngine, e.g. myapp.jobs:engine (MODULE is "
+        "imported from the current directory too); twice for an application with both",
     )
     parser.add_argument(
         "--once", action="store_true", help="run one pass (until nothing is left), then exit"
@@ -78,7 +81,8 @@ def add_worker(subparsers: _Subparsers) -> None:
         "--batch-size",
         type=positive_int,
         metavar="N",
-        help="rows per transaction (default: completer 10, enqueuer 100, reaper 1000)",
+        help="rows per transaction (default: completer 10, enqueuer 100, reaper 1000); the "
+        "completer resumes a batch's keys of an AsyncEngine all at once",
     )
     parser.add_argument(
         "--min-age",
@@ -122,10 +126,10 @@ def add_worker(subparsers: _Subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     try:
-        engine = load_engine(args.app)
-        _check_database(engine)
+        engines = load_engines(args.app)
+        _check_database(engines.db)
         stop = threading.Event()
-        workers = _workers(engine, args, stop)
+        workers = _workers(engines, args, stop)
     except UsageError as exc:
         return fail("worker", EXIT_USAGE, str(exc))
     except StartError as exc:
@@ -146,7 +150,10 @@ def _run(args: argparse.Namespace) -> int:
         log_event(logging.WARNING, "interrupted", {"workers": args.kind})
         return EXIT_INTERRUPTED
     finally:
-        engine.dispose()
+        for worker in workers:
+            if isinstance(worker, Completer):
+                worker.close()  # its event loop, before the pools are closed
+        dispose(engines)
 
 
 def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threading.Event) -> int:
@@ -177,11 +184,11 @@ def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threa
     return EXIT_FAILED if crashed else EXIT_OK
 
 
-def _check_database(engine: Engine) -> None:
+def _check_database(db: sa.Engine) -> None:
     """Connect once and check that the schema is at (or past) this version's head."""
-    url = engine.db.url.render_as_string(hide_password=True)
+    url = db.url.render_as_string(hide_password=True)
     try:
-        with engine.db.connect() as conn:
+        with db.connect() as conn:
             migrated = sa.inspect(conn).has_table(VERSION_TABLE)
             current = conn.execute(_CURRENT_REVISION).scalar() if migrated else None
     except DBAPIError as exc:
@@ -198,14 +205,17 @@ def _check_database(engine: Engine) -> None:
         )
 
 
-def _workers(engine: Engine, args: argparse.Namespace, stop: threading.Event) -> list[Worker[Any]]:
+def _workers(
+    engines: Engines, args: argparse.Namespace, stop: threading.Event
+) -> list[Worker[Any]]:
+    served = engines.all  # each worker takes the application's engines, one or two
     factories: dict[str, Callable[[], Worker[Any]]] = {
         "completer": lambda: Completer(
-            engine, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
+            served, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
         ),
-        "enqueuer": lambda: Enqueuer(engine, batch_size=args.batch_size, stop_event=stop),
+        "enqueuer": lambda: Enqueuer(served, batch_size=args.batch_size, stop_event=stop),
         "reaper": lambda: Reaper(
-            engine,
+            served,
             batch_size=args.batch_size,
             retention=timedelta(seconds=args.retention),
             abandoned_retention=timedelta(seconds=args.abandoned_retention),

@@ -36,6 +36,7 @@ from .processes import Supervised, python_module, wait_until_serving
 from .report import Report
 
 WORKERS_APP = "recoverypoint.demo.rocket_rides.workers:engine"
+ASYNC_WORKERS_APP = "recoverypoint.demo.rocket_rides.workers:async_engine"
 _DECLINED_CUSTOMER = "cus_declined"  # the provider declines this customer's card
 
 _UNSETTLED = sa.text(
@@ -58,6 +59,9 @@ class DemoConfig:
     """Seconds a key stays locked by an API process that died holding it."""
     settle_timeout: float = 300.0
     """How long, after the load, the completer and enqueuer get to finish everything."""
+    asynchronous: bool = False
+    """Run the API's operation on ``rp.AsyncEngine`` (``api --async``), and the workers
+    on that engine alone."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             str(config.lock_timeout),
             "--fd",
             str(fd),
+            *(["--async"] if config.asynchronous else []),
         ),
         env=faulty(faults.api_spec(), 1),
         count=config.api_processes,
@@ -227,6 +232,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
     )
     api_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     wait_until_serving(api_url, api)
+    app = ASYNC_WORKERS_APP if config.asynchronous else WORKERS_APP
     worker_env = {
         "RECOVERYPOINT_DATABASE_URL": database_url,
         "ROCKET_RIDES_PROVIDER_URL": provider_url,
@@ -239,7 +245,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "worker",
             "completer",
             "--app",
-            WORKERS_APP,
+            app,
             "--min-age",
             "1",
             "--interval",
@@ -255,7 +261,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "worker",
             "enqueuer",
             "--app",
-            WORKERS_APP,
+            app,
             # Small batches: a crash re-publishes its whole batch.
             "--batch-size",
             "10",

@@ -2,11 +2,14 @@
 
 It claims due keys in small batches (``FOR UPDATE SKIP LOCKED``, so completers never wait
 for or collide with one another) by taking their leases under one fencing token, then
-resumes each through :meth:`Engine.resume` with that token. A failed attempt is counted by
-the engine, which schedules the key's next attempt with exponential backoff and jitter
-(``Engine(retry_base=…, retry_cap=…)``). Once a key has failed ``max_attempts`` times
-(the operation's), it is abandoned: finished with :data:`ABANDONED_RESPONSE`, which a
-retrying client gets replayed, and reported in one log line.
+resumes each with that token through the engine that registered its operation:
+:meth:`Engine.resume` one key after another, :meth:`AsyncEngine.resume` on an event loop of
+the completer's own, the batch's keys all at once (each has its own lease, row and
+connection). A failed attempt is counted by the engine, which schedules the key's next
+attempt with exponential backoff and jitter (``retry_base=…, retry_cap=…``). Once a key has
+failed ``max_attempts`` times (the operation's), it is abandoned: finished with
+:data:`ABANDONED_RESPONSE`, which a retrying client gets replayed, and reported in one log
+line.
 
 Only keys of operations registered with the engine, at the stored version, are claimed;
 others are counted and reported, never locked or written.
@@ -18,9 +21,11 @@ fails sit the pass out; an error with one key is logged and counted, and the pas
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,9 +34,12 @@ from sqlalchemy import Connection, text
 from ..admin._sql import REGISTERED  # the operations this completer can resume, as a table
 from ..admin.key_actions import abandon_exhausted
 from ..engine import Engine
+from ..engine_async import AsyncEngine
 from ..errors import KeyInUse, LockLost
-from ..operation import Operation, Response
+from ..observe import Observer
+from ..operation import Operation, Outcome, Response
 from ..sql import lease_free
+from .engines import AnyEngine
 from .loop import Result, Worker
 
 ABANDONED_RESPONSE = Response(
@@ -129,6 +137,12 @@ class Completer(Worker[CompleterResult]):
     min_age:
         Seconds an unfinished key waits after its last run for its own client to retry
         before the completer takes it; 0 takes keys as soon as they are due.
+
+    An :class:`AsyncEngine`'s keys are resumed on an event loop the completer runs in its
+    own thread, with the engine's connection pool: run the completer in a process (or a
+    thread) of its own, never from a coroutine, and keep ``batch_size`` within the pool,
+    since a batch's async resumes run at once. :meth:`close` closes the loop;
+    :meth:`run_forever` does so as it returns.
     """
 
     name: ClassVar[str] = "completer"
@@ -137,7 +151,7 @@ class Completer(Worker[CompleterResult]):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: AnyEngine | Sequence[AnyEngine],
         *,
         batch_size: int | None = None,
         min_age: float = 60.0,
@@ -148,32 +162,75 @@ class Completer(Worker[CompleterResult]):
             raise ValueError(f"completer: min_age must be >= 0, got {min_age}")
         self.min_age = min_age
         self._reported: dict[tuple[str, int], int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def run_once(self) -> CompleterResult:
         result = CompleterResult()
-        operations = list(self.engine.operations)
+        operations = list(self.engines.operations)
         with self.db.connect() as conn:
             result.unregistered = self._report_unregistered(conn, self._registered(operations))
         while not self.stopping:
             token = uuid.uuid4()
             batch, operations = self._claim(operations, token, result)
             result.batches += 1
-            done = 0
+            done: set[int] = set()
             try:
-                for key in batch:
-                    if self.stopping:
-                        break
-                    self._complete(key, token, result)
-                    done += 1
+                self._complete_batch(batch, token, result, done)
             finally:
-                # Stopping, or an error out of the loop: keys not started go back at once
+                # Stopping, or an error out of the batch: keys not done go back at once
                 # instead of waiting out their leases.
-                if done < len(batch):
-                    self._release([k.id for k in batch[done:]], token)
+                if len(done) < len(batch):
+                    self._release([k.id for k in batch if k.id not in done], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
-        self.engine.observer.worker_pass(self.name)
+        self.engines.observer.worker_pass(self.name)
         return result
+
+    def run_forever(self, interval: float | None = None, jitter: float | None = None) -> None:
+        try:
+            super().run_forever(interval, jitter)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the event loop the async resumes ran on; the next pass opens another. A
+        loop still running (in :meth:`run_forever`'s thread) is closed there, as it ends."""
+        loop = self._loop
+        if loop is None or loop.is_running():
+            return
+        self._loop = None
+        if not loop.is_closed():
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def _complete_batch(
+        self, batch: list[_Claimed], token: uuid.UUID, result: CompleterResult, done: set[int]
+    ) -> None:
+        """Resume the batch's keys of sync operations one by one, checking for a stop
+        between them; then those of async operations at once, on the completer's loop."""
+        later: list[_Claimed] = []
+        for key in batch:
+            if self.engines.runs_async(key.operation, key.operation_version):
+                later.append(key)
+                continue
+            if self.stopping:
+                return
+            self._complete(key, token, result)
+            done.add(key.id)
+        if later and not self.stopping:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self._complete_all(later, token, result, done))
+
+    async def _complete_all(
+        self, keys: list[_Claimed], token: uuid.UUID, result: CompleterResult, done: set[int]
+    ) -> None:
+        async def complete(key: _Claimed) -> None:
+            await self._complete_async(key, token, result)
+            done.add(key.id)
+
+        await asyncio.gather(*(complete(key) for key in keys))
 
     def _registered(self, operations: list[Operation[Any]]) -> dict[str, Any]:
         return {
@@ -227,43 +284,95 @@ class Completer(Worker[CompleterResult]):
             return [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, params)]
 
     def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
-        """Resume one key; whatever goes wrong with it stays with it."""
+        """Resume one key of a sync operation; whatever goes wrong with it stays with it."""
         try:
-            self._resume(key, token, result)
-        except Exception as exc:
-            # Not a phase's failure (the engine counts those) but one here: abandoning the
-            # key failed, say. The key keeps the lease this pass took (unless the engine
-            # gave it up), so it is tried again once that expires, not on every pass.
-            result.errors += 1
-            self.log_error(
-                "key_failed",
-                exc,
-                key_id=key.id,
-                operation=key.operation,
-                version=key.operation_version,
-            )
-
-    def _resume(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
-        operation = self.engine.operation(key.operation, key.operation_version)
-        if key.attempts >= operation.max_attempts:
-            # Out of attempts already (its client's): abandon it without another run.
-            result.abandoned += self._abandon(key.id, operation, token)
-            return
-        try:
-            outcome = self.engine.resume(key.id, token=token)
-        except (KeyInUse, LockLost):
-            result.skipped += 1
-        except Exception:
-            # The engine released the lease, counted the attempt and logged the error.
-            result.failed += 1
-            result.abandoned += self._abandon(key.id, operation, token)
-        else:
-            if outcome.replayed:
-                result.skipped += 1
+            engine, operation = self.engines.owner(key.operation, key.operation_version, Engine)
+            if self._exhausted(key, engine.observer, operation, token, result):
+                return
+            try:
+                outcome = engine.resume(key.id, token=token)
+            except Exception as exc:
+                self._failed(exc, key.id, engine.observer, operation, token, result)
             else:
-                result.finished += 1
+                self._resumed(outcome, result)
+        except Exception as exc:
+            self._key_failed(key, exc, result)
 
-    def _abandon(self, key_id: int, operation: Operation[Any], token: uuid.UUID) -> int:
+    async def _complete_async(
+        self, key: _Claimed, token: uuid.UUID, result: CompleterResult
+    ) -> None:
+        """Resume one key of an async operation: as :meth:`_complete`, with the sync
+        statements in a thread so that the other keys' resumes go on meanwhile."""
+        try:
+            engine, operation = self.engines.owner(
+                key.operation, key.operation_version, AsyncEngine
+            )
+            args = (engine.observer, operation, token, result)
+            if await asyncio.to_thread(self._exhausted, key, *args):
+                return
+            try:
+                outcome = await engine.resume(key.id, token=token)
+            except Exception as exc:
+                await asyncio.to_thread(self._failed, exc, key.id, *args)
+            else:
+                self._resumed(outcome, result)
+        except Exception as exc:
+            self._key_failed(key, exc, result)
+
+    def _exhausted(
+        self,
+        key: _Claimed,
+        observer: Observer,
+        operation: Operation[Any],
+        token: uuid.UUID,
+        result: CompleterResult,
+    ) -> bool:
+        """Abandon a key out of attempts already (its client's) without another run."""
+        if key.attempts < operation.max_attempts:
+            return False
+        result.abandoned += self._abandon(key.id, observer, operation, token)
+        return True
+
+    def _failed(
+        self,
+        exc: Exception,
+        key_id: int,
+        observer: Observer,
+        operation: Operation[Any],
+        token: uuid.UUID,
+        result: CompleterResult,
+    ) -> None:
+        """Count a resume that raised; abandon the key if that was its last attempt."""
+        if isinstance(exc, (KeyInUse, LockLost)):
+            result.skipped += 1
+            return
+        # The engine released the lease, counted the attempt and logged the error.
+        result.failed += 1
+        result.abandoned += self._abandon(key_id, observer, operation, token)
+
+    @staticmethod
+    def _resumed(outcome: Outcome, result: CompleterResult) -> None:
+        if outcome.replayed:
+            result.skipped += 1
+        else:
+            result.finished += 1
+
+    def _key_failed(self, key: _Claimed, exc: Exception, result: CompleterResult) -> None:
+        # Not a phase's failure (the engine counts those) but one here: abandoning the
+        # key failed, say. The key keeps the lease this pass took (unless the engine
+        # gave it up), so it is tried again once that expires, not on every pass.
+        result.errors += 1
+        self.log_error(
+            "key_failed",
+            exc,
+            key_id=key.id,
+            operation=key.operation,
+            version=key.operation_version,
+        )
+
+    def _abandon(
+        self, key_id: int, observer: Observer, operation: Operation[Any], token: uuid.UUID
+    ) -> int:
         """Abandon the key if it is out of attempts; 1 if it was, else 0."""
         row = abandon_exhausted(
             self.db,
@@ -275,7 +384,7 @@ class Completer(Worker[CompleterResult]):
         )
         if row is None:
             return 0
-        self.engine.observer.key_abandoned(operation.name)
+        observer.key_abandoned(operation.name)
         self.log(
             logging.ERROR,
             "abandoned",

@@ -19,15 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from sqlalchemy import text
 
 from ..backoff import backoff_delay
-from ..engine import Engine
 from ..jobs import Job, JobBackend
 from ..testing import faults
+from .engines import AnyEngine
 from .loop import Result, Worker, describe
 
 # Due jobs, oldest first; jobs another enqueuer holds are skipped, not waited for.
@@ -66,7 +67,8 @@ class EnqueuerResult(Result):
 
 
 class Enqueuer(Worker[EnqueuerResult]):
-    """Publishes staged jobs to ``engine.jobs``.
+    """Publishes staged jobs to ``engine.jobs`` (with two engines, the first one set),
+    whichever engine's phases staged them.
 
     Parameters
     ----------
@@ -81,7 +83,7 @@ class Enqueuer(Worker[EnqueuerResult]):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: AnyEngine | Sequence[AnyEngine],
         *,
         batch_size: int | None = None,
         retry_base: float = 1.0,
@@ -89,12 +91,13 @@ class Enqueuer(Worker[EnqueuerResult]):
         stop_event: threading.Event | None = None,
     ) -> None:
         super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
-        if engine.jobs is None:
+        backend = self.engines.jobs
+        if backend is None:
             raise ValueError(
                 "enqueuer: the engine has no job backend; create it with "
                 "Engine(..., jobs=InProcessBackend(...)) or set engine.jobs"
             )
-        self.backend: JobBackend = engine.jobs
+        self.backend: JobBackend = backend
         self.retry_base = retry_base
         self.retry_cap = retry_cap
 
@@ -104,7 +107,7 @@ class Enqueuer(Worker[EnqueuerResult]):
             claimed = self._batch(result)
             if claimed < self.batch_size:
                 break
-        self.engine.observer.worker_pass(self.name)
+        self.engines.observer.worker_pass(self.name)
         return result
 
     def _batch(self, result: EnqueuerResult) -> int:
@@ -112,7 +115,7 @@ class Enqueuer(Worker[EnqueuerResult]):
         with self.db.begin() as conn:
             rows = conn.execute(_CLAIM_JOBS, {"batch_size": self.batch_size}).all()
             claimed_at = time.monotonic()  # a job's lag: its age at the claim, plus since
-            observer = self.engine.observer
+            observer = self.engines.observer
             published: list[int] = []
             failures: list[dict[str, object]] = []
             first_failure: dict[str, object] = {}

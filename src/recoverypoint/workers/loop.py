@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -25,9 +25,9 @@ from typing import ClassVar, Generic, TypeVar
 
 import sqlalchemy as sa
 
-from ..engine import Engine
 from ..logfmt import logfmt
 from ..outage import is_outage
+from .engines import AnyEngine, Engines
 
 logger = logging.getLogger("recoverypoint.workers")
 
@@ -78,8 +78,9 @@ class Worker(ABC, Generic[R]):
     Parameters
     ----------
     engine:
-        The :class:`~recoverypoint.Engine` whose database, operations and job backend the
-        worker uses.
+        The :class:`~recoverypoint.Engine` or :class:`~recoverypoint.AsyncEngine` whose
+        database, operations and job backend the worker uses; an application with both
+        passes both, ``(engine, async_engine)``, which must share one database.
     batch_size:
         Rows claimed per transaction; small batches keep locks short and let many
         instances share the work.
@@ -94,19 +95,19 @@ class Worker(ABC, Generic[R]):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: AnyEngine | Sequence[AnyEngine],
         *,
         batch_size: int | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
-        self.engine = engine
+        self.engines = Engines(engine, self.name)
         self.batch_size = self.default_batch_size if batch_size is None else batch_size
         if self.batch_size < 1:
             raise ValueError(f"{self.name}: batch_size must be >= 1, got {self.batch_size}")
         self.stop_event = stop_event or threading.Event()
         # Workers claim with SKIP LOCKED and must see each other's commits at once,
         # whatever isolation the application's engine defaults to.
-        self.db: sa.Engine = engine.db.execution_options(isolation_level="READ COMMITTED")
+        self.db: sa.Engine = self.engines.db.execution_options(isolation_level="READ COMMITTED")
         self._down_since: float | None = None  # when the database went away, if it has
 
     @abstractmethod

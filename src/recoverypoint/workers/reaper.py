@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from sqlalchemy import TextClause, text
 
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
-from ..engine import Engine
+from .engines import AnyEngine
 from .loop import Result, Worker
 
 # A duplicate delivery can come late (a broker outage, a consumer down for a weekend), and
@@ -127,7 +127,7 @@ class Reaper(Worker[ReaperResult]):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: AnyEngine | Sequence[AnyEngine],
         *,
         batch_size: int | None = None,
         retention: timedelta = DEFAULT_RETENTION,
@@ -153,7 +153,7 @@ class Reaper(Worker[ReaperResult]):
 
     def run_once(self) -> ReaperResult:
         result = ReaperResult()
-        own = [op for op in self.engine.operations if op.retention is not None]
+        own = [op for op in self.engines.operations if op.retention is not None]
         retentions = [op.retention.total_seconds() for op in own if op.retention is not None]
         keys = {
             "operations": [op.name for op in own],
@@ -181,8 +181,8 @@ class Reaper(Worker[ReaperResult]):
         ):
             if self.vacuum_after is not None and deleted >= self.vacuum_after:
                 result.vacuumed += self._vacuum_unless_autovacuum(table)
-        self.engine.observer.reaped(result.finished, result.abandoned, result.messages)
-        self.engine.observer.worker_pass(self.name)
+        self.engines.observer.reaped(result.finished, result.abandoned, result.messages)
+        self.engines.observer.worker_pass(self.name)
         return result
 
     def _vacuum_unless_autovacuum(self, table: str) -> bool:

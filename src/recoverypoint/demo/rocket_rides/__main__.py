@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         "the completer must run with the same (ROCKET_RIDES_LOCK_TIMEOUT)",
     )
     api.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="run the operation on rp.AsyncEngine, its phases async def, on the event loop "
+        "(the workers then take recoverypoint.demo.rocket_rides.workers:async_engine)",
+    )
+    api.add_argument(
         "--fd",
         type=int,
         default=None,
@@ -142,7 +149,7 @@ def _api(args: argparse.Namespace) -> int:
 
     import recoverypoint as rp
 
-    from .api import create_app
+    from .api import async_ride_operation, create_app, ride_operation
     from .schema import require
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
@@ -150,8 +157,15 @@ def _api(args: argparse.Namespace) -> int:
     engine = rp.Engine(args.database_url)
     require(engine.db, "users", "rides", "audit_records", "idempotency_keys")
     lock_timeout = timedelta(seconds=args.lock_timeout)
+    async_engine = rp.AsyncEngine(args.database_url) if args.asynchronous else None
     with httpx.Client(base_url=args.provider_url, timeout=10.0) as provider:
-        app = create_app(engine, provider, lock_timeout)
+        if async_engine is None:
+            app = create_app(engine, ride_operation(provider, lock_timeout))
+        else:
+            # Used on uvicorn's event loop, and closed with the process.
+            client = httpx.AsyncClient(base_url=args.provider_url, timeout=10.0)
+            rides = async_ride_operation(client, lock_timeout)
+            app = create_app(engine, rides, async_engine=async_engine)
         if args.fd is None:
             uvicorn.run(app, host=args.host, port=args.port)
         else:

@@ -49,6 +49,20 @@ class RideParams(RideBody):
 client_ip: ContextVar[str | None] = ContextVar("client_ip", default=None)
 
 
+_INSERT_RIDE = (
+    "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
+    "target_lon, user_id) VALUES (%(key_id)s, %(origin_lat)s, %(origin_lon)s, "
+    "%(target_lat)s, %(target_lon)s, %(user_id)s) RETURNING id"
+)
+_INSERT_AUDIT = (
+    "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
+    "resource_type, user_id) VALUES ('ride.created', CAST(%(data)s AS jsonb), "
+    "CAST(%(ip)s AS cidr), %(ride_id)s, 'ride', %(user_id)s)"
+)
+_CUSTOMER = "SELECT customer_id FROM users WHERE id = %s"
+_RECORD_CHARGE = "UPDATE rides SET charge_id = %s WHERE id = %s"
+
+
 def ride_operation(
     provider: httpx.Client, lock_timeout: timedelta = timedelta(seconds=90)
 ) -> rp.Operation[RideParams]:
@@ -57,73 +71,117 @@ def ride_operation(
 
     @rides.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: RideParams) -> None:
-        coordinates = params.model_dump(exclude={"user_id"})
-        tx.state["ride_id"] = tx.scalar(
-            "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
-            "target_lon, user_id) VALUES (%(key_id)s, %(origin_lat)s, %(origin_lon)s, "
-            "%(target_lat)s, %(target_lon)s, %(user_id)s) RETURNING id",
-            {"key_id": tx.key_id, "user_id": params.user_id, **coordinates},
-        )
-        tx.execute(
-            "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
-            "resource_type, user_id) VALUES ('ride.created', CAST(%(data)s AS jsonb), "
-            "CAST(%(ip)s AS cidr), %(ride_id)s, 'ride', %(user_id)s)",
-            {
-                "data": params.model_dump_json(),
-                "ip": client_ip.get(),
-                "ride_id": tx.state["ride_id"],
-                "user_id": params.user_id,
-            },
-        )
-        tx.state["customer"] = tx.scalar(
-            "SELECT customer_id FROM users WHERE id = %s", (params.user_id,)
-        )
+        tx.state["ride_id"] = tx.scalar(_INSERT_RIDE, _ride(tx.key_id, params))
+        tx.execute(_INSERT_AUDIT, _audit(params, tx.state["ride_id"]))
+        tx.state["customer"] = tx.scalar(_CUSTOMER, (params.user_id,))
 
     @rides.foreign_step("charge_created")
     def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
         try:
-            answer = provider.post(
-                "/charges",
-                json={
-                    "amount": AMOUNT,
-                    "currency": CURRENCY,
-                    "customer": step.state["customer"],
-                    "metadata": {"ride_id": str(step.state["ride_id"])},
-                },
-                headers={"Idempotency-Key": step.downstream_key()},
-            )
+            answer = provider.post("/charges", **_charge(step))
         except httpx.TransportError as exc:
-            raise rp.Retryable(f"the payment provider is unreachable: {exc!r}") from exc
-        if answer.status_code == 402:
-            return rp.Response(
-                402, {"error": "card_declined", "message": "Your card was declined."}
-            )
-        if answer.status_code in (409, 429) or answer.status_code >= 500:
-            raise rp.Retryable(f"the payment provider answered {answer.status_code}")
-        answer.raise_for_status()  # any other error is a bug of ours: a 500
-        return {"charge_id": answer.json()["id"]}
+            raise _unreachable(exc) from exc
+        return _charged(answer)
 
     @rides.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
-        ride_id, charge_id = tx.state["ride_id"], tx.state["charge_id"]
-        tx.execute("UPDATE rides SET charge_id = %s WHERE id = %s", (charge_id, ride_id))
-        tx.stage_job(
-            "send_ride_receipt",
-            {"ride_id": ride_id, "user_id": params.user_id, "amount": AMOUNT, "currency": CURRENCY},
-        )
-        body = {"ride_id": ride_id, "charge_id": charge_id}
-        return rp.Response(201, body, {"Location": f"/rides/{ride_id}"})
+        tx.execute(_RECORD_CHARGE, (tx.state["charge_id"], tx.state["ride_id"]))
+        return _finished(tx, params)
 
     return rides
 
 
+def async_ride_operation(
+    provider: httpx.AsyncClient, lock_timeout: timedelta = timedelta(seconds=90)
+) -> rp.Operation[RideParams]:
+    """:func:`ride_operation` for ``rp.AsyncEngine``: the same phases, ``async def``."""
+    rides = rp.Operation("create_ride", params=RideParams, lock_timeout=lock_timeout)
+
+    @rides.atomic_phase("ride_created")
+    async def create_ride(tx: rp.AsyncAtomicContext, params: RideParams) -> None:
+        tx.state["ride_id"] = await tx.scalar(_INSERT_RIDE, _ride(tx.key_id, params))
+        await tx.execute(_INSERT_AUDIT, _audit(params, tx.state["ride_id"]))
+        tx.state["customer"] = await tx.scalar(_CUSTOMER, (params.user_id,))
+
+    @rides.foreign_step("charge_created")
+    async def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
+        try:
+            answer = await provider.post("/charges", **_charge(step))
+        except httpx.TransportError as exc:
+            raise _unreachable(exc) from exc
+        return _charged(answer)
+
+    @rides.atomic_phase("finished")
+    async def finish(tx: rp.AsyncAtomicContext, params: RideParams) -> rp.Response:
+        await tx.execute(_RECORD_CHARGE, (tx.state["charge_id"], tx.state["ride_id"]))
+        return _finished(tx, params)
+
+    return rides
+
+
+def _ride(key_id: int, params: RideParams) -> dict[str, Any]:
+    return {"key_id": key_id, **params.model_dump()}
+
+
+def _audit(params: RideParams, ride_id: int) -> dict[str, Any]:
+    return {
+        "data": params.model_dump_json(),
+        "ip": client_ip.get(),
+        "ride_id": ride_id,
+        "user_id": params.user_id,
+    }
+
+
+def _charge(step: rp.StepContext) -> dict[str, Any]:
+    """The provider call's body and headers, with the key's downstream key."""
+    return {
+        "json": {
+            "amount": AMOUNT,
+            "currency": CURRENCY,
+            "customer": step.state["customer"],
+            "metadata": {"ride_id": str(step.state["ride_id"])},
+        },
+        "headers": {"Idempotency-Key": step.downstream_key()},
+    }
+
+
+def _unreachable(exc: httpx.TransportError) -> rp.Retryable:
+    return rp.Retryable(f"the payment provider is unreachable: {exc!r}")
+
+
+def _charged(answer: httpx.Response) -> dict[str, Any] | rp.Response:
+    """The step's result from the provider's answer."""
+    if answer.status_code == 402:
+        return rp.Response(402, {"error": "card_declined", "message": "Your card was declined."})
+    if answer.status_code in (409, 429) or answer.status_code >= 500:
+        raise rp.Retryable(f"the payment provider answered {answer.status_code}")
+    answer.raise_for_status()  # any other error is a bug of ours: a 500
+    return {"charge_id": answer.json()["id"]}
+
+
+def _finished(tx: rp.AtomicContext | rp.AsyncAtomicContext, params: RideParams) -> rp.Response:
+    """Stage the receipt and answer, once the charge is recorded on the ride."""
+    ride_id, charge_id = tx.state["ride_id"], tx.state["charge_id"]
+    tx.stage_job(
+        "send_ride_receipt",
+        {"ride_id": ride_id, "user_id": params.user_id, "amount": AMOUNT, "currency": CURRENCY},
+    )
+    body = {"ride_id": ride_id, "charge_id": charge_id}
+    return rp.Response(201, body, {"Location": f"/rides/{ride_id}"})
+
+
 def create_app(
-    engine: rp.Engine, provider: httpx.Client, lock_timeout: timedelta = timedelta(seconds=90)
+    engine: rp.Engine,
+    rides: rp.Operation[RideParams],
+    *,
+    async_engine: rp.AsyncEngine | None = None,
 ) -> FastAPI:
-    """The API; ``provider`` is a client on the payment provider's base URL."""
-    rides = ride_operation(provider, lock_timeout)
-    engine.register(rides)
-    idempotency = Idempotency(engine, scope=lambda request: str(request.state.user_id))
+    """The API around ``rides``, which runs on ``async_engine`` when one is given (then
+    its phases are ``async def``: :func:`async_ride_operation`), else on ``engine``."""
+    (engine if async_engine is None else async_engine).register(rides)
+    idempotency = Idempotency(
+        engine, async_engine=async_engine, scope=lambda request: str(request.state.user_id)
+    )
     app = FastAPI(title="Rocket Rides")
 
     def user_id(request: Request, authorization: Annotated[str | None, Header()] = None) -> int:
@@ -141,10 +199,12 @@ def create_app(
 
     @app.post("/rides")
     # The dependency as a default, not in Annotated: `user_id` is local, and string
-    # annotations are resolved in the module's globals.
-    def post_ride(request: Request, body: RideBody, user: int = Depends(user_id)) -> Response:
+    # annotations are resolved in the module's globals. Async: on the event loop when the
+    # operation is async, else in a worker thread (run_async hands it to one).
+    async def post_ride(request: Request, body: RideBody, user: int = Depends(user_id)) -> Response:
         client_ip.set(request.client.host if request.client else None)
-        return idempotency.run(rides, request, RideParams(user_id=user, **body.model_dump()))
+        params = RideParams(user_id=user, **body.model_dump())
+        return await idempotency.run_async(rides, request, params)
 
     return app
 

@@ -6,6 +6,9 @@ From the repository root, with the same settings as the API::
     recoverypoint worker completer --app recoverypoint.demo.rocket_rides.workers:engine
     recoverypoint worker enqueuer --app recoverypoint.demo.rocket_rides.workers:engine
 
+For an API run with ``--async``, the workers take ``workers:async_engine`` instead: the
+same operation with ``async def`` phases, on ``rp.AsyncEngine``.
+
 ``ROCKET_RIDES_LOCK_TIMEOUT`` (seconds, default 90) must equal the API's ``--lock-timeout``:
 the completer takes over a key once that lease has expired.
 
@@ -27,7 +30,7 @@ import recoverypoint as rp
 from recoverypoint.database import DATABASE_URL_ENV
 from recoverypoint.jobs import InProcessBackend, Job, consume_once
 
-from .api import ride_operation
+from .api import async_ride_operation, ride_operation
 
 PROVIDER_URL_ENV = "ROCKET_RIDES_PROVIDER_URL"
 LOCK_TIMEOUT_ENV = "ROCKET_RIDES_LOCK_TIMEOUT"
@@ -47,16 +50,15 @@ if missing:
     raise ImportError(f"set {' and '.join(missing)} to run Rocket Rides' workers")
 
 receipts = InProcessBackend()
-engine = rp.Engine(
-    os.environ[DATABASE_URL_ENV],
-    jobs=receipts,
-    # A ride is short-lived: its completer retries come within seconds, not hours.
-    retry_base=1.0,
-    retry_cap=30.0,
-)
-provider = httpx.Client(base_url=os.environ[PROVIDER_URL_ENV], timeout=10.0)
-engine.register(
-    ride_operation(provider, timedelta(seconds=float(os.environ.get(LOCK_TIMEOUT_ENV, "90"))))
+# A ride is short-lived: its completer retries come within seconds, not hours.
+url, retry_base, retry_cap = os.environ[DATABASE_URL_ENV], 1.0, 30.0
+engine = rp.Engine(url, jobs=receipts, retry_base=retry_base, retry_cap=retry_cap)
+async_engine = rp.AsyncEngine(url, jobs=receipts, retry_base=retry_base, retry_cap=retry_cap)
+lock_timeout = timedelta(seconds=float(os.environ.get(LOCK_TIMEOUT_ENV, "90")))
+provider_url, timeout = os.environ[PROVIDER_URL_ENV], 10.0
+engine.register(ride_operation(httpx.Client(base_url=provider_url, timeout=timeout), lock_timeout))
+async_engine.register(
+    async_ride_operation(httpx.AsyncClient(base_url=provider_url, timeout=timeout), lock_timeout)
 )
 
 
