@@ -45,7 +45,15 @@ from .database import create_engine
 from .errors import DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
 from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers
-from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
+from .observe import (
+    CLIENT,
+    COMPLETER,
+    NO_OBSERVER,
+    NO_RUN,
+    Observer,
+    RunObservation,
+    isolated,
+)
 from .operation import (
     STARTED,
     Operation,
@@ -86,7 +94,9 @@ class Engine(Registry):
     observer:
         Hears of every run, phase, retry and staged job, and of the workers' work (see
         :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
-        your own; several at once with :func:`recoverypoint.observe.combine`.
+        your own; several at once with :func:`recoverypoint.observe.combine`. It is
+        called in isolation (:func:`recoverypoint.observe.isolated`): what it raises is
+        logged and never changes an outcome.
     """
 
     def __init__(
@@ -116,6 +126,16 @@ class Engine(Registry):
         self.retry_cap = retry_cap
         self.jobs = jobs
         self.observer = NO_OBSERVER if observer is None else observer
+
+    @property
+    def observer(self) -> Observer:
+        """Hears of the engine's and its workers' work; set it (here or at construction)
+        and it is isolated: it may fail, and no outcome changes."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer) -> None:
+        self._observer = isolated(observer)
 
     def dispose(self) -> None:
         """Close the pooled connections of the engine made from a URL; an engine you passed
