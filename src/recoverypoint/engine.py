@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -37,6 +37,7 @@ from ._decide import (
     as_answered,
     dump_state,
     replay,
+    step_result,
 )
 from ._pg import Transaction
 from .backoff import backoff_delay
@@ -381,21 +382,13 @@ class _Run:
             result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
-        if isinstance(result, Response):
-            new_state = state
-        elif result is None or isinstance(result, Mapping):
-            new_state = {**state, **(result or {})}
-        else:
-            raise TypeError(
-                f"foreign step {phase.point!r} returned {type(result).__name__}; "
-                "return a dict, None or a Response"
-            )
+        response, new_state = step_result(phase, state, result, self.record.id)
 
         def commit_step(tx: Transaction) -> Step:
-            return self._commit(tx, phase, result, new_state, [])
+            return self._commit(tx, phase, response, new_state, [])
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
-        if isinstance(result, Response) or not following.atomic:
+        if response is not None or not following.atomic:
             return self.engine._transact(commit_step)
         new_state_json = dump_state(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less

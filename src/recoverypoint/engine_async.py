@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import sqlalchemy.ext.asyncio as sa_async
@@ -35,6 +35,7 @@ from ._decide import (
     as_answered,
     dump_state,
     replay,
+    step_result,
 )
 from ._pg_async import AsyncTransaction
 from .backoff import backoff_delay
@@ -400,21 +401,13 @@ class _AsyncRun:
             result = await phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
-        if isinstance(result, Response):
-            new_state = state
-        elif result is None or isinstance(result, Mapping):
-            new_state = {**state, **(result or {})}
-        else:
-            raise TypeError(
-                f"foreign step {phase.point!r} returned {type(result).__name__}; "
-                "return a dict, None or a Response"
-            )
+        response, new_state = step_result(phase, state, result, self.record.id)
 
         async def commit_step(tx: AsyncTransaction) -> Step:
-            return await self._commit(tx, phase, result, new_state, [])
+            return await self._commit(tx, phase, response, new_state, [])
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
-        if isinstance(result, Response) or not following.atomic:
+        if response is not None or not following.atomic:
             return await self.engine._transact(commit_step)
         new_state_json = dump_state(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import IdempotencyError, InvalidKey, KeyInUse
 from ..keys import validate_key
-from ..operation import Outcome
+from ..operation import PROBLEM_TYPE_PREFIX, Outcome
 from ._sfv import ParseError, Token, parse_item
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -32,9 +32,6 @@ CONTENT_TYPE = "Content-Type"
 PROBLEM_JSON = "application/problem+json"
 JSON = "application/json"
 
-# Problem types are URIs that identify a kind of problem without pretending to be a web page
-# (RFC 9457 §3.1.1 suggests the tag: scheme for that); the last part names the error class.
-PROBLEM_TYPE_PREFIX = "tag:recoverypoint,2025:"
 
 # What a 500 tells the client: enough to act on, nothing about the server's insides.
 UNEXPECTED_DETAIL = (
