@@ -61,7 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import InvalidKey, RequestTooLarge
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem_reply, read_key
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply, read_key
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -136,11 +136,12 @@ _SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any]]] = {}
 
 
 class _Entry:
-    """Whether FastAPI called the endpoint: set by :func:`_guarded`, read by the middleware.
-    A mutable object in a context variable, as a sync endpoint runs in a copy of the
-    context, in another thread."""
+    """Whether FastAPI called the endpoint, and whether it returned: set by
+    :func:`_guarded`, read by the middleware. A mutable object in a context variable, as a
+    sync endpoint runs in a copy of the context, in another thread."""
 
     entered = False
+    returned = False
 
 
 # Set while SingleStepMiddleware runs the application for a single-step endpoint.
@@ -290,8 +291,19 @@ class _AppRun:
 
     async def response(self) -> Captured:
         """The response, once its last body message is sent; what the application raised
-        if it failed before that."""
+        if it failed before that. A failure after the endpoint returned (FastAPI's
+        ``response_model`` refusing its value) comes after the endpoint's work: the answer
+        is then a 500 that says so, stored as the key's, so that no retry does it again."""
         await self.answered.wait()
+        if self.captured is None and self.error is not None and self.entry.returned:
+            logger.error(
+                "%s %s: the endpoint ran, then its response failed; answered and stored 500",
+                self.scope["method"],
+                self.scope["path"],
+                exc_info=self.error,
+            )
+            refused = problem(500, "response-failed-validation", *_RESPONSE_FAILED)
+            return Captured(refused.status, refused.headers, refused.body)
         if self.captured is None:
             raise self.error or RuntimeError("the application returned without a response")
         return self.captured
@@ -300,6 +312,15 @@ class _AppRun:
         if not committed:
             self.cancel_scope.cancel()
         self.resumed.set()
+
+
+# The title and detail of the answer stored when the endpoint's response failed after it ran.
+_RESPONSE_FAILED = (
+    "The response failed validation",
+    "The work this request asked for was done, but the response the endpoint returned failed "
+    "validation, so it cannot be sent. It is not done again for this Idempotency-Key; the "
+    "service's operators have been told.",
+)
 
 
 def _response(reply: Reply) -> Response:
@@ -317,7 +338,7 @@ def _guarded(endpoint: E) -> E:
     and its kind, sync or async, so FastAPI calls it the same way.
     """
 
-    def check() -> None:
+    def check() -> _Entry:
         entry = _ENTRY.get()
         if entry is None:
             raise RuntimeError(
@@ -325,20 +346,25 @@ def _guarded(endpoint: E) -> E:
                 "app.add_middleware(SingleStepMiddleware) so that its key is claimed"
             )
         entry.entered = True
+        return entry
 
     if inspect.iscoroutinefunction(endpoint):
 
         @functools.wraps(endpoint)
         async def guarded_async(*args: Any, **kwargs: Any) -> Any:
-            check()
-            return await endpoint(*args, **kwargs)
+            entry = check()
+            result = await endpoint(*args, **kwargs)
+            entry.returned = True
+            return result
 
         return guarded_async  # type: ignore[return-value]
 
     @functools.wraps(endpoint)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        check()
-        return endpoint(*args, **kwargs)
+        entry = check()
+        result = endpoint(*args, **kwargs)
+        entry.returned = True
+        return result
 
     return guarded  # type: ignore[return-value]
 
