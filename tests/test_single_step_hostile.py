@@ -5,11 +5,13 @@ scope function that fails, an operation the engine does not know. Each is answer
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
@@ -118,3 +120,173 @@ def test_an_endpoint_that_raises_still_runs_again_on_retry(engine: rp.Engine) ->
         second = client.post("/orders", json={"item": "x"}, headers={"Idempotency-Key": "k"})
     assert (first.status_code, second.status_code, second.json()) == (500, 200, {"order_id": 7})
     assert runs == [1, 1]
+
+
+# -- configuration mistakes: the service's, not the client's --------------------------------
+
+
+def finished_op(name: str) -> rp.Operation[Any]:
+    op: rp.Operation[Any] = rp.Operation(name)
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {"ok": True})
+
+    return op
+
+
+def phased_app(engine: rp.Engine, op: rp.Operation[Any], scope: Callable[[Request], str]) -> Any:
+    idempotency = rp_fastapi.Idempotency(engine, scope=scope)
+    app = FastAPI()
+
+    @app.post("/rides")
+    def post_ride(request: Request, body: Order) -> Any:
+        return idempotency.run(op, request, body.model_dump())
+
+    return app
+
+
+def assert_misconfigured(answer: Any, kind: str) -> None:
+    """A 500 problem+json that names the kind of mistake and does not invite a retry."""
+    assert answer.status_code == 500
+    assert answer.headers["content-type"] == "application/problem+json"
+    problem = answer.json()
+    assert problem["type"] == f"tag:recoverypoint,2025:{kind}"
+    assert problem["title"] == "The service is misconfigured"
+    assert "retrying it will not help" in problem["detail"]
+    assert "Retry it" not in answer.text and "Traceback" not in answer.text
+
+
+def test_an_unmigrated_database_is_a_configuration_error_at_start_up_and_per_request(
+    empty_database_url: str,
+) -> None:
+    engine = rp.Engine(empty_database_url)
+    op = finished_op("unmigrated")
+    engine.register(op)
+    try:
+        with pytest.raises(rp.ConfigurationError, match="recoverypoint migrate"):
+            engine.check(op)
+        with pytest.raises(rp.ConfigurationError, match="no recoverypoint schema"):
+            engine.run(op, key="k", params={})
+        app = phased_app(engine, op, lambda request: "tenant")
+        with TestClient(app) as client:
+            answer = client.post("/rides", json={"item": "x"}, headers={"Idempotency-Key": "k"})
+        assert_misconfigured(answer, "configuration-error")
+    finally:
+        engine.dispose()
+
+    async def run_async() -> None:
+        async_engine = rp.AsyncEngine(empty_database_url)
+        op_async: rp.Operation[Any] = rp.Operation("unmigrated_async")
+
+        @op_async.atomic_phase("finished")
+        async def finish(tx: rp.AsyncAtomicContext, params: Any) -> rp.Response:
+            return rp.Response(201)
+
+        async_engine.register(op_async)
+        try:
+            with pytest.raises(rp.ConfigurationError, match="recoverypoint migrate"):
+                await async_engine.check(op_async)
+            with pytest.raises(rp.ConfigurationError, match="recoverypoint migrate"):
+                await async_engine.run(op_async, key="k", params={})
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(run_async())
+
+
+def test_a_schema_at_an_older_revision_is_a_configuration_error(empty_database_url: str) -> None:
+    from alembic.script import ScriptDirectory
+
+    from recoverypoint import migrate
+
+    migrate.upgrade(empty_database_url)
+    revisions = [
+        r.revision for r in ScriptDirectory(str(migrate.migrations_dir())).walk_revisions()
+    ]
+    engine = rp.Engine(empty_database_url)
+    try:
+        engine.check()  # at head
+        with engine.db.begin() as conn:
+            conn.execute(
+                sa.text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = :r"),
+                {"r": revisions[1]},  # the one before the head
+            )
+        with pytest.raises(rp.ConfigurationError, match=f"revision {revisions[1]}"):
+            engine.check()
+        with engine.db.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = 'newer'"))
+        engine.check()  # a newer recoverypoint migrated it: its schema holds this one's
+    finally:
+        engine.dispose()
+
+
+def test_a_phase_querying_a_missing_table_of_its_own_is_not_a_configuration_error(
+    engine: rp.Engine,
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"own_table_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute("SELECT * FROM no_such_table_of_the_application")
+        return rp.Response(200)
+
+    engine.register(op)
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        engine.run(op, key="k", params={}, scope=uuid.uuid4().hex)
+
+
+def test_an_unregistered_operation_is_found_at_start_up_and_answered_as_misconfigured(
+    engine: rp.Engine,
+) -> None:
+    op = finished_op(f"unregistered_{uuid.uuid4().hex[:8]}")
+    with pytest.raises(rp.OperationNotRegistered):
+        engine.check(op)
+    with TestClient(phased_app(engine, op, lambda request: "tenant")) as client:
+        answer = client.post("/rides", json={"item": "x"}, headers={"Idempotency-Key": "k"})
+    assert_misconfigured(answer, "operation-not-registered")
+
+
+def test_a_single_step_scope_from_request_state_is_a_clear_configuration_error(
+    engine: rp.Engine, db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scope of a single-step endpoint runs in the middleware, before the dependency
+    that sets request.state: every request used to get a text/plain 500."""
+    name, orders = f"state_scope_{uuid.uuid4().hex[:8]}", []
+
+    def user_of(request: Request) -> str:
+        return str(request.state.user_id)
+
+    app = app_with(engine, name, orders, scope=user_of)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/orders", json={"item": "x"}, headers={"Idempotency-Key": "k"})
+    assert_misconfigured(answer, "configuration-error")
+    assert orders == [] and key_row(db, name) is None
+    [logged] = [r for r in caplog.records if "scope function" in r.getMessage()]
+    assert "user_of" in logged.getMessage() and "SingleStepMiddleware" in logged.getMessage()
+
+
+def test_a_phased_routes_failing_scope_is_a_clear_configuration_error(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    op = finished_op(f"phased_scope_{uuid.uuid4().hex[:8]}")
+    engine.register(op)
+    app = phased_app(engine, op, lambda request: request.headers["X-Tenant"])
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/rides", json={"item": "x"}, headers={"Idempotency-Key": "k"})
+    assert_misconfigured(answer, "configuration-error")
+    assert any("Idempotency.run()" in r.getMessage() for r in caplog.records)
+
+
+def test_a_scope_functions_http_exception_is_still_the_applications_refusal(
+    engine: rp.Engine,
+) -> None:
+    from fastapi import HTTPException
+
+    def refuse(request: Request) -> str:
+        raise HTTPException(401, "sign in first")
+
+    app = app_with(engine, f"refusing_{uuid.uuid4().hex[:8]}", [], scope=refuse)
+    with TestClient(app) as client:
+        answer = client.post("/orders", json={"item": "x"}, headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 401 and answer.json()["detail"] == "sign in first"

@@ -10,6 +10,7 @@ from .engine_async import AsyncEngine
 from .errors import (
     AbandonedCall,
     ConcurrentUpdate,
+    ConfigurationError,
     DeclarationError,
     IdempotencyError,
     InvalidKey,
@@ -31,6 +32,7 @@ __all__ = [
     "AsyncEngine",
     "AtomicContext",
     "ConcurrentUpdate",
+    "ConfigurationError",
     "DeclarationError",
     "Engine",
     "IdempotencyError",

@@ -234,6 +234,14 @@ class Registry:
                 "their keys have finished)"
             ) from None
 
+    def check_registered(self, operation: Operation[Any]) -> None:
+        """Raise :class:`OperationNotRegistered` unless ``operation`` itself is registered."""
+        if self._operations.get((operation.name, operation.version)) is not operation:
+            self.operation(operation.name, operation.version)  # raises: not registered
+            raise OperationNotRegistered(
+                f"another operation is registered as {operation.name!r} v{operation.version}"
+            )
+
     @property
     def operations(self) -> tuple[Operation[Any], ...]:
         """Every registered operation, each version on its own (the completer claims only
@@ -250,11 +258,7 @@ class Registry:
         max_params_bytes: int,
     ) -> ClaimRequest:
         """The request to claim, validated; raises before anything is stored."""
-        if self._operations.get((operation.name, operation.version)) is not operation:
-            self.operation(operation.name, operation.version)  # raises: not registered
-            raise OperationNotRegistered(
-                f"another operation is registered as {operation.name!r} v{operation.version}"
-            )
+        self.check_registered(operation)
         request = request or Request()
         key = validate_key(key)
         scope = validate_scope(scope)

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
@@ -143,6 +144,21 @@ class Engine(Registry):
         in is yours to dispose."""
         if self._owns_db:
             self.db.dispose()
+
+    def check(self, *operations: Operation[Any]) -> None:
+        """Check at start-up what would otherwise fail every request: that the database
+        holds recoverypoint's schema at this version's revision (``recoverypoint migrate``
+        applied) and that each of ``operations`` is registered. Raises
+        :class:`ConfigurationError` (:class:`OperationNotRegistered` is one) naming the fix.
+        """
+        for operation in operations:
+            self.check_registered(operation)
+        self._check_schema()
+
+    def _check_schema(self) -> None:
+        from .migrate import check_schema  # Alembic: imported only when checking
+
+        check_schema(self.db)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -338,8 +354,15 @@ class Engine(Registry):
         )
 
     def _transact(self, work: Callable[[Transaction], T]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`)."""
-        return _pg.serializable(self.db, work, self.serialization_retries, self.observer)
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`).
+        A table or column that is not there is a :class:`ConfigurationError` when the
+        schema is missing or old (every request would fail the same way); else, the phase
+        code's own, it is re-raised as it is."""
+        try:
+            return _pg.serializable(self.db, work, self.serialization_retries, self.observer)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            self._check_schema()
+            raise
 
 
 class _Run:

@@ -12,6 +12,7 @@ request, whose cleanup the cancellation cannot interrupt.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
@@ -156,6 +158,24 @@ class AsyncEngine(Registry):
             self.db.dispose()  # made here in any case
         if self._owns_db:
             await self.async_db.dispose()
+
+    async def check(self, *operations: Operation[Any]) -> None:
+        """Check at start-up what would otherwise fail every request: that the database
+        holds recoverypoint's schema at this version's revision (``recoverypoint migrate``
+        applied) and that each of ``operations`` is registered. Raises
+        :class:`ConfigurationError` (:class:`OperationNotRegistered` is one) naming the fix.
+        """
+        for operation in operations:
+            self.check_registered(operation)
+        await self._check_schema()
+
+    async def _check_schema(self) -> None:
+        from .migrate import check_schema  # Alembic: imported only when checking
+
+        if True:  # ASYNC
+            await asyncio.to_thread(check_schema, self.db)
+        else:
+            check_schema(self.db)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -355,10 +375,17 @@ class AsyncEngine(Registry):
         )
 
     async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`)."""
-        return await _pg_async.serializable(
-            self.async_db, work, self.serialization_retries, self.observer
-        )
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`).
+        A table or column that is not there is a :class:`ConfigurationError` when the
+        schema is missing or old (every request would fail the same way); else, the phase
+        code's own, it is re-raised as it is."""
+        try:
+            return await _pg_async.serializable(
+                self.async_db, work, self.serialization_retries, self.observer
+            )
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            await self._check_schema()
+            raise
 
 
 class _AsyncRun:

@@ -12,8 +12,9 @@
     ├── LockLost                     409  our lease was taken over; our writes rolled back
     ├── ConcurrentUpdate             409  serialization failures outlasted in-process retries
     ├── Retryable                    503  raised by phase code for a transient foreign failure
-    ├── OperationNotRegistered       500  the engine does not know the operation (or version)
-    ├── DeclarationError             500  an operation declared wrongly (raised at import time)
+    ├── ConfigurationError           500  the service is set up wrongly; no retry helps
+    │   ├── OperationNotRegistered   500  the engine does not know the operation (or version)
+    │   └── DeclarationError         500  an operation declared wrongly (raised at import time)
     ├── TransactionEnded             500  phase code ended the phase's transaction itself
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
@@ -94,12 +95,18 @@ class Retryable(IdempotencyError):
     http_status = 503
 
 
-class OperationNotRegistered(IdempotencyError):
+class ConfigurationError(IdempotencyError):
+    """The service is set up wrongly (its database not migrated, an operation not
+    registered, a scope function that fails): no retry succeeds until its operators fix it.
+    :meth:`Engine.check` finds what it can at start-up."""
+
+
+class OperationNotRegistered(ConfigurationError):
     """The operation is not registered with this engine: call engine.register(operation)
     at start-up, and keep older versions registered while their keys are unfinished."""
 
 
-class DeclarationError(IdempotencyError):
+class DeclarationError(ConfigurationError):
     """The operation is declared wrongly; fix its phases before serving requests."""
 
 

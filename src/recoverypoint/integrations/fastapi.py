@@ -5,7 +5,7 @@ Install with ``pip install 'recoverypoint[fastapi]'``.
 
 A phased operation, from a sync or an async route::
 
-    idempotency = Idempotency(engine, scope=lambda request: request.state.user_id)
+    idempotency = Idempotency(engine, scope=lambda request: request.user.identity)
 
     @app.post("/rides")
     def post_ride(request: Request, body: RideParams) -> Response:
@@ -73,7 +73,9 @@ class Idempotency(BaseIdempotency[Request]):
 
     ``scope`` is called with the :class:`~starlette.requests.Request`. For a single-step
     endpoint it runs in the middleware, before the route's dependencies: derive the scope
-    from headers or from what an outer middleware set (``request.user``...).
+    from headers or from what an outer middleware set (``request.user``...). A scope
+    function that raises (but for an ``HTTPException``, its refusal) is the service's
+    mistake: a 500 ``problem+json`` that says so, logged naming the function.
     """
 
     def run(self, operation: Operation[Any], request: Request, params: Any) -> Response:
@@ -82,9 +84,12 @@ class Idempotency(BaseIdempotency[Request]):
         Errors become ``application/problem+json`` answers; a replay carries
         ``Idempotent-Replayed: true``.
         """
+        scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
+        if isinstance(scope, Reply):
+            return _response(scope)
         reply = self._serve(
             operation,
-            scope=self.scope(request),
+            scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=target(request.url.path, request.url.query),
@@ -97,9 +102,12 @@ class Idempotency(BaseIdempotency[Request]):
         engine, on the event loop; any other on the sync engine, in a worker thread."""
         if self.async_engine is None or not is_async(operation):
             return await run_in_threadpool(self.run, operation, request, params)
+        scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
+        if isinstance(scope, Reply):
+            return _response(scope)
         reply = await self._serve_async(
             operation,
-            scope=self.scope(request),
+            scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=target(request.url.path, request.url.query),
@@ -129,6 +137,14 @@ class Idempotency(BaseIdempotency[Request]):
 
         return decorate
 
+
+# When the scope function runs, for the error that says it failed.
+_IN_ROUTE = "in Idempotency.run(), inside the route"
+_IN_MIDDLEWARE = (
+    "in SingleStepMiddleware, before the route's dependencies (what they put on "
+    "request.state is not there yet): derive the scope from the request's headers or from "
+    "what an outer middleware set (request.user...)"
+)
 
 # Endpoints made single-step, as their routes will find them; endpoints live as long as
 # the process, so a plain dict is enough.
@@ -173,12 +189,12 @@ class SingleStepMiddleware:
         idempotency, operation = found
         request = Request(scope)
         try:
-            tenant = idempotency.scope(request)
+            tenant = idempotency._scope_of(request, _IN_MIDDLEWARE, (HTTPException,))
         except HTTPException as exc:  # the application's own refusal, such as a 401
             headers = list((exc.headers or {}).items())
-            await _response(http_problem(exc.status_code, exc.detail, headers))(
-                scope, receive, send
-            )
+            tenant = http_problem(exc.status_code, exc.detail, headers)
+        if isinstance(tenant, Reply):
+            await _response(tenant)(scope, receive, send)
             return
         try:
             # The key first, from the headers: a request without a valid one is refused
