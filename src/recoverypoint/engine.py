@@ -14,6 +14,7 @@ request, whose cleanup the cancellation cannot interrupt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -208,7 +209,7 @@ class Engine(Registry):
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
             if claimed:
-                self._abandon(claimed[0], exc)
+                self._abandon(claimed[0], exc, claim_request)
             raise
         if isinstance(first, Outcome):
             return first
@@ -324,12 +325,18 @@ class Engine(Registry):
             self._abandon(run, exc)
             raise
 
-    def _abandon(self, run: _Run, exc: BaseException) -> None:
-        self._give_up(run, exc)
+    def _abandon(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
+        self._give_up(run, exc, claim)
 
-    def _give_up(self, run: _Run, exc: BaseException) -> None:
+    def _give_up(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
-        the lease up, keep the recovery point and count the attempt."""
+        the lease up, keep the recovery point and count the attempt. ``claim``: the claim
+        was interrupted at its COMMIT, whose outcome is waited for first."""
+        if claim is not None:
+            try:
+                self._settle(claim)
+            except Exception:
+                logger.exception("could not wait for the claim of key %s", run.record.id)
         if isinstance(exc, Withdrawn) and run.progress.committed == STARTED:
             try:
                 if store.withdraw(self.db, run.key):
@@ -353,6 +360,20 @@ class Engine(Registry):
             error,
         )
 
+    def _settle(self, claim: ClaimRequest) -> None:
+        """Wait until the claim of ``claim``, interrupted at its COMMIT, has committed or
+        rolled back. Interrupted again, psycopg closes the connection, and the server may
+        still be committing: a release sent on another connection meanwhile would find no
+        row, and the key would stay leased. The claim is made again, in a transaction rolled
+        back: its INSERT waits on the key's unique index for the first one's end."""
+
+        def wait(tx: Transaction) -> None:
+            store.claim(tx, claim)
+            raise _Settled  # rolled back: nothing is written
+
+        with contextlib.suppress(_Settled):
+            self._transact(wait)
+
     def _transact(self, work: Callable[[Transaction], T]) -> T:
         """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`).
         A table or column that is not there is a :class:`ConfigurationError` when the
@@ -363,6 +384,10 @@ class Engine(Registry):
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
             self._check_schema()
             raise
+
+
+class _Settled(Exception):
+    """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
 class _Run:

@@ -13,6 +13,7 @@ request, whose cleanup the cancellation cannot interrupt.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -225,7 +226,7 @@ class AsyncEngine(Registry):
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
             if claimed:
-                await self._abandon(claimed[0], exc)
+                await self._abandon(claimed[0], exc, claim_request)
             raise
         if isinstance(first, Outcome):
             return first
@@ -341,16 +342,26 @@ class AsyncEngine(Registry):
             await self._abandon(run, exc)
             raise
 
-    async def _abandon(self, run: _AsyncRun, exc: BaseException) -> None:
+    async def _abandon(
+        self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
+    ) -> None:
         if True:  # ASYNC
             # A cancelled request gives its lease up and counts the attempt all the same.
-            await _pg_async.shielded(self._give_up(run, exc))
+            await _pg_async.shielded(self._give_up(run, exc, claim))
         else:
-            self._give_up(run, exc)
+            self._give_up(run, exc, claim)
 
-    async def _give_up(self, run: _AsyncRun, exc: BaseException) -> None:
+    async def _give_up(
+        self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
+    ) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
-        the lease up, keep the recovery point and count the attempt."""
+        the lease up, keep the recovery point and count the attempt. ``claim``: the claim
+        was interrupted at its COMMIT, whose outcome is waited for first."""
+        if claim is not None:
+            try:
+                await self._settle(claim)
+            except Exception:
+                logger.exception("could not wait for the claim of key %s", run.record.id)
         if isinstance(exc, Withdrawn) and run.progress.committed == STARTED:
             try:
                 if await store_async.withdraw(self.async_db, run.key):
@@ -374,6 +385,20 @@ class AsyncEngine(Registry):
             error,
         )
 
+    async def _settle(self, claim: ClaimRequest) -> None:
+        """Wait until the claim of ``claim``, interrupted at its COMMIT, has committed or
+        rolled back. Interrupted again, psycopg closes the connection, and the server may
+        still be committing: a release sent on another connection meanwhile would find no
+        row, and the key would stay leased. The claim is made again, in a transaction rolled
+        back: its INSERT waits on the key's unique index for the first one's end."""
+
+        async def wait(tx: AsyncTransaction) -> None:
+            await store_async.claim(tx, claim)
+            raise _Settled  # rolled back: nothing is written
+
+        with contextlib.suppress(_Settled):
+            await self._transact(wait)
+
     async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
         """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`).
         A table or column that is not there is a :class:`ConfigurationError` when the
@@ -386,6 +411,10 @@ class AsyncEngine(Registry):
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
             await self._check_schema()
             raise
+
+
+class _Settled(Exception):
+    """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
 class _AsyncRun:
