@@ -261,3 +261,39 @@ def test_whatever_a_function_returns_it_runs_once_per_key(
         if annotation is Any:
             continue  # stored as its JSON (bytes as base64...), rebuilt as that JSON
         assert same(result, value), (annotation, value, result)
+
+
+def test_a_value_nested_past_what_can_be_stored_runs_once_and_is_the_keys_answer(
+    engine: rp.Engine,
+) -> None:
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    f = Returning(engine, Any)
+    f.value = deep
+    results = f.three_calls("k")
+    assert all(isinstance(r, rp.AbandonedCall) for r in results)
+    assert f.runs == {"k": 1}
+
+
+def test_a_large_value_comes_back_whole(engine: rp.Engine) -> None:
+    f = Returning(engine, bytes)
+    f.value = bytes(range(256)) * 8192  # 2 MiB, not UTF-8
+    assert f.three_calls("k") == [f.value] * 3
+    assert f.runs == {"k": 1}
+
+
+def test_a_method_runs_once_per_key_for_any_instance(engine: rp.Engine) -> None:
+    name = unique("method")
+
+    class Shop:
+        charges = 0
+
+        @rp.idempotent(engine, key="order", name=name, exclude=("self",))
+        def charge(self, order: str) -> bytes:
+            Shop.charges += 1
+            return hashlib.sha256(order.encode()).digest()
+
+    first, second = Shop().charge("o-1"), Shop().charge("o-1")
+    assert first == second == hashlib.sha256(b"o-1").digest()
+    assert Shop.charges == 1
