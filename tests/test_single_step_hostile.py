@@ -6,6 +6,7 @@ scope function that fails, an operation the engine does not know. Each is answer
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 import warnings
 from collections.abc import Callable
@@ -148,13 +149,14 @@ def phased_app(engine: rp.Engine, op: rp.Operation[Any], scope: Callable[[Reques
 
 def assert_misconfigured(answer: Any, kind: str) -> None:
     """A 500 problem+json that names the kind of mistake and does not invite a retry."""
+    text = answer.get_data(as_text=True) if hasattr(answer, "get_data") else answer.text
     assert answer.status_code == 500
     assert answer.headers["content-type"] == "application/problem+json"
-    problem = answer.json()
+    problem = json.loads(text)
     assert problem["type"] == f"tag:recoverypoint,2025:{kind}"
     assert problem["title"] == "The service is misconfigured"
     assert "retrying it will not help" in problem["detail"]
-    assert "Retry it" not in answer.text and "Traceback" not in answer.text
+    assert "Retry it" not in text and "Traceback" not in text
 
 
 def test_an_unmigrated_database_is_a_configuration_error_at_start_up_and_per_request(
@@ -290,3 +292,48 @@ def test_a_scope_functions_http_exception_is_still_the_applications_refusal(
     with TestClient(app) as client:
         answer = client.post("/orders", json={"item": "x"}, headers={"Idempotency-Key": "k"})
     assert answer.status_code == 401 and answer.json()["detail"] == "sign in first"
+
+
+def test_a_flask_scope_function_that_fails_is_a_clear_configuration_error(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    import flask
+
+    from recoverypoint.integrations import flask as rp_flask
+
+    def user_of(request: flask.Request) -> str:
+        return str(flask.g.user_id)  # never set: the service's mistake
+
+    def refuse(request: flask.Request) -> str:
+        flask.abort(401)
+
+    op = finished_op(f"flask_scope_{uuid.uuid4().hex[:8]}")
+    engine.register(op)
+    app = flask.Flask("scope_tests")
+    app.config["PROPAGATE_EXCEPTIONS"] = False
+    failing, refusing = (rp_flask.Idempotency(engine, scope=f) for f in (user_of, refuse))
+    ran: list[str] = []
+
+    @app.post("/phased")
+    def phased() -> flask.Response:
+        return failing.run(op, {})
+
+    @app.post("/single")
+    @failing.single_step(f"flask_single_{uuid.uuid4().hex[:8]}")
+    def single() -> dict[str, str]:
+        ran.append("single")
+        return {"ok": "yes"}
+
+    @app.post("/refused")
+    def refused() -> flask.Response:
+        return refusing.run(op, {})
+
+    client = app.test_client()
+    for path in ("/phased", "/single"):
+        answer = client.post(path, json={}, headers={"Idempotency-Key": "k"})
+        assert_misconfigured(answer, "configuration-error")
+    assert ran == []
+    assert any(
+        "user_of" in r.getMessage() and "in the view" in r.getMessage() for r in caplog.records
+    )
+    assert client.post("/refused", json={}, headers={"Idempotency-Key": "k"}).status_code == 401
