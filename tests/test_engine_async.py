@@ -390,8 +390,9 @@ async def test_committing_from_a_phase_is_refused(
         {"card": object()},
         rp.Response(200, {"receipt": "\ud800"}),
         rp.Response(200, {"ok": True}, {"x-token": "a\x00b"}),
+        rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
     ],
-    ids=["str", "nul", "nan", "object", "surrogate", "header-nul"],
+    ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
 )
 async def test_a_step_result_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
     engine: rp.AsyncEngine, db: sa.Engine, scope: str, result: object

@@ -334,7 +334,7 @@ def step_result(
             f"foreign step {phase.point!r} returned {type(result).__name__}; "
             "return a dict, None or a Response"
         )
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # whatever the result's own serialisation raises
         logger.error(
             "key %s: foreign step %r ran, but its result cannot be stored (%s); the key "
             "finishes with a 500 answer and the step does not run again",
