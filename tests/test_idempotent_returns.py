@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, field_serializer
 
 import recoverypoint as rp
 
@@ -297,3 +297,68 @@ def test_a_method_runs_once_per_key_for_any_instance(engine: rp.Engine) -> None:
     first, second = Shop().charge("o-1"), Shop().charge("o-1")
     assert first == second == hashlib.sha256(b"o-1").digest()
     assert Shop.charges == 1
+
+
+class Lossy(BaseModel):
+    """A model whose own serializer writes what its validation refuses."""
+
+    amount: int
+
+    @field_serializer("amount")
+    def as_words(self, amount: int) -> str:
+        return f"{amount} units"
+
+
+def test_a_value_that_does_not_read_back_is_refused_before_it_is_stored(
+    engine: rp.Engine, db: sa.Engine
+) -> None:
+    f = Returning(engine, Lossy)
+    f.value = Lossy(amount=3)
+    results = f.three_calls("k")
+    assert all(isinstance(r, rp.AbandonedCall) for r in results), results
+    assert f.runs == {"k": 1}
+
+
+def test_nan_where_the_annotation_is_any_comes_back_as_nan(engine: rp.Engine) -> None:
+    """pydantic dumps a NaN it meets under Any as null: it must not be stored as one."""
+    f = Returning(engine, Any)
+    f.value = [1.5, math.nan, {"x": -math.inf}]
+    results = f.three_calls("k")
+    assert all(repr(r) == repr(f.value) for r in results), results
+
+
+def test_arguments_holding_nan_or_a_bool_key_are_refused_and_store_nothing(
+    engine: rp.Engine, db: sa.Engine
+) -> None:
+    name, runs = unique("nan_args"), []
+
+    @rp.idempotent(engine, key="key", name=name)
+    def takes(key: Any, data: Any) -> None:
+        runs.append(key)
+
+    with pytest.raises(rp.InvalidParams, match="NaN"):
+        takes("k", [1.0, math.nan])
+    with pytest.raises(rp.InvalidKey, match="str or an int, got bool"):
+        takes(True, [])
+    assert runs == []
+    with db.connect() as conn:
+        stored = conn.execute(
+            sa.text("SELECT count(*) FROM idempotency_keys WHERE operation = :o"), {"o": name}
+        ).scalar()
+    assert stored == 0
+
+
+def test_the_functions_own_serialisation_error_propagates_as_it_is(engine: rp.Engine) -> None:
+    """Not taken for arguments that cannot be stored: the function raised it."""
+    from pydantic_core import PydanticSerializationError
+
+    runs: list[int] = []
+
+    @rp.idempotent(engine, key="key", name=unique("own_error"))
+    def dumps(key: str) -> None:
+        runs.append(1)
+        TypeAdapter(Any).dump_python(object(), mode="json")  # a bug of its own
+
+    with pytest.raises(PydanticSerializationError):
+        dumps("k")
+    assert runs == [1]

@@ -110,7 +110,7 @@ class Shape:
         except ValueError:
             pass
         try:
-            text = json.dumps(self.exact.dump_python((value,), mode="json")[0])
+            text = json.dumps(self.exact.dump_python((value,), mode="json", warnings="error")[0])
             self.load_return(JSON_TEXT, text)  # exactly: what cannot come back is refused
         except Exception as exc:  # whatever pydantic or the type raises
             raise ReturnNotStored(
