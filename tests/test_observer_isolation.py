@@ -216,9 +216,13 @@ def test_an_observer_failing_at_any_hook_changes_no_run(
     assert len({repr(o.body) for o in outcomes}) == 1
     assert row.response_status == 201
     assert row.attempts == fail_step
-    # It was called all along (a run's hooks only if the run could be observed).
+    # It was called all along (a run's hooks only if the run could be observed), and a
+    # scope it failed to enter was never left.
     assert "job_staged" in observer.heard
     assert ("phase" in observer.heard) is ("run" not in failing)
+    for scope in ("run", "phase"):
+        if f"{scope}.enter" in failing:
+            assert f"{scope}.exit" not in observer.heard
 
 
 def test_an_observer_failing_as_the_step_closes_charges_once(
@@ -314,3 +318,19 @@ def test_an_observer_that_does_not_fail_is_heard_with_no_failure_logged(
         engine.run(engine.operation("charges", 1), key="k", params={}, scope="fine")
     assert not [r for r in caplog.records if "observer" in r.getMessage()]
     assert observer.heard[:3] == ["run", "run.enter", "claimed"]
+
+
+def test_a_trace_context_that_is_not_text_is_not_stored(worker_db: sa.Engine) -> None:
+    """What an observer returns is checked too: anything but text would fail the COMMIT of
+    the phase that stages a job."""
+
+    class Odd(Observer):
+        def trace_context(self) -> Any:
+            return 42
+
+    engine = rp.Engine(worker_db, observer=Odd())
+    engine.register(steps_operation("charges", Recorder(worker_db)))
+    outcome = engine.run(engine.operation("charges", 1), key="k", params={}, scope="odd")
+    assert outcome.status == 201
+    [job] = rows(worker_db, "SELECT trace_context FROM staged_jobs")
+    assert job.trace_context is None
