@@ -264,7 +264,6 @@ class BaseIdempotency(Generic[RequestT]):
                 f"the scope function {name} failed ({type(exc).__name__}: {exc}); it runs "
                 f"{when}"
             )
-            error.__cause__ = exc
             logger.error("%s", error, exc_info=exc)
             return problem_reply(error, retry_after=self.retry_after)
 
