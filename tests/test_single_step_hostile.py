@@ -337,3 +337,30 @@ def test_a_flask_scope_function_that_fails_is_a_clear_configuration_error(
         "user_of" in r.getMessage() and "in the view" in r.getMessage() for r in caplog.records
     )
     assert client.post("/refused", json={}, headers={"Idempotency-Key": "k"}).status_code == 401
+
+
+def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_refused(db: sa.Engine) -> None:
+    engine = rp.Engine(db, max_params_bytes=64)
+    idempotency = rp_fastapi.Idempotency(engine, scope=lambda request: "tenant")
+    app, ran = FastAPI(), []
+    app.add_middleware(rp_fastapi.SingleStepMiddleware)
+
+    @app.post("/orders")
+    @idempotency.single_step(f"limit_{uuid.uuid4().hex[:8]}")
+    def place(order: Order) -> dict[str, str]:
+        ran.append(order.item)
+        return {"item": order.item}
+
+    def body(size: int) -> bytes:
+        # Padded with spaces: the body's size is what is checked as it arrives, its
+        # canonical JSON (a few bytes) what the params limit sees after.
+        return b'{"item": "x"' + b" " * (size - 13) + b"}"
+
+    with TestClient(app) as client:
+        headers = {"Idempotency-Key": "k1", "Content-Type": "application/json"}
+        at_limit = client.post("/orders", content=body(64), headers=headers)
+        headers = {"Idempotency-Key": "k2", "Content-Type": "application/json"}
+        over = client.post("/orders", content=body(65), headers=headers)
+    assert at_limit.status_code == 200, at_limit.text
+    assert over.status_code == 413
+    assert len(ran) == 1
