@@ -465,9 +465,10 @@ if True:  # ASYNC
     async def open_transactions(db: sa.Engine) -> int:
         """The engine's connections that are in a transaction, once the backends of those
         it closed in the middle of a statement have ended theirs: the server does when it
-        sees the socket close, a moment later (5 s at most here). A connection handed back
-        to the pool inside a transaction stays, and is counted."""
-        deadline = time.monotonic() + 5
+        sees the socket close, a moment later (waited for up to 60 s: a busy machine may be
+        slow to get there). A connection handed back to the pool inside a transaction stays,
+        and is counted."""
+        deadline = time.monotonic() + 60
         while True:
             left = count(
                 db,
