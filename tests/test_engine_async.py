@@ -137,7 +137,8 @@ def key_row(db: sa.Engine, scope: str) -> Any:
     with db.connect() as conn:
         return conn.execute(
             sa.text(
-                "SELECT id, recovery_point, locked_at, lock_token, attempts, last_error "
+                "SELECT id, recovery_point, locked_at, lock_token, attempts, last_error, "
+                "response_status "
                 "FROM idempotency_keys WHERE scope = :s"
             ),
             {"s": scope},
@@ -495,6 +496,47 @@ async def test_committing_from_a_phase_is_refused(
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
 
 
+@pytest.mark.parametrize(
+    "result",
+    [
+        "charged",  # not a dict, None or a Response
+        {"receipt": "a\x00b"},  # NUL: jsonb refuses it
+        {"amount": float("nan")},
+        {"card": object()},
+        rp.Response(200, {"receipt": "\ud800"}),
+        rp.Response(200, {"ok": True}, {"x-token": "a\x00b"}),
+        rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
+    ],
+    ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
+)
+async def test_a_step_result_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str, result: object
+) -> None:
+    """The step ran, so its effect may have happened: it used to run again on every retry.
+    The key finishes with a 500 problem answer that says so, replayed to every retry."""
+    op: rp.Operation[Any] = rp.Operation(f"unstorable_{uuid.uuid4().hex[:8]}")
+    calls: list[int] = []
+
+    @op.foreign_step("charged")
+    async def charge(step: rp.StepContext, params: dict[str, Any]) -> Any:
+        calls.append(step.key_id)
+        return result
+
+    @op.atomic_phase("finished")
+    async def finish(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        return rp.Response(201)
+
+    engine.register(op)
+    outcomes = [await engine.run(op, key="k", scope=scope, params={}) for _ in range(3)]
+    assert len(calls) == 1
+    assert [(o.status, o.replayed) for o in outcomes] == [(500, False), (500, True), (500, True)]
+    assert outcomes[0].headers == {"content-type": "application/problem+json"}
+    assert outcomes[0].body["type"].endswith(":step-result-not-recorded")
+    assert "not done again" in outcomes[0].body["detail"]
+    row = key_row(db, scope)
+    assert (row.recovery_point, row.lock_token, row.response_status) == ("finished", None, 500)
+
+
 if True:  # ASYNC
     # -- sync and async do not mix --------------------------------------------------------
 
@@ -538,9 +580,10 @@ if True:  # ASYNC
     async def open_transactions(db: sa.Engine) -> int:
         """The engine's connections that are in a transaction, once the backends of those
         it closed in the middle of a statement have ended theirs: the server does when it
-        sees the socket close, a moment later (5 s at most here). A connection handed back
-        to the pool inside a transaction stays, and is counted."""
-        deadline = time.monotonic() + 5
+        sees the socket close, a moment later (waited for up to 60 s: a busy machine may be
+        slow to get there). A connection handed back to the pool inside a transaction stays,
+        and is counted."""
+        deadline = time.monotonic() + 60
         while True:
             left = count(
                 db,

@@ -120,7 +120,8 @@ def key_row(db: sa.Engine, scope: str) -> Any:
     with db.connect() as conn:
         return conn.execute(
             sa.text(
-                "SELECT id, recovery_point, locked_at, lock_token, attempts, last_error "
+                "SELECT id, recovery_point, locked_at, lock_token, attempts, last_error, "
+                "response_status "
                 "FROM idempotency_keys WHERE scope = :s"
             ),
             {"s": scope},
@@ -472,3 +473,44 @@ def test_committing_from_a_phase_is_refused(engine: rp.Engine, db: sa.Engine, sc
     with pytest.raises(rp.TransactionEnded):
         engine.run(op, key="k", scope=scope, params={})
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        "charged",  # not a dict, None or a Response
+        {"receipt": "a\x00b"},  # NUL: jsonb refuses it
+        {"amount": float("nan")},
+        {"card": object()},
+        rp.Response(200, {"receipt": "\ud800"}),
+        rp.Response(200, {"ok": True}, {"x-token": "a\x00b"}),
+        rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
+    ],
+    ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
+)
+def test_a_step_result_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
+    engine: rp.Engine, db: sa.Engine, scope: str, result: object
+) -> None:
+    """The step ran, so its effect may have happened: it used to run again on every retry.
+    The key finishes with a 500 problem answer that says so, replayed to every retry."""
+    op: rp.Operation[Any] = rp.Operation(f"unstorable_{uuid.uuid4().hex[:8]}")
+    calls: list[int] = []
+
+    @op.foreign_step("charged")
+    def charge(step: rp.StepContext, params: dict[str, Any]) -> Any:
+        calls.append(step.key_id)
+        return result
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        return rp.Response(201)
+
+    engine.register(op)
+    outcomes = [engine.run(op, key="k", scope=scope, params={}) for _ in range(3)]
+    assert len(calls) == 1
+    assert [(o.status, o.replayed) for o in outcomes] == [(500, False), (500, True), (500, True)]
+    assert outcomes[0].headers == {"content-type": "application/problem+json"}
+    assert outcomes[0].body["type"].endswith(":step-result-not-recorded")
+    assert "not done again" in outcomes[0].body["detail"]
+    row = key_row(db, scope)
+    assert (row.recovery_point, row.lock_token, row.response_status) == ("finished", None, 500)

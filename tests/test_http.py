@@ -442,8 +442,9 @@ def key_row(db: sa.Engine, scope: str) -> dict[str, Any]:
 
 
 def wait_for_notes(gates: Gates, item: str) -> list[Any]:
-    """What the item's background tasks noted, once one has (they run after the answer)."""
-    deadline = time.monotonic() + 10
+    """What the item's background tasks noted, once one has (they run after the answer; a
+    minute at most, for a busy machine)."""
+    deadline = time.monotonic() + 60
     while not gates.notes(item) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # time enough for a task that should not run to show up

@@ -323,9 +323,11 @@ def test_a_key_that_is_not_text_or_an_int_is_invalid(engine: rp.Engine, db: sa.E
     assert [r.idempotency_key for r in key_rows(db, name)] == ["42"]
 
 
-def test_a_return_value_that_cannot_be_stored_fails_the_attempt(
+def test_a_return_value_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
     engine: rp.Engine, db: sa.Engine
 ) -> None:
+    """The function ran, its effect happened: the refusal is the key's answer, and no
+    later call runs it again (it used to run once per call)."""
     name = unique("returns_object")
     ran: list[int] = []
 
@@ -334,11 +336,12 @@ def test_a_return_value_that_cannot_be_stored_fails_the_attempt(
         ran.append(1)
         return object() if len(ran) == 1 else "fine"
 
-    with pytest.raises(TypeError, match="returned a value that cannot be stored"):
-        returns_object("k")
+    for _ in range(3):
+        with pytest.raises(rp.AbandonedCall, match="returned a value that cannot be stored"):
+            returns_object("k")
     [row] = key_rows(db, name)
-    assert (row.recovery_point, row.attempts, row.locked_at) == ("started", 1, None)
-    assert returns_object("k") == "fine"
+    assert (row.recovery_point, row.response_status, row.locked_at) == ("finished", 500, None)
+    assert ran == [1]
 
 
 # -- hostile arguments -----------------------------------------------------------------------

@@ -9,10 +9,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import sqlalchemy as sa
@@ -20,6 +21,10 @@ from idempotent_payments import Payments, payments_api
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TITLE = "## Any function: @idempotent"
+
+# Long enough for a worker on a machine busy with other suites; a worker that takes longer
+# has hung.
+HUNG_WORKER = 600
 
 
 def examples() -> list[str]:
@@ -103,24 +108,36 @@ def test_the_celery_example_charges_once_for_a_message_delivered_twice(
             stderr=subprocess.STDOUT,
             text=True,
         )  # fmt: skip
+        # The worker's log says when each message was handled ("succeeded", or "raised"
+        # for a failure): the test waits for those two lines, however long a busy machine
+        # takes to start the worker. The bound is only there so that a worker that hangs
+        # fails the test instead of the whole run.
+        lines: list[str] = []
+        handled = threading.Event()
+
+        def follow(stdout: IO[str]) -> None:
+            for line in stdout:
+                lines.append(line)
+                if sum("succeeded" in seen or " raised " in seen for seen in lines) >= 2:
+                    handled.set()
+
+        assert worker.stdout is not None
+        reader = threading.Thread(target=follow, args=(worker.stdout,), daemon=True)
+        reader.start()
         try:
             tasks.charge_order.delay("order-7", 2000)
             tasks.charge_order.delay("order-7", 2000)  # the same message again
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with tasks.app.connection_for_write() as connection:
-                    ready = connection.default_channel.queue_declare(queue, passive=True)
-                rows = key_rows(db, "tasks.charge_order")
-                if ready.message_count == 0 and rows and rows[0].response_status == 200:
-                    break
-                time.sleep(0.2)
+            assert handled.wait(timeout=HUNG_WORKER), "".join(lines)
         finally:
             worker.terminate()  # a warm shutdown: the task under way finishes first
-            log, _ = worker.communicate(timeout=60)
+            worker.wait()
+            reader.join()
+            worker.stdout.close()
             with tasks.app.connection_for_write() as connection:
                 connection.default_channel.queue_delete(queue)
             tasks.engine.dispose()
             sys.modules.pop("tasks", None)
+        log = "".join(lines)
     [row] = key_rows(db, "tasks.charge_order")
     assert row.response_body["order_id"] == "order-7", log
     assert list(api.calls.values()) == [1], log

@@ -48,8 +48,9 @@ def test_contention_leaves_no_pipeline_or_transaction_behind(
             )
         assert [o.status for o in outcomes] == [200] * 32
         assert count(db, "SELECT n FROM counters WHERE name = :s", s=scope) == 32 * 1001
-        # The error paths did run (statistics reach pg_stat_database within a second or so).
-        deadline = time.monotonic() + 10
+        # The error paths did run (statistics reach pg_stat_database within a second or so,
+        # later on a busy machine: a minute at most).
+        deadline = time.monotonic() + 60
         while rollbacks(db) <= rollbacks_before and time.monotonic() < deadline:
             time.sleep(0.2)
         assert rollbacks(db) > rollbacks_before

@@ -74,7 +74,7 @@ def _start(
 
 
 def _wait_ready(service: Service, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a process starting on a busy machine; only a hang fails
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{service.log.name} exited:\n{service.log_text()}")

@@ -213,8 +213,10 @@ def rows(db: sa.Engine, sql: str, **params: Any) -> list[Any]:
         return list(conn.execute(sa.text(sql), params))
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+def wait_for(condition: Callable[[], bool], timeout: float = 600.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds. The bound only
+    turns a hang into a failure: a worker process starting on a machine busy with other
+    suites may take a minute and more, so it is generous."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout} s"

@@ -10,6 +10,7 @@ from .engine_async import AsyncEngine
 from .errors import (
     AbandonedCall,
     ConcurrentUpdate,
+    ConfigurationError,
     DatabaseUnavailable,
     DeclarationError,
     IdempotencyError,
@@ -32,6 +33,7 @@ __all__ = [
     "AsyncEngine",
     "AtomicContext",
     "ConcurrentUpdate",
+    "ConfigurationError",
     "DatabaseUnavailable",
     "DeclarationError",
     "Engine",

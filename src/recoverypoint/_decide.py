@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from operator import itemgetter
@@ -26,11 +27,14 @@ from .keys import (
     check_size,
     fingerprint,
     key_seed,
+    safe_headers,
     validate_key,
     validate_request,
     validate_scope,
 )
-from .operation import Operation, Outcome, Phase, Request, Response
+from .operation import Operation, Outcome, Phase, Request, Response, problem_response
+
+logger = logging.getLogger("recoverypoint")
 
 # A request that reaches the end of its phases without a Response finishes with this.
 NO_CONTENT = Response(204)
@@ -236,6 +240,14 @@ class Registry:
                 "their keys have finished)"
             ) from None
 
+    def check_registered(self, operation: Operation[Any]) -> None:
+        """Raise :class:`OperationNotRegistered` unless ``operation`` itself is registered."""
+        if self._operations.get((operation.name, operation.version)) is not operation:
+            self.operation(operation.name, operation.version)  # raises: not registered
+            raise OperationNotRegistered(
+                f"another operation is registered as {operation.name!r} v{operation.version}"
+            )
+
     @property
     def operations(self) -> tuple[Operation[Any], ...]:
         """Every registered operation, each version on its own (the completer claims only
@@ -254,11 +266,7 @@ class Registry:
     ) -> ClaimRequest:
         """The request to claim, validated; raises before anything is stored.
         ``namespace``: the database's, of derived keys."""
-        if self._operations.get((operation.name, operation.version)) is not operation:
-            self.operation(operation.name, operation.version)  # raises: not registered
-            raise OperationNotRegistered(
-                f"another operation is registered as {operation.name!r} v{operation.version}"
-            )
+        self.check_registered(operation)
         request = request or Request()
         key = validate_key(key)
         scope = validate_scope(scope)
@@ -302,6 +310,48 @@ class Registry:
         if record.response_status is not None:
             return self._operations.get((operation.name, record.operation_version), operation)
         return self.operation(operation.name, record.operation_version)
+
+
+# What a key answers once a foreign step ran but its result could not be stored: the work
+# is done and must not be done again, and nothing a client can change would help.
+STEP_NOT_RECORDED = problem_response(
+    500,
+    "step-result-not-recorded",
+    "The work was done but its result could not be recorded",
+    "The work this request asked for was done, but its result could not be recorded, so it "
+    "is not done again for this Idempotency-Key. The service's operators have been told; "
+    "ask them before you send the request again with another key.",
+)
+
+
+def step_result(
+    phase: Phase, state: dict[str, Any], result: object, key_id: int
+) -> tuple[Response | None, dict[str, Any]]:
+    """What a foreign step that returned ``result`` commits: its Response, if it returned
+    one, and the state after it. A result that cannot be stored makes the key finish with
+    :data:`STEP_NOT_RECORDED` (the step ran: running it again could repeat its effect)."""
+    try:
+        if isinstance(result, Response):
+            canonical_json(result.body)
+            canonical_json(safe_headers(result.headers))
+            return result, state
+        if result is None or isinstance(result, Mapping):
+            new_state = {**state, **(result or {})}
+            dump_state(phase, new_state)
+            return None, new_state
+        raise TypeError(
+            f"foreign step {phase.point!r} returned {type(result).__name__}; "
+            "return a dict, None or a Response"
+        )
+    except Exception as exc:  # whatever the result's own serialisation raises
+        logger.error(
+            "key %s: foreign step %r ran, but its result cannot be stored (%s); the key "
+            "finishes with a 500 answer and the step does not run again",
+            key_id,
+            phase.point,
+            exc,
+        )
+        return STEP_NOT_RECORDED, state
 
 
 def dump_state(phase: Phase, state: dict[str, Any]) -> str:

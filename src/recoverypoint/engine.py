@@ -14,11 +14,12 @@ request, whose cleanup the cancellation cannot interrupt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
@@ -38,15 +39,24 @@ from ._decide import (
     as_answered,
     dump_state,
     replay,
+    step_result,
 )
 from ._pg import Transaction
 from .backoff import backoff_delay
 from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine
-from .errors import DeclarationError, KeyInUse, LockLost
+from .errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
 from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
-from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
+from .observe import (
+    CLIENT,
+    COMPLETER,
+    NO_OBSERVER,
+    NO_RUN,
+    Observer,
+    RunObservation,
+    isolated,
+)
 from .operation import (
     STARTED,
     Operation,
@@ -91,7 +101,9 @@ class Engine(Registry):
     observer:
         Hears of every run, phase, retry and staged job, and of the workers' work (see
         :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
-        your own; several at once with :func:`recoverypoint.observe.combine`.
+        your own; several at once with :func:`recoverypoint.observe.combine`. It is
+        called in isolation (:func:`recoverypoint.observe.isolated`): what it raises is
+        logged and never changes an outcome.
     namespace:
         What sets this database's derived keys (downstream keys, job keys) apart from any
         other's that shares a foreign account with it. By default the one migration 0009
@@ -140,11 +152,36 @@ class Engine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
 
+    @property
+    def observer(self) -> Observer:
+        """Hears of the engine's and its workers' work; set it (here or at construction)
+        and it is isolated: it may fail, and no outcome changes."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer) -> None:
+        self._observer = isolated(observer)
+
     def dispose(self) -> None:
         """Close the pooled connections of the engine made from a URL; an engine you passed
         in is yours to dispose."""
         if self._owns_db:
             self.db.dispose()
+
+    def check(self, *operations: Operation[Any]) -> None:
+        """Check at start-up what would otherwise fail every request: that the database
+        holds recoverypoint's schema at this version's revision (``recoverypoint migrate``
+        applied) and that each of ``operations`` is registered. Raises
+        :class:`ConfigurationError` (:class:`OperationNotRegistered` is one) naming the fix.
+        """
+        for operation in operations:
+            self.check_registered(operation)
+        self._check_schema()
+
+    def _check_schema(self) -> None:
+        from .migrate import check_schema  # Alembic: imported only when checking
+
+        check_schema(self.db)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -203,7 +240,7 @@ class Engine(Registry):
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
             if claimed:
-                self._abandon(claimed[0], exc)
+                self._abandon(claimed[0], exc, claim_request)
             raise
         if isinstance(first, Outcome):
             return first
@@ -212,9 +249,13 @@ class Engine(Registry):
 
     def _database_namespace(self) -> str:
         """The namespace migration 0009 stored in the database; read once, then kept."""
-        row = _pg.run_alone(self.db, sql.NAMESPACE, {})
+        try:
+            row = _pg.run_alone(self.db, sql.NAMESPACE, {})
+        except psycopg.errors.UndefinedTable:
+            self._check_schema()  # raises ConfigurationError: not migrated, or old
+            raise
         if row is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "recoverypoint_namespace is empty: run `recoverypoint migrate`, or pass "
                 "namespace= to the engine"
             )
@@ -338,12 +379,18 @@ class Engine(Registry):
             self._abandon(run, exc)
             raise
 
-    def _abandon(self, run: _Run, exc: BaseException) -> None:
-        self._give_up(run, exc)
+    def _abandon(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
+        self._give_up(run, exc, claim)
 
-    def _give_up(self, run: _Run, exc: BaseException) -> None:
+    def _give_up(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
-        the lease up, keep the recovery point and count the attempt."""
+        the lease up, keep the recovery point and count the attempt. ``claim``: the claim
+        was interrupted at its COMMIT, whose outcome is waited for first."""
+        if claim is not None:
+            try:
+                self._settle(claim)
+            except Exception:
+                logger.exception("could not wait for the claim of key %s", run.record.id)
         if isinstance(exc, Withdrawn) and run.progress.committed == STARTED:
             try:
                 if store.withdraw(self.db, run.key):
@@ -367,9 +414,34 @@ class Engine(Registry):
             error,
         )
 
+    def _settle(self, claim: ClaimRequest) -> None:
+        """Wait until the claim of ``claim``, interrupted at its COMMIT, has committed or
+        rolled back. Interrupted again, psycopg closes the connection, and the server may
+        still be committing: a release sent on another connection meanwhile would find no
+        row, and the key would stay leased. The claim is made again, in a transaction rolled
+        back: its INSERT waits on the key's unique index for the first one's end."""
+
+        def wait(tx: Transaction) -> None:
+            store.claim(tx, claim)
+            raise _Settled  # rolled back: nothing is written
+
+        with contextlib.suppress(_Settled):
+            self._transact(wait)
+
     def _transact(self, work: Callable[[Transaction], T]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`)."""
-        return _pg.serializable(self.db, work, self.serialization_retries, self.observer)
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`).
+        A table or column that is not there is a :class:`ConfigurationError` when the
+        schema is missing or old (every request would fail the same way); else, the phase
+        code's own, it is re-raised as it is."""
+        try:
+            return _pg.serializable(self.db, work, self.serialization_retries, self.observer)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            self._check_schema()
+            raise
+
+
+class _Settled(Exception):
+    """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
 class _Run:
@@ -412,21 +484,13 @@ class _Run:
             result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
-        if isinstance(result, Response):
-            new_state = state
-        elif result is None or isinstance(result, Mapping):
-            new_state = {**state, **(result or {})}
-        else:
-            raise TypeError(
-                f"foreign step {phase.point!r} returned {type(result).__name__}; "
-                "return a dict, None or a Response"
-            )
+        response, new_state = step_result(phase, state, result, self.record.id)
 
         def commit_step(tx: Transaction) -> Step:
-            return self._commit(tx, phase, result, new_state, [])
+            return self._commit(tx, phase, response, new_state, [])
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
-        if isinstance(result, Response) or not following.atomic:
+        if response is not None or not following.atomic:
             return self.engine._transact(commit_step)
         new_state_json = dump_state(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less

@@ -12,11 +12,13 @@ request, whose cleanup the cancellation cannot interrupt.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import psycopg
@@ -37,15 +39,24 @@ from ._decide import (
     as_answered,
     dump_state,
     replay,
+    step_result,
 )
 from ._pg_async import AsyncTransaction
 from .backoff import backoff_delay
 from .context import AsyncAtomicContext, KeyIdentity, StagedJob, StepContext
 from .database import create_engine, normalize_url
-from .errors import DeclarationError, KeyInUse, LockLost
+from .errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
 from .jobs import JobBackend
 from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
-from .observe import CLIENT, COMPLETER, NO_OBSERVER, NO_RUN, Observer, RunObservation
+from .observe import (
+    CLIENT,
+    COMPLETER,
+    NO_OBSERVER,
+    NO_RUN,
+    Observer,
+    RunObservation,
+    isolated,
+)
 from .operation import (
     STARTED,
     Operation,
@@ -90,7 +101,9 @@ class AsyncEngine(Registry):
     observer:
         Hears of every run, phase, retry and staged job, and of the workers' work (see
         :mod:`recoverypoint.observe`): the Prometheus and OpenTelemetry integrations, or
-        your own; several at once with :func:`recoverypoint.observe.combine`.
+        your own; several at once with :func:`recoverypoint.observe.combine`. It is
+        called in isolation (:func:`recoverypoint.observe.isolated`): what it raises is
+        logged and never changes an outcome.
     namespace:
         What sets this database's derived keys (downstream keys, job keys) apart from any
         other's that shares a foreign account with it. By default the one migration 0009
@@ -153,6 +166,16 @@ class AsyncEngine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
 
+    @property
+    def observer(self) -> Observer:
+        """Hears of the engine's and its workers' work; set it (here or at construction)
+        and it is isolated: it may fail, and no outcome changes."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer) -> None:
+        self._observer = isolated(observer)
+
     async def dispose(self) -> None:
         """Close the pooled connections of the engine made from a URL; an engine you passed
         in is yours to dispose."""
@@ -160,6 +183,24 @@ class AsyncEngine(Registry):
             self.db.dispose()  # made here in any case
         if self._owns_db:
             await self.async_db.dispose()
+
+    async def check(self, *operations: Operation[Any]) -> None:
+        """Check at start-up what would otherwise fail every request: that the database
+        holds recoverypoint's schema at this version's revision (``recoverypoint migrate``
+        applied) and that each of ``operations`` is registered. Raises
+        :class:`ConfigurationError` (:class:`OperationNotRegistered` is one) naming the fix.
+        """
+        for operation in operations:
+            self.check_registered(operation)
+        await self._check_schema()
+
+    async def _check_schema(self) -> None:
+        from .migrate import check_schema  # Alembic: imported only when checking
+
+        if True:  # ASYNC
+            await asyncio.to_thread(check_schema, self.db)
+        else:
+            check_schema(self.db)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -218,7 +259,7 @@ class AsyncEngine(Registry):
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
             if claimed:
-                await self._abandon(claimed[0], exc)
+                await self._abandon(claimed[0], exc, claim_request)
             raise
         if isinstance(first, Outcome):
             return first
@@ -227,9 +268,13 @@ class AsyncEngine(Registry):
 
     async def _database_namespace(self) -> str:
         """The namespace migration 0009 stored in the database; read once, then kept."""
-        row = await _pg_async.run_alone(self.async_db, sql.NAMESPACE, {})
+        try:
+            row = await _pg_async.run_alone(self.async_db, sql.NAMESPACE, {})
+        except psycopg.errors.UndefinedTable:
+            await self._check_schema()  # raises ConfigurationError: not migrated, or old
+            raise
         if row is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "recoverypoint_namespace is empty: run `recoverypoint migrate`, or pass "
                 "namespace= to the engine"
             )
@@ -353,16 +398,26 @@ class AsyncEngine(Registry):
             await self._abandon(run, exc)
             raise
 
-    async def _abandon(self, run: _AsyncRun, exc: BaseException) -> None:
+    async def _abandon(
+        self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
+    ) -> None:
         if True:  # ASYNC
             # A cancelled request gives its lease up and counts the attempt all the same.
-            await _pg_async.shielded(self._give_up(run, exc))
+            await _pg_async.shielded(self._give_up(run, exc, claim))
         else:
-            self._give_up(run, exc)
+            self._give_up(run, exc, claim)
 
-    async def _give_up(self, run: _AsyncRun, exc: BaseException) -> None:
+    async def _give_up(
+        self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
+    ) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
-        the lease up, keep the recovery point and count the attempt."""
+        the lease up, keep the recovery point and count the attempt. ``claim``: the claim
+        was interrupted at its COMMIT, whose outcome is waited for first."""
+        if claim is not None:
+            try:
+                await self._settle(claim)
+            except Exception:
+                logger.exception("could not wait for the claim of key %s", run.record.id)
         if isinstance(exc, Withdrawn) and run.progress.committed == STARTED:
             try:
                 if await store_async.withdraw(self.async_db, run.key):
@@ -386,11 +441,36 @@ class AsyncEngine(Registry):
             error,
         )
 
+    async def _settle(self, claim: ClaimRequest) -> None:
+        """Wait until the claim of ``claim``, interrupted at its COMMIT, has committed or
+        rolled back. Interrupted again, psycopg closes the connection, and the server may
+        still be committing: a release sent on another connection meanwhile would find no
+        row, and the key would stay leased. The claim is made again, in a transaction rolled
+        back: its INSERT waits on the key's unique index for the first one's end."""
+
+        async def wait(tx: AsyncTransaction) -> None:
+            await store_async.claim(tx, claim)
+            raise _Settled  # rolled back: nothing is written
+
+        with contextlib.suppress(_Settled):
+            await self._transact(wait)
+
     async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`)."""
-        return await _pg_async.serializable(
-            self.async_db, work, self.serialization_retries, self.observer
-        )
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`).
+        A table or column that is not there is a :class:`ConfigurationError` when the
+        schema is missing or old (every request would fail the same way); else, the phase
+        code's own, it is re-raised as it is."""
+        try:
+            return await _pg_async.serializable(
+                self.async_db, work, self.serialization_retries, self.observer
+            )
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            await self._check_schema()
+            raise
+
+
+class _Settled(Exception):
+    """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
 class _AsyncRun:
@@ -433,21 +513,13 @@ class _AsyncRun:
             result = await phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
-        if isinstance(result, Response):
-            new_state = state
-        elif result is None or isinstance(result, Mapping):
-            new_state = {**state, **(result or {})}
-        else:
-            raise TypeError(
-                f"foreign step {phase.point!r} returned {type(result).__name__}; "
-                "return a dict, None or a Response"
-            )
+        response, new_state = step_result(phase, state, result, self.record.id)
 
         async def commit_step(tx: AsyncTransaction) -> Step:
-            return await self._commit(tx, phase, result, new_state, [])
+            return await self._commit(tx, phase, response, new_state, [])
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
-        if isinstance(result, Response) or not following.atomic:
+        if response is not None or not following.atomic:
             return await self.engine._transact(commit_step)
         new_state_json = dump_state(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less

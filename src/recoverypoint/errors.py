@@ -14,8 +14,9 @@
     ├── Retryable                    503  raised by phase code for a transient foreign failure
     ├── DatabaseUnavailable          503  the database failed over, restarted or cannot be
     │                                     reached (retry_after)
-    ├── OperationNotRegistered       500  the engine does not know the operation (or version)
-    ├── DeclarationError             500  an operation declared wrongly (raised at import time)
+    ├── ConfigurationError           500  the service is set up wrongly; no retry helps
+    │   ├── OperationNotRegistered   500  the engine does not know the operation (or version)
+    │   └── DeclarationError         500  an operation declared wrongly (raised at import time)
     ├── TransactionEnded             500  phase code ended the phase's transaction itself
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
@@ -107,12 +108,19 @@ class DatabaseUnavailable(IdempotencyError):
     finds the key's lease still held."""
 
 
-class OperationNotRegistered(IdempotencyError):
+
+class ConfigurationError(IdempotencyError):
+    """The service is set up wrongly (its database not migrated, an operation not
+    registered, a scope function that fails): no retry succeeds until its operators fix it.
+    :meth:`Engine.check` finds what it can at start-up."""
+
+
+class OperationNotRegistered(ConfigurationError):
     """The operation is not registered with this engine: call engine.register(operation)
     at start-up, and keep older versions registered while their keys are unfinished."""
 
 
-class DeclarationError(IdempotencyError):
+class DeclarationError(ConfigurationError):
     """The operation is declared wrongly; fix its phases before serving requests."""
 
 

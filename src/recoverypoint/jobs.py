@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, text
 
-from .observe import NO_OBSERVER, Observer
+from .observe import NO_OBSERVER, Observer, isolated
 
 F = TypeVar("F", bound=Callable[["Job"], object])
 
@@ -107,10 +107,12 @@ def consume_once(
 
     ``observer`` (e.g. ``engine.observer``) counts processed and duplicate messages and
     traces the call, linked to the request that staged the job by ``trace_context``
-    (:attr:`Job.trace_context`).
+    (:attr:`Job.trace_context`); it is called in isolation, so its failures never undo
+    the decision.
     """
     if not consumer or not message_id:
         raise ValueError("consume_once needs a consumer name and a message id")
+    observer = isolated(observer)
     with observer.consuming(consumer, message_id, trace_context):
         processed = (
             connection.execute(

@@ -25,6 +25,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from recoverypoint.database import create_engine
+from recoverypoint.errors import ConfigurationError
 
 VERSION_TABLE = "recoverypoint_alembic_version"
 
@@ -90,7 +91,32 @@ def upgrade(url_or_engine: str | URL | sa.Engine) -> UpgradeResult:
     finally:
         if engine is not url_or_engine:
             engine.dispose()
-    return UpgradeResult(applied=tuple(applied), revision=_head(config))
+    head = _head(ScriptDirectory.from_config(config))
+    return UpgradeResult(applied=tuple(applied), revision=head)
+
+
+def check_schema(db: sa.Engine) -> None:
+    """Raise :class:`~recoverypoint.ConfigurationError` unless the database holds
+    recoverypoint's schema at this version's revision (or at a newer one: a newer
+    recoverypoint migrated it, and its schema still holds this version's)."""
+    script = ScriptDirectory.from_config(_config())
+    with db.connect() as conn:
+        current = None
+        if sa.inspect(conn).has_table(VERSION_TABLE):
+            current = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+    url = db.url.render_as_string(hide_password=True)
+    if current is None:
+        raise ConfigurationError(
+            f"the database {url} has no recoverypoint schema: run `recoverypoint migrate` "
+            "(or apply `recoverypoint migrate --sql`) before serving requests"
+        )
+    head = _head(script)
+    older = {revision.revision for revision in script.walk_revisions()} - {head}
+    if current in older:
+        raise ConfigurationError(
+            f"the database {url} has recoverypoint's schema at revision {current}, and this "
+            f"version needs {head}: run `recoverypoint migrate`"
+        )
 
 
 def upgrade_sql(out: TextIO) -> None:
@@ -106,7 +132,7 @@ def _config(**kwargs: Any) -> Config:
     return config
 
 
-def _head(config: Config) -> str:
-    head = ScriptDirectory.from_config(config).get_current_head()
+def _head(script: ScriptDirectory) -> str:
+    head = script.get_current_head()
     assert head is not None, "recoverypoint's migrations have no revisions"
     return head

@@ -18,14 +18,20 @@ Two kinds of hooks:
 
 ``recoverypoint.integrations.prometheus`` and ``recoverypoint.integrations.otel`` are
 observers; :func:`combine` runs several side by side.
+
+An observer never changes an outcome: the engine, the workers and ``consume_once`` call it
+through :func:`isolated`, so a hook that raises (a metrics push or a trace exporter down)
+is logged, once per observer, hook and kind of error, and the work goes on as if it had
+not been observed. A scope cannot swallow the work's error either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import (
     InvalidKey,
@@ -39,6 +45,10 @@ from .operation import Outcome, Withdrawn
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+logger = logging.getLogger("recoverypoint")
+
+T = TypeVar("T")
 
 OUTCOMES = (
     "new",
@@ -195,7 +205,8 @@ def combine(*observers: Observer) -> Observer:
         return NO_OBSERVER
     if len(observers) == 1:
         return observers[0]
-    return _Observers(observers)
+    # Each one isolated: one that fails does not keep the others from hearing the event.
+    return _Observers([isolated(o) for o in observers])
 
 
 class _Observers(Observer):
@@ -312,3 +323,172 @@ class _All(AbstractContextManager[object]):
         tb: TracebackType | None,
     ) -> bool:
         return bool(self._stack.__exit__(exc_type, exc, tb))
+
+
+def isolated(observer: Observer) -> Observer:
+    """``observer``, its failures logged and swallowed: what it raises, from an event or
+    from entering or leaving a scope, never reaches the work it observes, and a scope
+    cannot swallow the work's own error. :data:`NO_OBSERVER` is returned as it is."""
+    if observer is NO_OBSERVER or isinstance(observer, _Isolated):
+        return observer
+    return _Isolated(observer)
+
+
+# What was logged already: (observer's class, hook, error's class). A failing exporter
+# fails on every request; its first failure says everything.
+_reported: set[tuple[str, str, str]] = set()
+
+
+def _report(observer: object, hook: str, exc: Exception) -> None:
+    kind = (type(observer).__qualname__, hook, type(exc).__qualname__)
+    if kind in _reported:
+        return
+    _reported.add(kind)
+    logger.error(
+        "observer %s failed in %s; the work goes on unobserved there (further %s errors "
+        "of this hook are not logged)",
+        kind[0],
+        hook,
+        kind[2],
+        exc_info=exc,
+    )
+
+
+def _attempt(observer: object, hook: str, call: Callable[[], T]) -> T | None:
+    try:
+        return call()
+    except Exception as exc:
+        _report(observer, hook, exc)
+        return None
+
+
+class _IsolatedScope(AbstractContextManager[object]):
+    """A scope of an observer's: entered and left in isolation, never swallowing."""
+
+    def __init__(self, observer: object, hook: str, make: Callable[[], Any]) -> None:
+        self._observer, self._hook = observer, hook
+        self._scope: Any = _attempt(observer, hook, make)
+        self._entered = False
+
+    def __enter__(self) -> object:
+        if self._scope is not None:
+            self._entered = _attempt(self._observer, self._hook, self._enter) is not None
+        return self
+
+    def _enter(self) -> bool:
+        self._scope.__enter__()
+        return True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._entered:
+            _attempt(self._observer, self._hook, lambda: self._scope.__exit__(exc_type, exc, tb))
+
+
+class _IsolatedRun(RunObservation):
+    def __init__(self, observer: Observer, run: Callable[[], RunObservation]) -> None:
+        self._observer = observer
+        self._scope = _IsolatedScope(observer, "run", run)
+
+    def __enter__(self) -> Self:
+        self._scope.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._scope.__exit__(exc_type, exc, tb)
+
+    @property
+    def _run(self) -> Any:
+        return self._scope._scope
+
+    def claimed(self, key_id: int, point: str, attempt: int, new: bool) -> None:
+        if self._run is not None:
+            run = self._run
+            _attempt(self._observer, "claimed", lambda: run.claimed(key_id, point, attempt, new))
+
+    def phase(self, point: str, atomic: bool) -> AbstractContextManager[object]:
+        if self._run is None:
+            return _NOTHING
+        run = self._run
+        return _IsolatedScope(self._observer, "phase", lambda: run.phase(point, atomic))
+
+    def finished(self, outcome: Outcome) -> Outcome:
+        if self._run is not None:
+            run = self._run
+            _attempt(self._observer, "finished", lambda: run.finished(outcome))
+        return outcome  # as the engine made it, whatever the observer returned
+
+
+class _Isolated(Observer):
+    """An observer whose every hook runs in isolation; see :func:`isolated`."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def _event(self, hook: str, call: Callable[[], object]) -> None:
+        _attempt(self.observer, hook, call)
+
+    def run(
+        self, operation: str, version: int, *, by: str, scope: str | None, key: str | None
+    ) -> RunObservation:
+        o = self.observer
+        return _IsolatedRun(o, lambda: o.run(operation, version, by=by, scope=scope, key=key))
+
+    def serialization_retry(self, attempt: int, sqlstate: str | None) -> None:
+        self._event(
+            "serialization_retry", lambda: self.observer.serialization_retry(attempt, sqlstate)
+        )
+
+    def serialization_exhausted(self, sqlstate: str | None) -> None:
+        self._event(
+            "serialization_exhausted", lambda: self.observer.serialization_exhausted(sqlstate)
+        )
+
+    def trace_context(self) -> str | None:
+        found = _attempt(self.observer, "trace_context", self.observer.trace_context)
+        # Stored with a staged job: anything but text would fail the phase's COMMIT.
+        return found if isinstance(found, str) else None
+
+    def job_staged(self, operation: str, job: str) -> None:
+        self._event("job_staged", lambda: self.observer.job_staged(operation, job))
+
+    def publishing(
+        self, job: str, job_key: str, trace_context: str | None
+    ) -> AbstractContextManager[object]:
+        o = self.observer
+        return _IsolatedScope(o, "publishing", lambda: o.publishing(job, job_key, trace_context))
+
+    def job_published(self, job: str, lag: float) -> None:
+        self._event("job_published", lambda: self.observer.job_published(job, lag))
+
+    def job_publish_failed(self, job: str) -> None:
+        self._event("job_publish_failed", lambda: self.observer.job_publish_failed(job))
+
+    def key_abandoned(self, operation: str) -> None:
+        self._event("key_abandoned", lambda: self.observer.key_abandoned(operation))
+
+    def reaped(self, finished: int, abandoned: int, messages: int) -> None:
+        self._event("reaped", lambda: self.observer.reaped(finished, abandoned, messages))
+
+    def worker_pass(self, worker: str) -> None:
+        self._event("worker_pass", lambda: self.observer.worker_pass(worker))
+
+    def consuming(
+        self, consumer: str, message_id: str, trace_context: str | None
+    ) -> AbstractContextManager[object]:
+        o = self.observer
+        return _IsolatedScope(
+            o, "consuming", lambda: o.consuming(consumer, message_id, trace_context)
+        )
+
+    def consumed(self, consumer: str, processed: bool) -> None:
+        self._event("consumed", lambda: self.observer.consumed(consumer, processed))

@@ -81,6 +81,17 @@ class Outcome:
     replayed: bool
 
 
+PROBLEM_TYPE_PREFIX = "tag:recoverypoint,2025:"
+"""Problem types are URIs that identify a kind of problem without pretending to be a web
+page (RFC 9457 §3.1.1 suggests the tag: scheme for that); the last part names the problem."""
+
+
+def problem_response(status: int, kind: str, title: str, detail: str) -> Response:
+    """An answer stored for a key in ``application/problem+json`` (RFC 9457)."""
+    body = {"type": PROBLEM_TYPE_PREFIX + kind, "title": title, "status": status, "detail": detail}
+    return Response(status, body, {"content-type": "application/problem+json"})
+
+
 AtomicResult = Response | RecoveryPoint | None
 StepResult = Response | Mapping[str, Any] | None
 
@@ -199,7 +210,13 @@ class Operation(Generic[P]):
 
     def foreign_step(self, point: str) -> Callable[[F], F]:
         """Declare the next phase: ``fn(step: StepContext, params)`` outside any transaction;
-        what it returns is committed with ``point``."""
+        what it returns is committed with ``point``.
+
+        The step has run once it returns, so its effect may have happened: a result that
+        cannot be stored (not a dict, ``None`` or a :class:`Response`; not JSON; text with
+        NUL...) does not make it run again. The key finishes with a 500
+        ``application/problem+json`` answer saying the work was done but its result not
+        recorded, every retry gets it, and the error is logged for the operator."""
         return self._declare(point, "foreign", ())
 
     def _declare(

@@ -13,6 +13,13 @@ Each decorated function is an operation of two phases, as a single-step endpoint
 2. ``finished``, an atomic phase, answers that value (it commits in the step's
    transaction).
 
+Any value the return annotation describes is stored exactly, bytes included (see
+:mod:`recoverypoint.idempotent.shape`); a return type that can never be stored (a socket,
+a generator) is refused when the function is decorated. A value that still cannot be
+stored (one its annotation does not describe, a lone surrogate) is found after the
+function ran, its effect done: the key then finishes with that refusal, and every call with
+the key raises :class:`AbandonedCall` saying so, without running the function again.
+
 So a call gets what a request gets: the atomic claim, the lease, the fingerprint of its
 arguments (the same key with other arguments raises :class:`~recoverypoint.ParamsMismatch`),
 the scope, and replays: a finished key returns the stored value without calling the
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,16 +52,21 @@ from ..context import StepContext
 from ..engine import Engine
 from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..operation import FINISHED, Operation, Outcome, Response
-from .shape import ArgumentRule, Shape, as_key_text
+from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
 __all__ = ["AbandonedCall", "downstream_key", "idempotent"]
+
+logger = logging.getLogger("recoverypoint")
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 CALLED = "called"
-_VALUE = "value"
 _RETURNED = 200
+_NOT_STORED = "not_stored"  # the state's name for the refusal of a return value
+# A value stored as the text of its JSON is answered with this header, so that every call
+# knows which form to rebuild it from.
+_JSON_TEXT_HEADERS = {"content-type": "application/json"}
 
 
 class AsyncRunner(Protocol):
@@ -267,10 +280,13 @@ class _Calls:
     def returned(self, outcome: Outcome) -> Any:
         if outcome.status != _RETURNED:
             body = outcome.body if isinstance(outcome.body, Mapping) else {}
+            if _NOT_STORED in body:
+                raise AbandonedCall(str(body[_NOT_STORED]))
             raise AbandonedCall(
                 f"the call with this key was abandoned: {body.get('message', outcome.body)}"
             )
-        return self.shape.load_return(outcome.body)
+        form = JSON_TEXT if outcome.headers == _JSON_TEXT_HEADERS else VALUE
+        return self.shape.load_return(form, outcome.body)
 
     @contextmanager
     def running(self, step: StepContext) -> Iterator[_Call]:
@@ -290,17 +306,34 @@ class _Calls:
     def step(self, step: StepContext, params: Any) -> dict[str, Any]:
         with self.running(step) as call:
             value = self.fn(*call.args, **call.kwargs)
-        return {_VALUE: self.shape.dump_return(value)}
+        return self.stored(value)
 
     async def step_async(self, step: StepContext, params: Any) -> dict[str, Any]:
         with self.running(step) as call:
             value = await self.fn(*call.args, **call.kwargs)
-        return {_VALUE: self.shape.dump_return(value)}
+        return self.stored(value)
+
+    def stored(self, value: object) -> dict[str, Any]:
+        """What the step commits for ``value``: the function ran, so even a value that
+        cannot be stored is recorded, as the refusal every later call gets."""
+        try:
+            return self.shape.stored_return(value)
+        except ReturnNotStored as exc:
+            logger.error("key of %s: %s", self.shape.qualname, exc)
+            return {
+                _NOT_STORED: f"{exc}. The call ran (its effects happened) and will not run "
+                "again for this key: check them before calling with another key"
+            }
 
 
 def _finish(tx: Any, params: Any) -> Response:
     # Out of the state: the value is kept once, as the key's response.
-    return Response(_RETURNED, tx.state.pop(_VALUE))
+    state = tx.state
+    if JSON_TEXT in state:
+        return Response(_RETURNED, state.pop(JSON_TEXT), _JSON_TEXT_HEADERS)
+    if _NOT_STORED in state:
+        return Response(500, {_NOT_STORED: state.pop(_NOT_STORED)})
+    return Response(_RETURNED, state.pop(VALUE))
 
 
 async def _finish_async(tx: Any, params: Any) -> Response:

@@ -1,21 +1,44 @@
 """What :func:`~recoverypoint.idempotent` reads from a function's signature: the params
 type its arguments are validated and fingerprinted with, and how its return value is stored
-and rebuilt. Everything here is decided when the function is decorated."""
+and rebuilt. Everything here is decided when the function is decorated.
+
+A return value is stored in one of two forms, both rebuilt exactly as the annotation says:
+
+- as its JSON value (readable in the console, and the form of every value stored before
+  the second one existed), when plain JSON carries it: no bytes that are not UTF-8, no
+  NaN or infinity, no NUL;
+- else as the text of its JSON (:data:`JSON_TEXT`), bytes in base64, NaN and the
+  infinities as JSON's common extensions, NUL escaped: jsonb stores that text as a string.
+
+A value neither form carries (a lone surrogate, a pydantic model whose own config cannot
+dump its bytes, a value its annotation does not describe) is refused by
+:meth:`Shape.stored_return`, after the function ran: the caller stores the refusal as the
+key's answer, so that the function is never run again for the key.
+"""
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any, cast
 
-from pydantic import PydanticSchemaGenerationError, TypeAdapter
-from pydantic_core import PydanticSerializationError
+from pydantic import ConfigDict, PydanticSchemaGenerationError, TypeAdapter
 from typing_extensions import TypedDict
 
 from ..errors import InvalidKey, InvalidParams
 from ..keys import MAX_JSON_DEPTH, canonical_json
+
+JSON_TEXT = "json"
+"""The state's name for a return value stored as the text of its JSON; ``value`` names
+one stored as its JSON value."""
+VALUE = "value"
+
+# The exact form's serialisation: in a 1-tuple, so that the config reaches a dataclass or
+# TypedDict too (pydantic takes no config for those themselves; a model keeps its own).
+_EXACT = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64", ser_json_inf_nan="constants")
 
 ArgumentRule = str | Callable[[Mapping[str, Any]], object]
 """The name of one of the function's arguments, or a callable given all of them by name
@@ -32,6 +55,12 @@ class Shape:
         unknown = sorted(set(exclude) - set(parameters))
         if unknown:
             raise TypeError(f"{self.qualname} has no argument {unknown[0]!r} to exclude")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # Calling one runs none of its body: there is no call to make once per key.
+            raise TypeError(
+                f"@idempotent: {self.qualname} is a generator function, whose call does none "
+                "of its work; decorate a function that does the work and returns its result"
+            )
         self.exclude = frozenset(exclude)
         hints = _annotations(fn, [*(set(parameters) - self.exclude), "return"])
         fields = {
@@ -48,6 +77,7 @@ class Shape:
         # text...) and comes back as that JSON.
         returns = hints.get("return", Any)
         self.returns = _check_storable(returns, f"the return type of {self.qualname}", None)
+        self.exact: TypeAdapter[Any] = TypeAdapter(tuple[returns], config=_EXACT)  # type: ignore[valid-type]
 
     def rule(self, rule: ArgumentRule, what: str) -> Callable[[Mapping[str, Any]], object]:
         """``rule`` as a function of the arguments; an argument's name is checked now."""
@@ -72,24 +102,46 @@ class Shape:
             )
         return params
 
-    def dump_return(self, value: object) -> Any:
-        """``value`` as JSON to store; a TypeError when it cannot be stored."""
-        if _non_finite(value):
-            raise TypeError(f"{self.qualname} returned NaN or an infinity: {_NO_NAN}")
+    def stored_return(self, value: object) -> dict[str, Any]:
+        """``value`` as the state stores it, under :data:`VALUE` or :data:`JSON_TEXT`;
+        a :class:`ReturnNotStored` when neither form can carry it."""
         try:
-            dumped = self.returns.dump_python(value, mode="json")
-            canonical_json(dumped)
-        except (PydanticSerializationError, ValueError) as exc:
-            raise TypeError(
-                f"{self.qualname} returned a value that cannot be stored: {exc}; "
-                "return JSON, or annotate the return type (a pydantic model...)"
+            return {VALUE: self._plain(value)}
+        except ValueError:
+            pass
+        try:
+            text = json.dumps(self.exact.dump_python((value,), mode="json", warnings="error")[0])
+            self.load_return(JSON_TEXT, text)  # exactly: what cannot come back is refused
+        except Exception as exc:  # whatever pydantic or the type raises
+            raise ReturnNotStored(
+                f"{self.qualname} returned a value that cannot be stored "
+                f"({type(exc).__name__}: {exc}"[:1000] + "): annotate its return type with "
+                "what it returns (a pydantic model, a dataclass...) and return JSON-able data"
             ) from exc
+        return {JSON_TEXT: text}
+
+    def _plain(self, value: object) -> Any:
+        """``value`` as its JSON value, or a ValueError if that form would not carry it."""
+        if _non_finite(value):  # pydantic would dump one where the annotation is Any as null
+            raise ValueError("NaN or an infinity")
+        try:
+            dumped = self.returns.dump_python(value, mode="json", warnings="error")
+            canonical_json(dumped)
+            self.load_return(VALUE, dumped)
+        except Exception as exc:  # the exact form is tried next
+            raise ValueError(str(exc)) from exc
         return dumped
 
-    def load_return(self, stored: Any) -> Any:
-        """The value a call returns, rebuilt from what was stored (the first call's too, so
-        that it equals every replay)."""
+    def load_return(self, form: str, stored: Any) -> Any:
+        """The value a call returns, rebuilt from what was stored in ``form`` (the first
+        call's too, so that it equals every replay)."""
+        if form == JSON_TEXT:
+            return self.exact.validate_json(f"[{stored}]")[0]
         return self.returns.validate_python(stored)
+
+
+class ReturnNotStored(TypeError):
+    """A return value neither storage form can carry."""
 
 
 def as_key_text(value: object, what: str, qualname: str) -> str:

@@ -54,7 +54,13 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ..context import AtomicContext, StepContext
 from ..engine import Engine
-from ..errors import IdempotencyError, InvalidParams, RequestTooLarge, Retryable
+from ..errors import (
+    ConfigurationError,
+    IdempotencyError,
+    InvalidParams,
+    RequestTooLarge,
+    Retryable,
+)
 from ..keys import MAX_JSON_DEPTH, safe_headers
 from ..operation import FINISHED, Operation, Outcome, Response, Withdrawn
 from ..operation import Request as KeyRequest
@@ -240,6 +246,26 @@ class BaseIdempotency(Generic[RequestT]):
         self.async_engine = async_engine
         self.scope = scope
         self.retry_after = retry_after
+
+    def _scope_of(
+        self, request: RequestT, when: str, refusals: tuple[type[Exception], ...]
+    ) -> str | Reply:
+        """The scope of ``request``, or the answer when the scope function fails: the
+        framework's own refusals (a 401) propagate, as the application meant them; any
+        other failure is the service's (a :class:`~recoverypoint.ConfigurationError`,
+        logged naming the function and ``when`` it runs), which no retry mends."""
+        try:
+            return self.scope(request)
+        except refusals:
+            raise
+        except Exception as exc:
+            name = getattr(self.scope, "__qualname__", None) or repr(self.scope)
+            error = ConfigurationError(
+                f"the scope function {name} failed ({type(exc).__name__}: {exc}); it runs "
+                f"{when}"
+            )
+            logger.error("%s", error, exc_info=exc)
+            return problem_reply(error, retry_after=self.retry_after)
 
     def _declare_single_step(
         self, name: str, lock_timeout: timedelta, *, on_loop: bool = False

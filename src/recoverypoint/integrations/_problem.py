@@ -20,9 +20,9 @@ from decimal import Decimal
 from http import HTTPStatus
 from typing import Any
 
-from ..errors import IdempotencyError, InvalidKey, KeyInUse
+from ..errors import ConfigurationError, IdempotencyError, InvalidKey, KeyInUse
 from ..keys import validate_key
-from ..operation import Outcome
+from ..operation import PROBLEM_TYPE_PREFIX, Outcome
 from ._sfv import ParseError, Token, parse_item
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -32,14 +32,17 @@ CONTENT_TYPE = "Content-Type"
 PROBLEM_JSON = "application/problem+json"
 JSON = "application/json"
 
-# Problem types are URIs that identify a kind of problem without pretending to be a web page
-# (RFC 9457 §3.1.1 suggests the tag: scheme for that); the last part names the error class.
-PROBLEM_TYPE_PREFIX = "tag:recoverypoint,2025:"
 
 # What a 500 tells the client: enough to act on, nothing about the server's insides.
 UNEXPECTED_DETAIL = (
     "The server failed while handling this request. Retry it with the same Idempotency-Key: "
     "the work already done is kept and is not repeated."
+)
+
+# What a 500 for a configuration mistake tells the client: not to retry in a loop.
+CONFIGURATION_DETAIL = (
+    "The service is not set up to handle this request, and retrying it will not help until "
+    "its operators fix that; they have been told."
 )
 
 # Statuses that carry no body (RFC 9110 §6.4.1).
@@ -142,16 +145,22 @@ def problem_reply(exc: BaseException, *, retry_after: int) -> Reply:
     """``application/problem+json`` for an exception raised while serving a request.
 
     An :class:`~recoverypoint.IdempotencyError` gets its ``http_status``; 409 and 503 add
-    ``Retry-After: retry_after`` (a key in use: no more than the rest of its lease). Anything
-    else, and an ``IdempotencyError`` of status 500, is a 500 whose text tells the client to
-    retry with the same key; no server detail is ever sent. 5xx answers use the error's default
-    text, not its message, which phase code may have filled with internal detail.
+    ``Retry-After: retry_after`` (a key in use: no more than the rest of its lease). A
+    :class:`~recoverypoint.ConfigurationError` is a 500 that says the service is set up
+    wrongly and a retry will not help. Anything else, and an ``IdempotencyError`` of status
+    500, is a 500 whose text tells the client to retry with the same key; no server detail
+    is ever sent. 5xx answers use the error's default text, not its message, which phase
+    code may have filled with internal detail.
     """
+    cls = type(exc)
+    if isinstance(exc, ConfigurationError):
+        # The service's mistake, which no retry mends: said so, without its insides.
+        kind = _CAMEL_BOUNDARY.sub("-", cls.__name__).lower()
+        return problem(500, kind, "The service is misconfigured", CONFIGURATION_DETAIL)
     if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
         return problem(
             500, "unexpected-error", "The request failed unexpectedly", UNEXPECTED_DETAIL
         )
-    cls = type(exc)
     default = _one_line(cls.__doc__ or "")
     headers: list[tuple[str, str]] = []
     if exc.http_status in (409, 503):

@@ -5,7 +5,7 @@ Install with ``pip install 'recoverypoint[fastapi]'``.
 
 A phased operation, from a sync or an async route::
 
-    idempotency = Idempotency(engine, scope=lambda request: request.state.user_id)
+    idempotency = Idempotency(engine, scope=lambda request: request.user.identity)
 
     @app.post("/rides")
     def post_ride(request: Request, body: RideParams) -> Response:
@@ -61,7 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import InvalidKey, RequestTooLarge
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem_reply, read_key
+from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply, read_key
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -73,7 +73,9 @@ class Idempotency(BaseIdempotency[Request]):
 
     ``scope`` is called with the :class:`~starlette.requests.Request`. For a single-step
     endpoint it runs in the middleware, before the route's dependencies: derive the scope
-    from headers or from what an outer middleware set (``request.user``...).
+    from headers or from what an outer middleware set (``request.user``...). A scope
+    function that raises (but for an ``HTTPException``, its refusal) is the service's
+    mistake: a 500 ``problem+json`` that says so, logged naming the function.
     """
 
     def run(self, operation: Operation[Any], request: Request, params: Any) -> Response:
@@ -82,9 +84,12 @@ class Idempotency(BaseIdempotency[Request]):
         Errors become ``application/problem+json`` answers; a replay carries
         ``Idempotent-Replayed: true``.
         """
+        scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
+        if isinstance(scope, Reply):
+            return _response(scope)
         reply = self._serve(
             operation,
-            scope=self.scope(request),
+            scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=target(request.url.path, request.url.query),
@@ -97,9 +102,12 @@ class Idempotency(BaseIdempotency[Request]):
         engine, on the event loop; any other on the sync engine, in a worker thread."""
         if self.async_engine is None or not is_async(operation):
             return await run_in_threadpool(self.run, operation, request, params)
+        scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
+        if isinstance(scope, Reply):
+            return _response(scope)
         reply = await self._serve_async(
             operation,
-            scope=self.scope(request),
+            scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=target(request.url.path, request.url.query),
@@ -130,17 +138,26 @@ class Idempotency(BaseIdempotency[Request]):
         return decorate
 
 
+# When the scope function runs, for the error that says it failed.
+_IN_ROUTE = "in Idempotency.run(), inside the route"
+_IN_MIDDLEWARE = (
+    "in SingleStepMiddleware, before the route's dependencies (what they put on "
+    "request.state is not there yet): derive the scope from the request's headers or from "
+    "what an outer middleware set (request.user...)"
+)
+
 # Endpoints made single-step, as their routes will find them; endpoints live as long as
 # the process, so a plain dict is enough.
 _SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any]]] = {}
 
 
 class _Entry:
-    """Whether FastAPI called the endpoint: set by :func:`_guarded`, read by the middleware.
-    A mutable object in a context variable, as a sync endpoint runs in a copy of the
-    context, in another thread."""
+    """Whether FastAPI called the endpoint, and whether it returned: set by
+    :func:`_guarded`, read by the middleware. A mutable object in a context variable, as a
+    sync endpoint runs in a copy of the context, in another thread."""
 
     entered = False
+    returned = False
 
 
 # Set while SingleStepMiddleware runs the application for a single-step endpoint.
@@ -172,12 +189,12 @@ class SingleStepMiddleware:
         idempotency, operation = found
         request = Request(scope)
         try:
-            tenant = idempotency.scope(request)
+            tenant = idempotency._scope_of(request, _IN_MIDDLEWARE, (HTTPException,))
         except HTTPException as exc:  # the application's own refusal, such as a 401
             headers = list((exc.headers or {}).items())
-            await _response(http_problem(exc.status_code, exc.detail, headers))(
-                scope, receive, send
-            )
+            tenant = http_problem(exc.status_code, exc.detail, headers)
+        if isinstance(tenant, Reply):
+            await _response(tenant)(scope, receive, send)
             return
         try:
             # The key first, from the headers: a request without a valid one is refused
@@ -290,8 +307,19 @@ class _AppRun:
 
     async def response(self) -> Captured:
         """The response, once its last body message is sent; what the application raised
-        if it failed before that."""
+        if it failed before that. A failure after the endpoint returned (FastAPI's
+        ``response_model`` refusing its value) comes after the endpoint's work: the answer
+        is then a 500 that says so, stored as the key's, so that no retry does it again."""
         await self.answered.wait()
+        if self.captured is None and self.error is not None and self.entry.returned:
+            logger.error(
+                "%s %s: the endpoint ran, then its response failed; answered and stored 500",
+                self.scope["method"],
+                self.scope["path"],
+                exc_info=self.error,
+            )
+            refused = problem(500, "response-failed-validation", *_RESPONSE_FAILED)
+            return Captured(refused.status, refused.headers, refused.body)
         if self.captured is None:
             raise self.error or RuntimeError("the application returned without a response")
         return self.captured
@@ -300,6 +328,15 @@ class _AppRun:
         if not committed:
             self.cancel_scope.cancel()
         self.resumed.set()
+
+
+# The title and detail of the answer stored when the endpoint's response failed after it ran.
+_RESPONSE_FAILED = (
+    "The response failed validation",
+    "The work this request asked for was done, but the response the endpoint returned failed "
+    "validation, so it cannot be sent. It is not done again for this Idempotency-Key; the "
+    "service's operators have been told.",
+)
 
 
 def _response(reply: Reply) -> Response:
@@ -317,7 +354,7 @@ def _guarded(endpoint: E) -> E:
     and its kind, sync or async, so FastAPI calls it the same way.
     """
 
-    def check() -> None:
+    def check() -> _Entry:
         entry = _ENTRY.get()
         if entry is None:
             raise RuntimeError(
@@ -325,20 +362,25 @@ def _guarded(endpoint: E) -> E:
                 "app.add_middleware(SingleStepMiddleware) so that its key is claimed"
             )
         entry.entered = True
+        return entry
 
     if inspect.iscoroutinefunction(endpoint):
 
         @functools.wraps(endpoint)
         async def guarded_async(*args: Any, **kwargs: Any) -> Any:
-            check()
-            return await endpoint(*args, **kwargs)
+            entry = check()
+            result = await endpoint(*args, **kwargs)
+            entry.returned = True
+            return result
 
         return guarded_async  # type: ignore[return-value]
 
     @functools.wraps(endpoint)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        check()
-        return endpoint(*args, **kwargs)
+        entry = check()
+        result = endpoint(*args, **kwargs)
+        entry.returned = True
+        return result
 
     return guarded  # type: ignore[return-value]
 

@@ -30,13 +30,16 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import flask
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, body_params, target
 from ._problem import IDEMPOTENCY_KEY, Reply
 
 __all__ = ["Idempotency"]
+
+# When the scope function runs, for the error that says it failed.
+_IN_VIEW = "in the view, before the key is claimed"
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -61,9 +64,12 @@ class Idempotency(BaseIdempotency[flask.Request]):
         """
         request = flask.request
         limit = self.engine.max_params_bytes
+        scope = self._scope_of(request, _IN_VIEW, (HTTPException,))
+        if isinstance(scope, Reply):
+            return _response(scope)
         reply = self._serve(
             operation,
-            scope=self.scope(request),
+            scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
             target=_target(request),
@@ -99,9 +105,12 @@ class Idempotency(BaseIdempotency[flask.Request]):
                     )
 
                 limit = self.engine.max_params_bytes
+                scope = self._scope_of(request, _IN_VIEW, (HTTPException,))
+                if isinstance(scope, Reply):
+                    return _response(scope)
                 reply, _ = self._serve_single_step(
                     operation,
-                    scope=self.scope(request),
+                    scope=scope,
                     key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
                     method=request.method,
                     target=_target(request),
