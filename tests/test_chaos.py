@@ -87,9 +87,10 @@ def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_
 
     assert_sound(report)
     assert_workers_never_crashed(report, tmp_path)
-    figures = report.figures()
-    assert figures["finished by the completer"] > 0, report.table()
-    assert figures["other process exits"] == 0, report.process_exits
+    # Whether a client or the completer finishes a key left behind by a killed API
+    # process depends on who comes first; tests/test_async_workers.py has the completer
+    # finish async keys every time.
+    assert report.figures()["other process exits"] == 0, report.process_exits
 
 
 def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> None:
