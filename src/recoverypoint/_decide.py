@@ -48,6 +48,8 @@ class ClaimRequest(NamedTuple):
     params_json: str
     fingerprint: str
     token: uuid.UUID
+    lock_timeout: float
+    """Seconds: the operation's, stored with the lease the claim takes."""
 
 
 class KeyRecord(NamedTuple):
@@ -267,6 +269,7 @@ class Registry:
             params_json=params_json,
             fingerprint=fingerprint(method, path, params_json),
             token=uuid.uuid4(),
+            lock_timeout=operation.lock_timeout.total_seconds(),
         )
 
     def judge(

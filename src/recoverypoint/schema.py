@@ -11,6 +11,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -20,7 +21,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, BYTEA, JSONB, UUID
 
 metadata = MetaData()
 
@@ -41,6 +42,11 @@ idempotency_keys = Table(
     # The lease: whoever holds lock_token may commit until locked_at + the lock timeout.
     Column("locked_at", DateTime(timezone=True)),
     Column("lock_token", UUID(as_uuid=True)),
+    # The lock timeout, in seconds, of the request holding the lease (written by every
+    # claim): an operator's tool judges the lease by it without knowing the operation.
+    # None on a row claimed before migration 0009: such a lease is judged by the
+    # operation when it is known, and is live when it is not.
+    Column("lock_timeout", Double),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column(
         "next_attempt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
@@ -158,4 +164,13 @@ audit_log = Table(
     # but left alone are only counted.
     Column("ids", ARRAY(BigInteger), nullable=False),
     Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+)
+
+# Secrets made once per database by migration 0009: ``mask`` keys the digests of masked
+# values (recoverypoint.admin.mask), so that nobody without it can brute-force them back.
+installation_secrets = Table(
+    "installation_secrets",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("secret", BYTEA, nullable=False),
 )

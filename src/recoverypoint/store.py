@@ -39,6 +39,7 @@ def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
         "params": request.params_json,
         "fingerprint": request.fingerprint,
         "token": request.token,
+        "lock_timeout": request.lock_timeout,
     }
     return _fetch_record(tx, sql.CLAIM, params)
 

@@ -37,6 +37,7 @@ async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None
         "params": request.params_json,
         "fingerprint": request.fingerprint,
         "token": request.token,
+        "lock_timeout": request.lock_timeout,
     }
     return await _fetch_record(tx, sql.CLAIM, params)
 

@@ -18,7 +18,6 @@ from .audit import AuditEntry, audit_entries, find_audit_entry
 from .base import (
     ABANDONED,
     DEFAULT_ABANDONED_RETENTION,
-    DEFAULT_LOCK_TIMEOUT,
     DEFAULT_RETENTION,
     DEFAULT_STUCK_AFTER,
     FINISHED,
@@ -64,7 +63,6 @@ __all__ = [
     "DEFAULT_ABANDONED_RETENTION",
     "DEFAULT_ABANDON_MESSAGE",
     "DEFAULT_ABANDON_STATUS",
-    "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_RETENTION",
     "DEFAULT_STUCK_AFTER",
     "FINISHED",

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from ..keys import derived_key
 from ..operation import STARTED, Operation
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, FINISHED, STATES, Admin, NotFound
+from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 from .mask import mask, mask_json
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
@@ -86,9 +86,12 @@ class KeyRow:
     """Negative when overdue."""
     locked_at: datetime | None
     lock_token: UUID | None
-    lock_timeout: float
+    lock_timeout: float | None
+    """Seconds: the lease holder's (else the operation's, when known here); ``None`` when
+    nobody here knows it (a lease taken before migration 0009)."""
     lease_left: float | None
-    """Seconds until the lease expires, negative once expired; ``None`` when free."""
+    """Seconds until the lease expires, negative once expired; ``None`` when free, or
+    when held with an unknown :attr:`lock_timeout` (then it is live: see :attr:`live`)."""
     status: int | None
     created_at: datetime
     age: float
@@ -99,8 +102,9 @@ class KeyRow:
 
     @property
     def live(self) -> bool:
-        """Whether a request holds the lease and nobody may take it over."""
-        return self.lease_left is not None and self.lease_left > 0
+        """Whether a request holds the lease and nobody may take it over (as the database
+        judged it: see :data:`~recoverypoint.admin._sql.LIVE`)."""
+        return self.state == IN_FLIGHT
 
     @property
     def finished(self) -> bool:
@@ -250,7 +254,9 @@ def find_key(
         phases=phases(operation_, row) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
-            row.locked_at + timedelta(seconds=row.lock_timeout) if row.locked_at else None
+            row.locked_at + timedelta(seconds=row.lock_timeout)
+            if row.locked_at and row.lock_timeout is not None
+            else None
         ),
         reaped_after=_reaped_after(admin, row),
     )

@@ -72,8 +72,10 @@ KEY_HEADERS = (
 
 def key_cells(row: admin.KeyRow) -> list[object]:
     lease = None
-    if row.lease_left is not None:
-        lease = seconds(row.lease_left) if row.lease_left > 0 else "expired"
+    if row.live:
+        lease = "unknown" if row.lease_left is None else seconds(row.lease_left)
+    elif row.lease_left is not None:
+        lease = "expired"
     return [
         row.id,
         f"{row.operation}@{row.version}",

@@ -79,14 +79,20 @@ def _print_detail(detail: admin.KeyDetail) -> None:
     row = detail.row
     if row.lock_token is None or row.finished:
         lease = "free"
+    elif row.lease_left is None:
+        lease = f"token {row.lock_token}, taken {_at(row.locked_at)}, live: deadline unknown"
     else:
-        left = row.lease_left or 0
+        left = row.lease_left
         state = f"{seconds(left)} left" if left > 0 else f"expired {seconds(left)} ago"
         lease = (
             f"token {row.lock_token}, taken {_at(row.locked_at)}, until "
             f"{_at(detail.lease_expires_at)} ({state})"
         )
-    timeout = f"{row.lock_timeout:g}s" + ("" if detail.known else " (assumed: pass --app)")
+    timeout = (
+        "unknown (the lease was taken before migration 0009: pass --app)"
+        if row.lock_timeout is None
+        else f"{row.lock_timeout:g}s"
+    )
     print_fields(
         [
             ("id", row.id),
