@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from .. import admin
-from ._common import add_database_options, add_stuck_after, instant
+from ._common import (
+    add_database_options,
+    add_stuck_after,
+    http_status,
+    instant,
+    row_limit,
+    version_number,
+)
 from ._output import due, seconds, truncate
 
 
@@ -16,10 +23,10 @@ def add_common(parser: argparse.ArgumentParser, *, reveal: bool = True) -> None:
         parser.add_argument("--reveal", action="store_true", help="show scopes and params unmasked")
 
 
-def add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
+def add_filters(parser: argparse.ArgumentParser, *, most: int) -> None:
     group = parser.add_argument_group("filters (all must match)")
     group.add_argument("--operation", metavar="NAME")
-    group.add_argument("--version", type=int, metavar="N", help="operation version")
+    group.add_argument("--version", type=version_number, metavar="N", help="operation version")
     group.add_argument("--scope")
     group.add_argument("--key", metavar="KEY", help="the client's idempotency key")
     group.add_argument(
@@ -33,9 +40,13 @@ def add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
         "--since", type=instant, metavar="TIME", help="created at or after: ISO time, or 2h ago"
     )
     group.add_argument("--until", type=instant, metavar="TIME", help="created before")
-    group.add_argument("--status", type=int, metavar="CODE", help="stored response status")
+    group.add_argument("--status", type=http_status, metavar="CODE", help="stored response status")
     group.add_argument(
-        "--limit", type=int, default=limit, metavar="N", help=f"at most N keys (default {limit})"
+        "--limit",
+        type=row_limit,
+        default=most,
+        metavar="N",
+        help=f"at most N keys (default {most})",
     )
 
 

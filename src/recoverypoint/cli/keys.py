@@ -10,7 +10,7 @@ from datetime import datetime
 from .. import admin
 from ..exits import EXIT_OK
 from ._app import UsageError
-from ._common import Subparsers, admin_for, guarded
+from ._common import Subparsers, admin_for, guarded, record_id
 from ._output import due, print_fields, print_json, print_table, seconds, truncate
 from ._selection import KEY_HEADERS, add_common, add_filters, key_cells, key_filter
 from .key_actions import add_key_actions
@@ -31,12 +31,12 @@ def add_keys(subparsers: Subparsers) -> None:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     listing = commands.add_parser("list", help="keys, newest first, with filters")
-    add_filters(listing, limit=50)
+    add_filters(listing, most=50)
     add_common(listing)
     listing.set_defaults(handler=guarded("keys list", _list))
 
     show = commands.add_parser("show", help="everything about one key")
-    show.add_argument("id", type=int, nargs="?", help="the key record's id")
+    show.add_argument("id", type=record_id, nargs="?", help="the key record's id")
     show.add_argument("--scope", help="with --operation and --key: name the key instead of ID")
     show.add_argument("--operation")
     show.add_argument("--key")
