@@ -55,7 +55,7 @@ from .keys import (
     list_keys,
     stats,
 )
-from .mask import mask, mask_json
+from .mask import Mask
 from .overview import Hour, Overview, overview
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "KeyDetail",
     "KeyFilter",
     "KeyRow",
+    "Mask",
     "NotFound",
     "Overview",
     "Phase",
@@ -99,8 +100,6 @@ __all__ = [
     "find_key",
     "list_jobs",
     "list_keys",
-    "mask",
-    "mask_json",
     "overview",
     "purge",
     "release",

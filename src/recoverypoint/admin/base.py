@@ -8,6 +8,7 @@ shown. A lease is judged by the lock timeout its holder stored with it, known or
 
 from __future__ import annotations
 
+import functools
 import getpass
 import socket
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..operation import Operation
+from .mask import Mask
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -115,3 +117,8 @@ class Admin:
 
     def params(self) -> dict[str, Any]:
         return self.known(self.operations)
+
+    @functools.cached_property
+    def mask(self) -> Mask:
+        """The installation's :class:`Mask`, read from the database once."""
+        return Mask.of(self.db)

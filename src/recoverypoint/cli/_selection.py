@@ -20,7 +20,11 @@ def add_common(parser: argparse.ArgumentParser, *, reveal: bool = True) -> None:
     add_database_options(parser)
     add_stuck_after(parser)
     if reveal:
-        parser.add_argument("--reveal", action="store_true", help="show scopes and params unmasked")
+        parser.add_argument(
+            "--reveal",
+            action="store_true",
+            help="show scopes, params, phase outputs and responses unmasked",
+        )
 
 
 def add_filters(parser: argparse.ArgumentParser, *, most: int) -> None:

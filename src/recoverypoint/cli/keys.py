@@ -23,8 +23,9 @@ def add_keys(subparsers: Subparsers) -> None:
         description=(
             "States: in-flight (a request holds a live lease), stuck (unfinished, no live "
             "lease, next attempt overdue by more than --stuck-after), unfinished (waiting for "
-            "its next attempt or its client), finished, abandoned. Scopes and params are "
-            "masked unless --reveal. Exit status: 0 done, 1 failed, 2 usage, 3 not found, "
+            "its next attempt or its client), finished, abandoned. Scopes, params, phase "
+            "outputs, responses and fingerprints are masked (keyed) unless --reveal. Exit "
+            "status: 0 done, 1 failed, 2 usage, 3 not found, "
             "4 refused (nothing was done)."
         ),
     )
