@@ -76,6 +76,8 @@ def test_a_running_ten_minute_lease_is_live_for_every_operator_path(
     [row] = admin.list_keys(admin.Admin(worker_db), admin.KeyFilter(ids=(key_id,)))
     assert (row.state, row.lock_timeout, row.live) == ("in-flight", 600.0, True)
     assert 490 < (row.lease_left or 0) <= 500 and '"state": "in-flight"' in out
+    assert main(["keys", "list", *url]) == EXIT_OK
+    assert re.search(r"in-flight .* 8m[012]\ds ", capsys.readouterr().out)  # left, of 10m
     assert main(["keys", "release", str(key_id), *url]) == EXIT_REFUSED
     assert main(["keys", "abandon", str(key_id), "--yes", *url]) == EXIT_REFUSED
     assert re.search(r"live lease \((49\d|500)s left", capsys.readouterr().err)
