@@ -19,6 +19,7 @@ from workload import Recorder, rows, steps_operation
 
 import recoverypoint as rp
 from recoverypoint import admin
+from recoverypoint.admin import key_actions
 from recoverypoint.cli import main
 from recoverypoint.console import console
 from recoverypoint.exits import EXIT_OK, EXIT_REFUSED
@@ -136,3 +137,26 @@ def test_the_stored_timeout_wins_over_the_operation_known_here(worker_db: sa.Eng
     slow: rp.Operation[Any] = rp.Operation("slow", lock_timeout=timedelta(hours=2))
     [row] = admin.list_keys(admin.Admin(worker_db, (slow,)), admin.KeyFilter(ids=(key_id,)))
     assert (row.state, row.lock_timeout, row.live) == ("stuck", 90.0, False)
+
+
+def test_an_action_leaves_a_lease_its_holder_renewed_since_it_was_read(
+    worker_db: sa.Engine,
+) -> None:
+    """The fence's other half: the token is the same, but a phase committed meanwhile and
+    renewed the lease; the UPDATE judges it live again, as the holder does."""
+    ops = admin.Admin(worker_db)
+    [key_id] = plant(worker_db, **EXPIRED, **OVERDUE)
+    [seen] = admin.list_keys(ops, admin.KeyFilter(ids=(key_id,)))
+    assert seen.state == "stuck"
+    with worker_db.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET locked_at = now() WHERE id = :i"), {"i": key_id}
+        )
+    before = key(worker_db, key_id)
+    for statement, params in [
+        (key_actions._RELEASE, {"force": False}),
+        (key_actions._ABANDON, {"force": False, "status": 500, "body": "{}"}),
+    ]:
+        changed, _ = key_actions._apply(ops, "keys.test", statement, [seen], params, matched=1)
+        assert changed == ()
+    assert key(worker_db, key_id) == before
