@@ -24,6 +24,7 @@ from workload import plant_keys, rows
 
 from recoverypoint import admin
 from recoverypoint.cli import main
+from recoverypoint.cli._app import UsageError
 from recoverypoint.cli.console import standalone, trusted_hosts
 from recoverypoint.exits import EXIT_USAGE
 
@@ -89,6 +90,17 @@ def test_a_rebound_name_gets_neither_a_page_nor_a_token_nor_an_action(
             assert browser.get(f"/keys/{key_id}/abandon").status_code == 200
 
 
+def test_its_names_are_its_address_localhost_on_loopback_and_those_given() -> None:
+    assert trusted_hosts("127.0.0.1", []) == ["127.0.0.1", "localhost"]
+    assert trusted_hosts("::1", ["Ops.Example.com"]) == ["[::1]", "localhost", "ops.example.com"]
+    assert trusted_hosts("10.0.0.5", []) == ["10.0.0.5"]
+    assert trusted_hosts("0.0.0.0", ["ops.example.com"]) == ["0.0.0.0", "ops.example.com"]
+    # Bound to every address, its names cannot be guessed: refused here, before a server
+    # starts (the command's test below would serve, and wait, if they were not).
+    with pytest.raises(UsageError, match="--allowed-host"):
+        trusted_hosts("::", [])
+
+
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
@@ -103,13 +115,6 @@ def test_a_console_that_cannot_know_its_names_is_not_started(
 ) -> None:
     assert main(["console", "--database-url", module_database_url, *options]) == EXIT_USAGE
     assert refusal in capsys.readouterr().err
-
-
-def test_its_names_are_its_address_localhost_on_loopback_and_those_given() -> None:
-    assert trusted_hosts("127.0.0.1", []) == ["127.0.0.1", "localhost"]
-    assert trusted_hosts("::1", ["Ops.Example.com"]) == ["[::1]", "localhost", "ops.example.com"]
-    assert trusted_hosts("10.0.0.5", []) == ["10.0.0.5"]
-    assert trusted_hosts("0.0.0.0", ["ops.example.com"]) == ["0.0.0.0", "ops.example.com"]
 
 
 # -- hostile Host, Origin, Referer and tokens -------------------------------------------------
