@@ -99,6 +99,9 @@ def test_its_names_are_its_address_localhost_on_loopback_and_those_given() -> No
     # starts (the command's test below would serve, and wait, if they were not).
     with pytest.raises(UsageError, match="--allowed-host"):
         trusted_hosts("::", [])
+    for name in ("*.example.com", "*", "ops.example.com:8080", "ops example", ""):
+        with pytest.raises(UsageError, match="no port"):
+            trusted_hosts("127.0.0.1", [name])
 
 
 @pytest.mark.parametrize(

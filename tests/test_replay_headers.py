@@ -25,6 +25,17 @@ CREDENTIALS = {
     "X-CSRF-Token": "secret",
     "X-Session-Id": "secret",
 }
+# The headers of one connection or one message: a replay has its own.
+ONE_MESSAGE = {
+    "Connection": "keep-alive",
+    "Keep-Alive": "timeout=5",
+    "Transfer-Encoding": "chunked",
+    "Content-Length": "999",
+    "TE": "trailers",
+    "Trailer": "Expires",
+    "Upgrade": "websocket",
+    "Proxy-Authenticate": "Basic",
+}
 ANSWER = {"Location": "/prefs/1", "ETag": '"v1"', "X-Request-Cost": "3", "Retry-After": "5"}
 
 
@@ -35,7 +46,7 @@ def test_an_answer_is_replayed_without_the_credentials_it_carried(
 
     @op.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
-        return rp.Response(200, {"ok": True}, {**ANSWER, **CREDENTIALS})
+        return rp.Response(200, {"ok": True}, {**ANSWER, **CREDENTIALS, **ONE_MESSAGE})
 
     engine.register(op)
     first = engine.run(op, key="k", params={}, scope=scope)
