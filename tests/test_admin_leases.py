@@ -160,3 +160,31 @@ def test_an_action_leaves_a_lease_its_holder_renewed_since_it_was_read(
         changed, _ = key_actions._apply(ops, "keys.test", statement, [seen], params, matched=1)
         assert changed == ()
     assert key(worker_db, key_id) == before
+
+
+def test_a_takeover_stores_its_own_lock_timeout(worker_db: sa.Engine) -> None:
+    """A lease taken over by id (a retry, the completer) is judged by its new holder's
+    timeout, here on a row a holder of the previous release left with none."""
+    judged: list[tuple[str, float | None]] = []
+
+    def call() -> None:
+        if not judged:
+            judged.append(("down", None))
+            raise RuntimeError("provider down")
+        [row] = admin.list_keys(admin.Admin(worker_db), admin.KeyFilter())
+        judged.append((row.state, row.lock_timeout))
+
+    engine = rp.Engine(worker_db)
+    operation = steps_operation("slow_charge", Recorder(worker_db, call), lock_timeout=TEN_MINUTES)
+    engine.register(operation)
+    with pytest.raises(RuntimeError, match="provider down"):
+        engine.run(operation, key="k", params={})
+    with worker_db.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET lock_timeout = NULL, lock_token = gen_random_uuid(), "
+                "locked_at = now() - interval '1 hour'"
+            )
+        )
+    assert engine.run(operation, key="k", params={}).status == 201
+    assert judged == [("down", None), ("in-flight", 600.0)]
