@@ -132,7 +132,7 @@ def test_the_stuck_key_section_works_as_written(
         "recoverypoint keys show 1 --app myapp.recovery:engine",
         "recoverypoint keys retry 1",
         WORKER,
-        "recoverypoint keys show 1",
+        "recoverypoint keys show 1 --reveal",
     ]
     with worker_db.connect() as conn:
         status = conn.execute(sa.text("SELECT response_status FROM idempotency_keys")).scalar()

@@ -60,9 +60,8 @@ def run(mutant: Mutant, copy: Path, timeout: float) -> str:
         return "stale"
     target.write_text(source.replace(mutant.old, mutant.new))
     try:
-        return {"passed": "survived", "failed": "killed"}.get(
-            pytest(mutant.tests, copy, timeout), "error"
-        )
+        outcomes = {"passed": "survived", "failed": "killed", "timeout": "timeout"}
+        return outcomes.get(pytest(mutant.tests, copy, timeout), "error")
     finally:
         target.write_text(source)
 

@@ -55,6 +55,8 @@ class ClaimRequest(NamedTuple):
     seed: str
     """What every key derived for the request is made from (:func:`.keys.key_seed`)."""
     token: uuid.UUID
+    lock_timeout: float
+    """Seconds: the operation's, stored with the lease the claim takes."""
 
 
 class KeyRecord(NamedTuple):
@@ -284,6 +286,7 @@ class Registry:
             fingerprint=fingerprint(method, path, params_json),
             seed=key_seed(namespace, scope, operation.name, key),
             token=uuid.uuid4(),
+            lock_timeout=operation.lock_timeout.total_seconds(),
         )
 
     def judge(

@@ -24,6 +24,8 @@ EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_BROKEN_PIPE = 3, 4, 141
 
 def fail(command: str, status: int, message: str) -> int:
     """Print ``message`` as the error of ``recoverypoint <command>``, on one line of its
-    own on stderr; return ``status``."""
-    print(f"recoverypoint {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    own on stderr; return ``status``. What no encoding can write (an argument's bytes that
+    were not UTF-8) is written as escapes."""
+    line = f"{' '.join(['recoverypoint', *command.split()])}: error: {' '.join(message.split())}"
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
     return status

@@ -221,23 +221,42 @@ def derived_key_of(material: str, kind: str, *names: str) -> str:
 
 
 def safe_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
-    """The headers that may be stored and replayed: never cookies or hop-by-hop headers."""
+    """The headers that may be stored and replayed: a replay repeats the answer, never a
+    credential, a session or what concerned one connection (see :data:`_UNSAFE_HEADERS`
+    and :data:`_CREDENTIAL`)."""
     if not headers:
         return {}
-    return {name: value for name, value in headers.items() if name.lower() not in _UNSAFE_HEADERS}
+    return {
+        name: value
+        for name, value in headers.items()
+        if name.lower() not in _UNSAFE_HEADERS and _CREDENTIAL.search(name) is None
+    }
 
 
+# A deny-list, not an allow-list: an API's own headers (Location, ETag, X-Request-Cost...)
+# describe the answer and are replayed. Refused: a session or a credential the endpoint
+# handed its first caller (an access token in Authorization, a Cookie), which a retry with
+# the same key, by anyone who learned the key, must not receive again; and the headers of
+# one connection or one message (hop-by-hop, the body's length).
 _UNSAFE_HEADERS = frozenset(
     {
-        "set-cookie",
         "connection",
         "keep-alive",
         "proxy-authenticate",
-        "proxy-authorization",
         "te",
         "trailer",
         "transfer-encoding",
         "upgrade",
         "content-length",
     }
+)
+
+# Any name that says it carries a credential, standard or not: Authorization,
+# Proxy-Authorization, Authentication-Info, WWW-Authenticate, Cookie, Set-Cookie,
+# X-Auth-Token, X-Api-Key, X-Amz-Security-Token, X-CSRF-Token, X-Session-Id... A header
+# refused by mistake is only missing from a replay; one let through by mistake is a
+# credential handed out again.
+_CREDENTIAL = re.compile(
+    r"auth|cookie|token|session|secret|passw|api-?key|csrf|xsrf|credential|signature",
+    re.IGNORECASE,
 )

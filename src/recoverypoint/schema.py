@@ -12,6 +12,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -21,7 +22,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, BYTEA, JSONB, UUID
 
 metadata = MetaData()
 
@@ -42,6 +43,11 @@ idempotency_keys = Table(
     # The lease: whoever holds lock_token may commit until locked_at + the lock timeout.
     Column("locked_at", DateTime(timezone=True)),
     Column("lock_token", UUID(as_uuid=True)),
+    # The lock timeout, in seconds, of the request holding the lease (written by every
+    # claim): an operator's tool judges the lease by it without knowing the operation.
+    # None on a row claimed before migration 0010: such a lease is judged by the
+    # operation when it is known, and is live when it is not.
+    Column("lock_timeout", Double),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column(
         "next_attempt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
@@ -174,4 +180,13 @@ audit_log = Table(
     # but left alone are only counted.
     Column("ids", ARRAY(BigInteger), nullable=False),
     Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+)
+
+# Secrets made once per database by migration 0010: ``mask`` keys the digests of masked
+# values (recoverypoint.admin.mask), so that nobody without it can brute-force them back.
+installation_secrets = Table(
+    "installation_secrets",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("secret", BYTEA, nullable=False),
 )

@@ -90,6 +90,9 @@ def lease_free(lock_timeout: str) -> str:
 # against the lock timeout of the version that started the key, which SQL does not know.
 _HELD_FOR = "extract(epoch FROM now() - locked_at)::float8::text"
 
+# Every claim stores its lock timeout with the lease it takes (a column of the row it writes
+# anyway), so that an operator's tool judges the lease as its holder does.
+#
 # One round trip: insert the key, or, when it exists, return its row so the caller can tell
 # a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
 # that started it, which may not be the caller's). An existing row is read,
@@ -100,9 +103,11 @@ CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
-            request_path, request_params, fingerprint, derivation_seed, locked_at, lock_token)
+            request_path, request_params, fingerprint, derivation_seed, locked_at, lock_token,
+            lock_timeout)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s)
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s,
+            %(lock_timeout)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for
     )
@@ -121,7 +126,8 @@ CLAIM = Statement(f"""
 CLAIM_BY_ID = Statement(f"""
     WITH claimed AS (
         UPDATE idempotency_keys AS k
-        SET locked_at = now(), lock_token = %(token)s, last_run_at = now()
+        SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
+            last_run_at = now()
         WHERE k.id = %(id)s AND k.finished_at IS NULL
           AND (k.lock_token = %(token)s OR {lease_free("%(lock_timeout)s")})
         RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for

@@ -40,6 +40,7 @@ def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
         "fingerprint": request.fingerprint,
         "seed": request.seed,
         "token": request.token,
+        "lock_timeout": request.lock_timeout,
     }
     return _fetch_record(tx, sql.CLAIM, params)
 

@@ -38,6 +38,7 @@ async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None
         "fingerprint": request.fingerprint,
         "seed": request.seed,
         "token": request.token,
+        "lock_timeout": request.lock_timeout,
     }
     return await _fetch_record(tx, sql.CLAIM, params)
 

@@ -18,7 +18,6 @@ from .audit import AuditEntry, audit_entries, find_audit_entry
 from .base import (
     ABANDONED,
     DEFAULT_ABANDONED_RETENTION,
-    DEFAULT_LOCK_TIMEOUT,
     DEFAULT_RETENTION,
     DEFAULT_STUCK_AFTER,
     FINISHED,
@@ -56,7 +55,7 @@ from .keys import (
     list_keys,
     stats,
 )
-from .mask import mask, mask_json
+from .mask import Mask
 from .overview import Hour, Overview, overview
 
 __all__ = [
@@ -64,7 +63,6 @@ __all__ = [
     "DEFAULT_ABANDONED_RETENTION",
     "DEFAULT_ABANDON_MESSAGE",
     "DEFAULT_ABANDON_STATUS",
-    "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_RETENTION",
     "DEFAULT_STUCK_AFTER",
     "FINISHED",
@@ -83,6 +81,7 @@ __all__ = [
     "KeyDetail",
     "KeyFilter",
     "KeyRow",
+    "Mask",
     "NotFound",
     "Overview",
     "Phase",
@@ -101,8 +100,6 @@ __all__ = [
     "find_key",
     "list_jobs",
     "list_keys",
-    "mask",
-    "mask_json",
     "overview",
     "purge",
     "release",

@@ -1,8 +1,9 @@
 """The SQL fragments the operator queries and actions share.
 
-A key's state is computed by the database, on its clock, with the lock timeout of the
-operation version that started the key (:data:`LOCK_TIMEOUT`), so a listing, a filter and
-the re-check inside an action's UPDATE judge a lease the same way the engine's claim does.
+A key's state is computed by the database, on its clock, with the lock timeout its lease's
+holder stored when it claimed the key (:data:`LOCK_TIMEOUT`), so a listing, a filter and
+the re-check inside an action's UPDATE judge a lease as its holder does, whether or not
+the operation is known here.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ REGISTERED = """
     )
 """
 
-# A subquery, not a join: it is evaluated again on the row version an UPDATE re-checks.
+# The holder's own, stored by its claim. A row claimed before migration 0010 has none: then
+# the operation's, if it is known here (a subquery, not a join: it is evaluated again on the
+# row version an UPDATE re-checks), else NULL: a deadline nobody here knows.
 LOCK_TIMEOUT = """
-    coalesce((SELECT r.lock_timeout FROM registered AS r
-              WHERE r.operation = k.operation AND r.version = k.operation_version),
-             CAST(:default_lock_timeout AS double precision))
+    coalesce(k.lock_timeout,
+             (SELECT r.lock_timeout FROM registered AS r
+              WHERE r.operation = k.operation AND r.version = k.operation_version))
 """
 
-# A lease nobody may take over: the negation of the engine's own rule.
-LIVE = f"(k.finished_at IS NULL AND NOT {lease_free(LOCK_TIMEOUT)})"
+# A lease nobody may take over: the negation of the engine's own rule. A held lease whose
+# deadline is unknown (the rule is NULL) is live: it may be running a step right now.
+LIVE = f"(k.finished_at IS NULL AND coalesce(NOT {lease_free(LOCK_TIMEOUT)}, true))"
 
 STATE = f"""
     CASE

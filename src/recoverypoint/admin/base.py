@@ -2,12 +2,13 @@
 the states a key can be in, and the two ways an action says no.
 
 Knowing the operations (an :class:`~recoverypoint.Engine`'s, or a list) gives each key its
-own lock timeout, its declared phases and its downstream keys; without them a lease is
-judged by the default lock timeout and only the stored recovery point is shown.
+declared phases and its downstream keys; without them only the stored recovery point is
+shown. A lease is judged by the lock timeout its holder stored with it, known or not.
 """
 
 from __future__ import annotations
 
+import functools
 import getpass
 import socket
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..operation import Operation
+from .mask import Mask
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -35,9 +37,6 @@ STATES = (UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED)
 ``unfinished`` (any other unfinished key: waiting for its next attempt or its client),
 ``finished`` (with its response) and ``abandoned`` (finished with an error response by the
 completer or an operator)."""
-
-DEFAULT_LOCK_TIMEOUT = timedelta(seconds=90)
-"""The lease of a key whose operation is not known here: Operation's own default."""
 
 DEFAULT_STUCK_AFTER = timedelta(minutes=5)
 
@@ -73,7 +72,8 @@ class Admin:
         A SQLAlchemy engine on the database holding ``idempotency_keys``.
     operations:
         The operations registered with the application's engine, every version: they
-        give keys their lock timeout, phases and downstream keys.
+        give keys their phases and downstream keys (and the lock timeout of a lease taken
+        before migration 0010, which stored none).
     stuck_after:
         How long past its next attempt an unleased unfinished key waits before it counts
         as stuck.
@@ -112,9 +112,13 @@ class Admin:
             "operations": [op.name for op in ops],
             "versions": [op.version for op in ops],
             "lock_timeouts": [op.lock_timeout.total_seconds() for op in ops],
-            "default_lock_timeout": DEFAULT_LOCK_TIMEOUT.total_seconds(),
             "stuck_after": self.stuck_after.total_seconds(),
         }
 
     def params(self) -> dict[str, Any]:
         return self.known(self.operations)
+
+    @functools.cached_property
+    def mask(self) -> Mask:
+        """The installation's :class:`Mask`, read from the database once."""
+        return Mask.of(self.db)

@@ -246,10 +246,16 @@ def _deletable(row: KeyRow, force: bool) -> str | None:
 
 def _live_lease(row: KeyRow, verb: str) -> str:
     return (
-        f"key {row.id} is held by a live lease ({row.lease_left or 0:.0f}s left, token "
+        f"key {row.id} is held by a live lease ({_left(row)}, token "
         f"{row.lock_token}): a request is running it. Wait for the lease to end, or "
         f"{verb} with --force: the holder's next write then fails with LockLost and rolls back"
     )
+
+
+def _left(row: KeyRow) -> str:
+    if row.lease_left is None:
+        return "it was taken before migration 0010 and its deadline is unknown"
+    return f"{row.lease_left:.0f}s left"
 
 
 def available(row: KeyRow) -> tuple[str, ...]:

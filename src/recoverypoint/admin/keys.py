@@ -18,8 +18,7 @@ import sqlalchemy as sa
 from ..keys import derived_key_of, record_material
 from ..operation import STARTED, Operation
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, FINISHED, STATES, Admin, NotFound
-from .mask import mask, mask_json
+from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
@@ -86,9 +85,12 @@ class KeyRow:
     """Negative when overdue."""
     locked_at: datetime | None
     lock_token: UUID | None
-    lock_timeout: float
+    lock_timeout: float | None
+    """Seconds: the lease holder's (else the operation's, when known here); ``None`` when
+    nobody here knows it (a lease taken before migration 0010)."""
     lease_left: float | None
-    """Seconds until the lease expires, negative once expired; ``None`` when free."""
+    """Seconds until the lease expires, negative once expired; ``None`` when free, or
+    when held with an unknown :attr:`lock_timeout` (then it is live: see :attr:`live`)."""
     status: int | None
     created_at: datetime
     age: float
@@ -99,8 +101,9 @@ class KeyRow:
 
     @property
     def live(self) -> bool:
-        """Whether a request holds the lease and nobody may take it over."""
-        return self.lease_left is not None and self.lease_left > 0
+        """Whether a request holds the lease and nobody may take it over (as the database
+        judged it: see :data:`~recoverypoint.admin._sql.LIVE`)."""
+        return self.state == IN_FLIGHT
 
     @property
     def finished(self) -> bool:
@@ -203,13 +206,13 @@ JOB_STATS = sa.text(
 def list_keys(admin: Admin, filters: KeyFilter, *, reveal: bool = False) -> list[KeyRow]:
     """The keys ``filters`` selects, newest first (by id: ids are given in the order keys
     are claimed, and the primary key serves the order without a sort); scopes masked
-    unless ``reveal``."""
+    (:class:`Mask`) unless ``reveal``."""
     criteria = filters.criteria()
     sql = sa.text(_SELECT.format(where=where(criteria)))
     with admin.db.connect() as conn:
         result = conn.execute(sql, {**admin.params(), **criteria, "limit": filters.limit})
         rows = [KeyRow(**row._mapping) for row in result]
-    return rows if reveal else [dataclasses.replace(r, scope=mask(r.scope)) for r in rows]
+    return rows if reveal else [dataclasses.replace(r, scope=admin.mask(r.scope)) for r in rows]
 
 
 def find_key(
@@ -221,7 +224,11 @@ def find_key(
     key: str | None = None,
     reveal: bool = False,
 ) -> KeyDetail:
-    """One key, by id or by its scope, operation and key; raises :class:`NotFound`."""
+    """One key, by id or by its scope, operation and key; raises :class:`NotFound`.
+
+    Unless ``reveal``, everything that may name a customer is masked (:class:`Mask`): the
+    scope, the params, the phase outputs, the stored response's body and headers, and
+    the request's fingerprint (a digest of the params that would confirm a guess)."""
     if key_id is not None:
         criteria: dict[str, Any] = {"ids": [key_id]}
         what = f"key {key_id}"
@@ -242,8 +249,10 @@ def find_key(
     detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
     row = KeyRow(**values)
     if not reveal:
-        row = dataclasses.replace(row, scope=mask(row.scope))
-        detail["request_params"] = mask_json(detail["request_params"])
+        row = dataclasses.replace(row, scope=admin.mask(row.scope))
+        detail["fingerprint"] = admin.mask(detail["fingerprint"])
+        for name in ("request_params", "phase_state", "response_headers", "response_body"):
+            detail[name] = admin.mask.json(detail[name])
     operation_ = admin.operation(row.operation, row.version)
     return KeyDetail(
         row=row,
@@ -251,7 +260,9 @@ def find_key(
         phases=phases(operation_, row, seed) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
-            row.locked_at + timedelta(seconds=row.lock_timeout) if row.locked_at else None
+            row.locked_at + timedelta(seconds=row.lock_timeout)
+            if row.locked_at and row.lock_timeout is not None
+            else None
         ),
         reaped_after=_reaped_after(admin, row),
     )

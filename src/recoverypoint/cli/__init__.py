@@ -15,8 +15,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
-from ..exits import EXIT_BROKEN_PIPE
+from ..exits import EXIT_BROKEN_PIPE, EXIT_USAGE, fail
 from ._common import Handler, Subparsers
 from .console import add_console
 from .demo import add_demo
@@ -39,8 +40,16 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, with a usage error on one line, as every other error (``--help``
+    shows the usage): its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.exit(fail(self.prog.removeprefix("recoverypoint"), EXIT_USAGE, message))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="recoverypoint",
         description="Idempotency keys with recovery points on PostgreSQL.",
     )

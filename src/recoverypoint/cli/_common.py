@@ -128,22 +128,48 @@ def address(bind: str, example: str) -> tuple[str, int]:
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# A century: every duration an operator means, and every instant that far back, fit in
+# a datetime and a PostgreSQL interval (a longer one overflowed both).
+_LONGEST = 36500 * 86400
 
 
 def duration(text: str) -> float:
-    """Seconds, or a number with s, m, h or d."""
+    """Seconds, or a number with s, m, h or d; at most 36500d."""
     match = _DURATION.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 0, 30, 90s, 72h, 30d)")
-    return float(match[1]) * _UNIT_SECONDS[match[2]]
+    seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    if seconds > _LONGEST:
+        raise argparse.ArgumentTypeError(f"too long: {text!r} (at most 36500d, a century)")
+    return seconds
+
+
+def integer(what: str, low: int, high: int) -> Callable[[str], int]:
+    """An argument type: a whole number from ``low`` to ``high`` (what the column it is
+    compared with holds), else a usage error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what} is from {low} to {high}; got {text}")
+        return value
+
+    return parse
+
+
+record_id = integer("an id", 1, 2**63 - 1)  # a bigint identity
+version_number = integer("a version", 0, 2**31 - 1)
+http_status = integer("an HTTP status", 100, 599)
+row_limit = integer("a limit", 0, 2**63 - 1)
 
 
 def instant(text: str) -> datetime:
     """An ISO 8601 time (UTC when it names no zone), or a duration ago (``2h``)."""
-    try:
+    if _DURATION.fullmatch(text.strip()):
         return datetime.now(timezone.utc) - timedelta(seconds=duration(text))
-    except argparse.ArgumentTypeError:
-        pass
     try:
         moment = datetime.fromisoformat(text.strip())
     except ValueError:

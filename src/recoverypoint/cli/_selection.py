@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from .. import admin
-from ._common import add_database_options, add_stuck_after, instant
+from ._common import (
+    add_database_options,
+    add_stuck_after,
+    http_status,
+    instant,
+    row_limit,
+    version_number,
+)
 from ._output import due, seconds, truncate
 
 
@@ -13,13 +20,17 @@ def add_common(parser: argparse.ArgumentParser, *, reveal: bool = True) -> None:
     add_database_options(parser)
     add_stuck_after(parser)
     if reveal:
-        parser.add_argument("--reveal", action="store_true", help="show scopes and params unmasked")
+        parser.add_argument(
+            "--reveal",
+            action="store_true",
+            help="show scopes, params, phase outputs and responses unmasked",
+        )
 
 
-def add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
+def add_filters(parser: argparse.ArgumentParser, *, most: int) -> None:
     group = parser.add_argument_group("filters (all must match)")
     group.add_argument("--operation", metavar="NAME")
-    group.add_argument("--version", type=int, metavar="N", help="operation version")
+    group.add_argument("--version", type=version_number, metavar="N", help="operation version")
     group.add_argument("--scope")
     group.add_argument("--key", metavar="KEY", help="the client's idempotency key")
     group.add_argument(
@@ -33,9 +44,13 @@ def add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
         "--since", type=instant, metavar="TIME", help="created at or after: ISO time, or 2h ago"
     )
     group.add_argument("--until", type=instant, metavar="TIME", help="created before")
-    group.add_argument("--status", type=int, metavar="CODE", help="stored response status")
+    group.add_argument("--status", type=http_status, metavar="CODE", help="stored response status")
     group.add_argument(
-        "--limit", type=int, default=limit, metavar="N", help=f"at most N keys (default {limit})"
+        "--limit",
+        type=row_limit,
+        default=most,
+        metavar="N",
+        help=f"at most N keys (default {most})",
     )
 
 
@@ -72,8 +87,10 @@ KEY_HEADERS = (
 
 def key_cells(row: admin.KeyRow) -> list[object]:
     lease = None
-    if row.lease_left is not None:
-        lease = seconds(row.lease_left) if row.lease_left > 0 else "expired"
+    if row.live:
+        lease = "unknown" if row.lease_left is None else seconds(row.lease_left)
+    elif row.lease_left is not None:
+        lease = "expired"
     return [
         row.id,
         f"{row.operation}@{row.version}",

@@ -7,7 +7,7 @@ import argparse
 from .. import admin
 from ..exits import EXIT_OK
 from ._app import UsageError
-from ._common import Subparsers, add_database_options, admin_for, guarded
+from ._common import Subparsers, add_database_options, admin_for, guarded, record_id, row_limit
 from ._output import print_fields, print_json, print_table, seconds, truncate
 
 
@@ -24,12 +24,12 @@ def add_jobs(subparsers: Subparsers) -> None:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     listing = commands.add_parser("list", help="staged jobs, newest first")
-    _add_filters(listing, limit=50)
+    _add_filters(listing, most=50)
     add_database_options(listing)
     listing.set_defaults(handler=guarded("jobs list", _list))
 
     show = commands.add_parser("show", help="one staged job")
-    show.add_argument("id", type=int)
+    show.add_argument("id", type=record_id)
     add_database_options(show)
     show.set_defaults(handler=guarded("jobs show", _show))
 
@@ -38,8 +38,8 @@ def add_jobs(subparsers: Subparsers) -> None:
         ("delete", "delete staged jobs: they will never be published", _delete),
     ):
         action = commands.add_parser(name, help=help, description=help)
-        action.add_argument("ids", type=int, nargs="*", metavar="ID")
-        _add_filters(action, limit=1000)
+        action.add_argument("ids", type=record_id, nargs="*", metavar="ID")
+        _add_filters(action, most=1000)
         action.add_argument("--yes", action="store_true", help="act on every job selected")
         action.add_argument("--dry-run", action="store_true", help="count and sample only")
         if name == "retry":
@@ -48,12 +48,12 @@ def add_jobs(subparsers: Subparsers) -> None:
         action.set_defaults(handler=guarded(f"jobs {name}", handler))
 
 
-def _add_filters(parser: argparse.ArgumentParser, *, limit: int) -> None:
+def _add_filters(parser: argparse.ArgumentParser, *, most: int) -> None:
     group = parser.add_argument_group("filters (all must match)")
     group.add_argument("--name", help="job name")
-    group.add_argument("--key-id", type=int, metavar="ID", help="staged by this key record")
+    group.add_argument("--key-id", type=record_id, metavar="ID", help="staged by this key record")
     group.add_argument("--failing", action="store_true", help="publish failed at least once")
-    group.add_argument("--limit", type=int, default=limit, metavar="N")
+    group.add_argument("--limit", type=row_limit, default=most, metavar="N")
 
 
 def _filter(args: argparse.Namespace) -> admin.JobFilter:

@@ -15,7 +15,7 @@ from datetime import timedelta
 from .. import admin
 from ..exits import EXIT_OK
 from ._app import UsageError
-from ._common import Subparsers, admin_for, confirm, duration, guarded
+from ._common import Subparsers, admin_for, confirm, duration, guarded, http_status, record_id
 from ._output import print_json, print_table
 from ._selection import KEY_HEADERS, add_common, add_filters, key_cells, key_filter
 
@@ -27,8 +27,8 @@ def add_key_actions(commands: Subparsers) -> None:
         name: str, help: str, handler: Callable[[argparse.Namespace], int]
     ) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=help, description=help)
-        parser.add_argument("ids", type=int, nargs="*", metavar="ID", help="key record ids")
-        add_filters(parser, limit=1000)
+        parser.add_argument("ids", type=record_id, nargs="*", metavar="ID", help="key record ids")
+        add_filters(parser, most=1000)
         parser.add_argument(
             "--yes", action="store_true", help="act on every key the filters select"
         )
@@ -56,7 +56,7 @@ def add_key_actions(commands: Subparsers) -> None:
     )
     abandon.add_argument(
         "--response-status",
-        type=int,
+        type=http_status,
         default=admin.DEFAULT_ABANDON_STATUS,
         metavar="CODE",
         help="the status retries get replayed (default 500)",

@@ -10,7 +10,7 @@ from datetime import datetime
 from .. import admin
 from ..exits import EXIT_OK
 from ._app import UsageError
-from ._common import Subparsers, admin_for, guarded
+from ._common import Subparsers, admin_for, guarded, record_id
 from ._output import due, print_fields, print_json, print_table, seconds, truncate
 from ._selection import KEY_HEADERS, add_common, add_filters, key_cells, key_filter
 from .key_actions import add_key_actions
@@ -23,20 +23,21 @@ def add_keys(subparsers: Subparsers) -> None:
         description=(
             "States: in-flight (a request holds a live lease), stuck (unfinished, no live "
             "lease, next attempt overdue by more than --stuck-after), unfinished (waiting for "
-            "its next attempt or its client), finished, abandoned. Scopes and params are "
-            "masked unless --reveal. Exit status: 0 done, 1 failed, 2 usage, 3 not found, "
+            "its next attempt or its client), finished, abandoned. Scopes, params, phase "
+            "outputs, responses and fingerprints are masked (keyed) unless --reveal. Exit "
+            "status: 0 done, 1 failed, 2 usage, 3 not found, "
             "4 refused (nothing was done)."
         ),
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     listing = commands.add_parser("list", help="keys, newest first, with filters")
-    add_filters(listing, limit=50)
+    add_filters(listing, most=50)
     add_common(listing)
     listing.set_defaults(handler=guarded("keys list", _list))
 
     show = commands.add_parser("show", help="everything about one key")
-    show.add_argument("id", type=int, nargs="?", help="the key record's id")
+    show.add_argument("id", type=record_id, nargs="?", help="the key record's id")
     show.add_argument("--scope", help="with --operation and --key: name the key instead of ID")
     show.add_argument("--operation")
     show.add_argument("--key")
@@ -79,14 +80,20 @@ def _print_detail(detail: admin.KeyDetail) -> None:
     row = detail.row
     if row.lock_token is None or row.finished:
         lease = "free"
+    elif row.lease_left is None:
+        lease = f"token {row.lock_token}, taken {_at(row.locked_at)}, live: deadline unknown"
     else:
-        left = row.lease_left or 0
+        left = row.lease_left
         state = f"{seconds(left)} left" if left > 0 else f"expired {seconds(left)} ago"
         lease = (
             f"token {row.lock_token}, taken {_at(row.locked_at)}, until "
             f"{_at(detail.lease_expires_at)} ({state})"
         )
-    timeout = f"{row.lock_timeout:g}s" + ("" if detail.known else " (assumed: pass --app)")
+    timeout = (
+        "unknown (the lease was taken before migration 0010: pass --app)"
+        if row.lock_timeout is None
+        else f"{row.lock_timeout:g}s"
+    )
     print_fields(
         [
             ("id", row.id),

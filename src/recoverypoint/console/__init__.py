@@ -9,8 +9,9 @@ or run it alone: ``recoverypoint console --database-url URL`` (loopback, behind 
 
 It reads and acts through :mod:`recoverypoint.admin`, exactly as ``recoverypoint keys``
 does: the same queries, the same fenced actions, the same audit table. ``authorize`` is
-required (see :mod:`.auth`); scopes, params, phase outputs and stored responses are masked
-unless it allows ``reveal`` and the visitor asks; every form that changes a key is
+required (see :mod:`.auth`); scopes, params, phase outputs, stored responses and
+fingerprints are masked (:class:`recoverypoint.admin.Mask`) unless it allows ``reveal``
+and the visitor asks; every form that changes a key is
 CSRF-protected and confirmed on a page that shows what will change.
 
 Needs ``pip install 'recoverypoint[console]'``.

@@ -28,6 +28,10 @@ def console(engine: Engine | Admin, *, authorize: Authorize) -> Starlette:
     returns who the visitor is, or ``None`` to refuse. It is required: there is no
     console without one. Pass an :class:`~recoverypoint.admin.Admin` instead of an
     engine to choose its ``stuck_after`` or retention.
+
+    Refuse other ``Host`` names than yours in front of it (a proxy routing by name, or
+    Starlette's ``TrustedHostMiddleware``): its CSRF check compares ``Origin`` with the
+    ``Host`` a request names, which a DNS-rebinding page chooses.
     """
     operator = engine if isinstance(engine, Admin) else Admin.for_engine(engine)
     site = Site(operator, checked(authorize))

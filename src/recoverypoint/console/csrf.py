@@ -72,9 +72,13 @@ async def checked_form(request: Request) -> FormData:
 
 
 def same_origin(request: Request) -> None:
-    source = request.headers.get("origin") or request.headers.get("referer")
+    source = request.headers.get("origin") or request.headers.get("referer") or ""
     host = request.headers.get("host")
-    if not source or not host or urlsplit(source).netloc != host:
+    try:
+        sent_from = urlsplit(source).netloc
+    except ValueError:  # not a URL (an unclosed IPv6 bracket): from nowhere of ours
+        sent_from = ""
+    if not sent_from or not host or sent_from != host:
         raise CsrfFailed("this form was not sent from the console's own pages")
 
 

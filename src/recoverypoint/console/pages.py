@@ -60,13 +60,6 @@ async def key(site: Site, request: Request) -> Response:
     visitor = await site.visitor(request)
     key_id = forms.row_id(request.path_params["key_id"])
     detail = await run_in_threadpool(admin.find_key, site.admin, key_id, reveal=visitor.reveal)
-    if not visitor.reveal:
-        # Phase outputs and stored responses name customers as params do.
-        detail = dataclasses.replace(
-            detail,
-            phase_state=admin.mask_json(detail.phase_state),
-            response_body=admin.mask_json(detail.response_body),
-        )
     return page(request, "key.html", detail=detail, row=detail.row,
                 available=admin.available(detail.row))  # fmt: skip
 

@@ -69,8 +69,8 @@ class DatabaseCollector(Collector):
     Parameters
     ----------
     operations:
-        The engine's registered operations (``engine.operations``): they give each key its
-        lock timeout (else the default of 90 s), and each of them a series even at 0.
+        The engine's registered operations (``engine.operations``): each of them has a
+        series even at 0 (a key's lease is judged by the lock timeout its holder stored).
     stuck_after:
         How long past its next attempt an unleased key waits before it counts as stuck.
     timeout:

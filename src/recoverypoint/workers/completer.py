@@ -65,7 +65,7 @@ _CLAIM_DUE = text(
     f"""
     WITH {REGISTERED},
     due AS (
-        SELECT k.id
+        SELECT k.id, r.lock_timeout
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE {_DUE}
@@ -75,7 +75,7 @@ _CLAIM_DUE = text(
         FOR UPDATE OF k SKIP LOCKED
     )
     UPDATE idempotency_keys AS k
-    SET locked_at = now(), lock_token = :token
+    SET locked_at = now(), lock_token = :token, lock_timeout = due.lock_timeout
     FROM due
     WHERE k.id = due.id
     RETURNING k.id, k.operation, k.operation_version, k.attempts
