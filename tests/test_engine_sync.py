@@ -483,7 +483,7 @@ def test_committing_from_a_phase_is_refused(engine: rp.Engine, db: sa.Engine, sc
         {"amount": float("nan")},
         {"card": object()},
         rp.Response(200, {"receipt": "\ud800"}),
-        rp.Response(200, {"ok": True}, {"x-token": "a\x00b"}),
+        rp.Response(200, {"ok": True}, {"x-note": "a\x00b"}),  # a header that is stored
         rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
     ],
     ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
