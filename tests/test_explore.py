@@ -252,3 +252,22 @@ def test_schedules_read_back() -> None:
         Schedule.parse("attempt 1 raises at x:y")
     with pytest.raises(ValueError, match="not a crash"):
         Schedule.parse("client: crash somewhere")
+
+
+def test_rocket_rides_passes_every_schedule_to_depth_two(server_url: str) -> None:
+    from recoverypoint.demo.rocket_rides.explore import subject
+
+    with temporary_database(server_url, prefix="rp_explore") as url:
+        migrate.upgrade(url)
+        rides = subject(url)
+        try:
+            found = rides.explore(depth=2)
+        finally:
+            rides.engine.dispose()
+            rides.engine.db.dispose()
+            for db in rides.dispose:
+                db.dispose()
+    print(found.summary(), dict(found.by_depth))
+    assert found.ok, found.report()
+    assert found.by_depth[1] == 7 * 2 * 2
+    assert found.schedules > 200

@@ -249,6 +249,36 @@ class _Recorder:
         self.backend.publish(job)
 
 
+@dataclass
+class Subject:
+    """An operation ready to explore: what ``recoverypoint explore module:name`` gets from
+    ``name(database_url)``, a function that builds it on the throwaway database it is
+    given (migrated already: create your own tables in it)."""
+
+    engine: Engine
+    operation: Operation[Any]
+    params: Any
+    scope: str = ""
+    check: Check | Sequence[Check] = ()
+    tables: Sequence[str] = ()
+    setup: Callable[[sa.Connection], None] | None = None
+    dispose: Sequence[sa.Engine] = ()
+
+    def explore(self, **options: Any) -> Exploration:
+        """:func:`explore` with this subject; ``options`` are its keyword arguments."""
+        return explore(
+            self.engine,
+            self.operation,
+            self.params,
+            scope=self.scope,
+            check=self.check,
+            tables=self.tables,
+            setup=self.setup,
+            dispose=self.dispose,
+            **options,
+        )
+
+
 def explore(
     engine: Engine,
     operation: Operation[Any],
@@ -621,4 +651,4 @@ def _json(value: object) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-__all__ = ["Crash", "Exploration", "Failure", "Schedule", "explore"]
+__all__ = ["Crash", "Exploration", "Failure", "Schedule", "Subject", "explore"]
