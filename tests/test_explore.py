@@ -6,8 +6,12 @@ smallest schedule that shows it. The correct shop passes every schedule to depth
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +21,7 @@ from sqlalchemy.pool import NullPool
 import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
-from recoverypoint.explore import Exploration, Schedule, explore
+from recoverypoint.explore import Exploration, Schedule, Subject, explore
 from recoverypoint.jobs import InProcessBackend, Job, consume_once
 from recoverypoint.testing import temporary_database
 
@@ -271,3 +275,61 @@ def test_rocket_rides_passes_every_schedule_to_depth_two(server_url: str) -> Non
     assert found.ok, found.report()
     assert found.by_depth[1] == 7 * 2 * 2
     assert found.schedules > 200
+
+
+def shop_ignoring_keys(database_url: str) -> Subject:
+    """For the command line: the shop whose provider does not dedupe."""
+    db = create_engine(database_url, poolclass=NullPool)
+    with db.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    shop = build_shop(database_url, Mistakes(provider_ignores_keys=True))
+    return Subject(
+        shop.engine,
+        shop.operation,
+        {"amount": 2000},
+        check=one_of_each,
+        tables=TABLES,
+        dispose=[shop.outside],
+    )
+
+
+def explore_command(server_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "recoverypoint", "explore", *args, "--database-url", server_url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+
+
+def test_the_command_passes_rocket_rides(server_url: str) -> None:
+    ran = explore_command(
+        server_url, "recoverypoint.demo.rocket_rides.explore:subject", "--depth", "1"
+    )
+
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "crashes  schedules  broke an invariant" in ran.stdout
+    assert "create_ride: every invariant held in 29 schedules (depth 1)" in ran.stdout
+    assert "explore: 29/29 schedules" in ran.stderr
+
+
+def test_the_command_reports_the_smallest_failing_schedule(server_url: str) -> None:
+    ran = explore_command(server_url, "test_explore:shop_ignoring_keys")
+
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert (
+        "smallest failing schedule: client: attempt 1 raises at after_foreign:charged" in ran.stdout
+    )
+    assert "the provider is where the guarantee ends" in ran.stdout
+    assert "charges: 2 row(s)" in ran.stdout
+
+
+def test_the_command_refuses_what_is_not_a_subject(server_url: str) -> None:
+    ran = explore_command(server_url, "test_explore:TABLES")
+    assert ran.returncode == 2
+    assert "test_explore:TABLES is not a function of a database URL" in ran.stderr
+    ran = explore_command(server_url, "no_such_module:subject")
+    assert ran.returncode == 2
+    assert "cannot load no_such_module:subject" in ran.stderr
