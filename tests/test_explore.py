@@ -333,3 +333,43 @@ def test_the_command_refuses_what_is_not_a_subject(server_url: str) -> None:
     ran = explore_command(server_url, "no_such_module:subject")
     assert ran.returncode == 2
     assert "cannot load no_such_module:subject" in ran.stderr
+
+
+PLUGIN_TEST = """
+import os
+
+from recoverypoint import migrate
+from recoverypoint.testing import temporary_database
+from test_explore import shop_ignoring_keys
+
+
+def test_checkout_is_crash_safe(explore_crashes):
+    with temporary_database(os.environ["EXPLORE_SERVER_URL"]) as url:
+        migrate.upgrade(url)
+        explore_crashes(shop_ignoring_keys(url), depth=1)
+"""
+
+
+def test_the_pytest_fixture_fails_with_the_report(server_url: str, tmp_path: Path) -> None:
+    (tmp_path / "test_shop.py").write_text(PLUGIN_TEST)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent),
+        "EXPLORE_SERVER_URL": server_url,
+    }
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
+
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    out = ran.stdout
+    assert "Failed: checkout: " in out
+    assert "smallest failing schedule: client: attempt 1 raises at after_foreign:charged" in out
+    assert 'reproduce: explore(..., schedule="client: attempt 1' in out
+    assert "explore.py:" not in out  # the report, not a traceback through explore

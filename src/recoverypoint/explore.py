@@ -159,7 +159,8 @@ class Failure:
     def report(self) -> str:
         lines = [f"smallest failing schedule: {self.schedule}"]
         lines += [f"  {line}" for line in self.story]
-        lines += [f"broken invariant: {self.invariant}", f"  {self.detail}"]
+        lines.append(f"broken invariant: {self.invariant}")
+        lines += [f"  {line}" for line in self.detail.splitlines()]
         lines += [f"why: {hint}" for hint in self.hints]
         lines += ["what the database held:"] + [f"  {line}" for line in self.held]
         lines.append(f'reproduce: explore(..., schedule="{self.schedule}")')
