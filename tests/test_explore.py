@@ -324,6 +324,10 @@ def test_the_command_reports_the_smallest_failing_schedule(server_url: str) -> N
     )
     assert "the provider is where the guarantee ends" in ran.stdout
     assert "charges: 2 row(s)" in ran.stdout
+    assert (
+        "run it alone: recoverypoint explore test_explore:shop_ignoring_keys --schedule "
+        '"client: attempt 1 raises at after_foreign:charged"'
+    ) in ran.stdout
 
 
 def test_the_command_refuses_what_is_not_a_subject(server_url: str) -> None:

@@ -56,6 +56,8 @@ def add_explore(subparsers: Subparsers) -> None:
 
 
 def _explore(args: argparse.Namespace) -> int:
+    if os.getcwd() not in sys.path:  # MODULE may be the user's, as for `worker --app`
+        sys.path.insert(0, os.getcwd())
     try:
         build = pkgutil.resolve_name(args.subject)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -93,6 +95,9 @@ def _explore(args: argparse.Namespace) -> int:
             for db in (subject.engine.db, *subject.dispose):
                 db.dispose()
     _print(found, args.json)
+    if found.failures and not args.json:
+        schedule = found.failures[0].schedule
+        print(f'run it alone: recoverypoint explore {args.subject} --schedule "{schedule}"')
     return EXIT_OK if found.ok else EXIT_FAILED
 
 
