@@ -377,3 +377,40 @@ def test_the_pytest_fixture_fails_with_the_report(server_url: str, tmp_path: Pat
     assert "smallest failing schedule: client: attempt 1 raises at after_foreign:charged" in out
     assert 'reproduce: explore(..., schedule="client: attempt 1' in out
     assert "explore.py:" not in out  # the report, not a traceback through explore
+
+
+@pytest.mark.parametrize("asks_for_the_key", [True, False])
+def test_an_idempotent_function(shop_url: str, asks_for_the_key: bool) -> None:
+    """Called again by its client alone (only the caller has its arguments): with
+    rp.downstream_key() it holds everywhere; without, the provider charges again."""
+    outside = create_engine(shop_url)
+    provider = Provider(outside, dedupe=True)
+    engine = rp.Engine(shop_url)
+
+    @rp.idempotent(engine, key="order_id", name="pay")
+    def pay(order_id: int, amount: int) -> int:
+        return provider.charge(rp.downstream_key() if asks_for_the_key else None, amount)
+
+    def one_charge(conn: sa.Connection) -> None:
+        charges = conn.scalar(sa.text("SELECT count(*) FROM charges"))
+        assert charges == 1, f"{charges} charges for one payment"
+
+    try:
+        found = explore(
+            engine,
+            pay,
+            {"order_id": 7, "amount": 2000},
+            check=one_charge,
+            tables=["charges"],
+            dispose=[outside],
+        )
+    finally:
+        engine.dispose()
+        outside.dispose()
+
+    if asks_for_the_key:
+        assert found.ok, found.report()
+        assert found.by_depth[1] == 4 * 2  # the step's two boundaries and the commit's two
+    else:
+        assert str(found.failures[0].schedule) == "client: attempt 1 raises at after_foreign:called"
+        assert "never asked for step.downstream_key()" in found.report()

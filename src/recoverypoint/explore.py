@@ -22,6 +22,7 @@ same operation gives the same report; ``seed`` only orders a sample (``max_sched
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -76,8 +77,7 @@ _STATE = sa.text(
         k.locked_at IS NOT NULL AS leased, k.last_error, k.abandoned_at IS NOT NULL AS abandoned,
         (SELECT count(*) FROM staged_jobs) AS staged
     FROM (SELECT 1) AS one
-    LEFT JOIN idempotency_keys AS k
-        ON k.scope = :scope AND k.operation = :operation AND k.idempotency_key = :key
+    LEFT JOIN idempotency_keys AS k ON k.operation = :operation AND k.operation_version = :version
     """
 )
 # The sequences behind the tables' identity and serial columns, restarted between schedules
@@ -212,7 +212,7 @@ class _Run:
     hits: Counter[str] = field(default_factory=Counter)
     trace: list[Crash] = field(default_factory=list)  # every boundary reached
     story: list[str] = field(default_factory=list)
-    answers: list[Outcome] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # what each client call got
     calls: Counter[str] = field(default_factory=Counter)  # foreign step → calls
     downstream: dict[str, list[str]] = field(default_factory=dict)  # step → keys asked for
     deliveries: Counter[str] = field(default_factory=Counter)  # job_key → deliveries
@@ -257,7 +257,7 @@ class Subject:
     given (migrated already: create your own tables in it)."""
 
     engine: Engine
-    operation: Operation[Any]
+    operation: Operation[Any] | Callable[..., Any]
     params: Any
     scope: str = ""
     check: Check | Sequence[Check] = ()
@@ -282,7 +282,7 @@ class Subject:
 
 def explore(
     engine: Engine,
-    operation: Operation[Any],
+    operation: Operation[Any] | Callable[..., Any],
     params: Any,
     *,
     scope: str = "",
@@ -300,6 +300,8 @@ def explore(
 ) -> Exploration:
     """Run ``operation`` (registered with ``engine``) with ``params`` once per crash
     schedule, up to ``depth`` crashes each, and check every invariant after each.
+    ``operation`` may be an ``@idempotent`` function, called with ``params`` as its
+    keyword arguments; only a call again resumes one, so its client alone recovers it.
 
     ``check(connection)`` raises (an ``assert`` will do) when your invariant is broken;
     pass several as a list. ``tables`` are yours to empty between schedules (in this
@@ -323,7 +325,9 @@ def explore(
         setup,
         dispose,
     )
-    found = Exploration(operation.name, depth)
+    found = Exploration(explorer.operation.name, depth)
+    if not explorer.resumable:
+        recoveries = ("client",)
     started = time.perf_counter()
     with explorer.instrumented():
         if schedule is not None:
@@ -339,7 +343,7 @@ class _Explorer:
     def __init__(
         self,
         engine: Engine,
-        operation: Operation[Any],
+        operation: Operation[Any] | Callable[..., Any],
         params: Any,
         scope: str,
         checks: list[Check],
@@ -347,13 +351,27 @@ class _Explorer:
         setup: Callable[[sa.Connection], None] | None,
         dispose: Sequence[sa.Engine],
     ) -> None:
-        if engine.operation(operation.name, operation.version) is not operation:
-            raise ValueError(f"register {operation.name!r} with the engine before exploring it")
-        operation.dump_params(params)  # bad params: an error now, not in every schedule
         self.engine = engine
-        self.operation = operation
         self.params = params
         self.scope = scope
+        decorated = getattr(operation, "operation", None)  # an @idempotent function's
+        if isinstance(operation, Operation):
+            self.operation: Operation[Any] = operation
+            self.request: Callable[[], Any] = self._run_operation
+            self.resumable = True
+            operation.dump_params(params)  # bad params: an error now, not in every schedule
+        elif isinstance(decorated, Operation):
+            self.operation = decorated
+            self.request = functools.partial(operation, **params)
+            # Its arguments live in its caller alone: only a call again can resume it.
+            self.resumable = False
+        else:
+            raise TypeError(
+                f"explore takes an Operation or an @idempotent function, not {operation!r}"
+            )
+        name, version = self.operation.name, self.operation.version
+        if engine.operation(name, version) is not self.operation:
+            raise ValueError(f"register {name!r} with the engine before exploring it")
         self.checks = checks
         self.tables = [*tables, *_OWN_TABLES]  # yours first: they may refer to the keys
         self.reset: str | None = None
@@ -434,11 +452,9 @@ class _Explorer:
         label = f"{run.attempt}. {actor:<9}"
         try:
             if actor == "client":
-                outcome = self.engine.run(
-                    self.operation, key=KEY, params=self.params, scope=self.scope
-                )
-                run.answers.append(outcome)
-                run.story.append(f"{label} answered {outcome.status} {_json(outcome.body)}")
+                answer = _answer(self.request())
+                run.answers.append(answer)
+                run.story.append(f"{label} answered {answer}")
             elif actor == "completer":
                 done = Completer(self.engine, min_age=0).run_once()
                 run.story.append(f"{label} finished {done.finished}, failed {done.failed}")
@@ -490,20 +506,12 @@ class _Explorer:
             return "the key finishes", f"the key {where}{error}"
         if key.leased:
             return "no lease is left", "the finished key's lease is still held"
-        for _ in range(2):
-            run.answers.append(
-                self.engine.run(self.operation, key=KEY, params=self.params, scope=self.scope)
-            )
+        run.answers += [_answer(self.request()) for _ in range(2)]  # two replays
         first = run.answers[0]
         for answer in run.answers[1:]:
-            if (answer.status, answer.body, answer.headers) != (
-                first.status,
-                first.body,
-                first.headers,
-            ):
+            if answer != first:
                 return "the answer is stable across replays", (
-                    f"a client was told {first.status} {_json(first.body)}, "
-                    f"then {answer.status} {_json(answer.body)}"
+                    f"a client was told {first}, then {answer}"
                 )
         if self.engine.jobs is not None:
             if key.staged:
@@ -586,8 +594,12 @@ class _Explorer:
             self.setup(conn)
 
     def _state(self) -> sa.Row[Any]:
-        names = {"scope": self.scope, "operation": self.operation.name, "key": KEY}
+        # The operation's only key: each schedule begins with the tables empty.
+        names = {"operation": self.operation.name, "version": self.operation.version}
         return self.conn.execute(_STATE, names).one()
+
+    def _run_operation(self) -> Outcome:
+        return self.engine.run(self.operation, key=KEY, params=self.params, scope=self.scope)
 
     # -- watching the operation ------------------------------------------------------------
 
@@ -646,6 +658,15 @@ def _extensions(
         for effect in effects
         for way in ways
     ]
+
+
+def _answer(returned: object) -> str:
+    """What a client got, as it is compared and shown: an Outcome's status, body and
+    headers, or what an @idempotent function returned."""
+    if isinstance(returned, Outcome):
+        headers = f" {_json(returned.headers)}" if returned.headers else ""
+        return f"{returned.status} {_json(returned.body)}{headers}"
+    return f"returned {returned!r}"
 
 
 def _json(value: object) -> str:
