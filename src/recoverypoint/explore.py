@@ -90,6 +90,12 @@ _SEQUENCES = sa.text(
     WHERE NOT a.attisdropped AND pg_get_serial_sequence(t, a.attname) IS NOT NULL
     """
 )
+# Transactions left open on the database by others than this exploration's connection.
+_OPEN_TRANSACTIONS = sa.text(
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
+)
+_ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(r"attempt (\d+) (raises|dies) at (\S+?)(?: \(hit (\d+)\))?")
 
@@ -485,6 +491,7 @@ class _Explorer:
         with os.fdopen(read, "rb") as pipe:
             record = pipe.read()
         _, status = os.waitpid(pid, 0)
+        self._await_rollback()
         crash = run.schedule.crash_in(run.attempt)
         if os.waitstatus_to_exitcode(status) == FAULT_EXIT_STATUS and record:
             child = json.loads(record)
@@ -592,6 +599,15 @@ class _Explorer:
         conn.exec_driver_sql(self.reset)
         if self.setup is not None:
             self.setup(conn)
+
+    def _await_rollback(self) -> None:
+        """Until PostgreSQL has seen the dead process's connection drop and rolled its
+        transaction back: its row locks would otherwise make the next attempt's SKIP
+        LOCKED claims pass over the rows, as no real recovery that far apart would."""
+        for _ in range(_ROLLBACK_POLLS):
+            if not self.conn.scalar(_OPEN_TRANSACTIONS):
+                return
+            time.sleep(0.001)
 
     def _state(self) -> sa.Row[Any]:
         # The operation's only key: each schedule begins with the tables empty.
