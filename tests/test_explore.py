@@ -414,3 +414,22 @@ def test_an_idempotent_function(shop_url: str, asks_for_the_key: bool) -> None:
     else:
         assert str(found.failures[0].schedule) == "client: attempt 1 raises at after_foreign:called"
         assert "never asked for step.downstream_key()" in found.report()
+
+
+def test_a_process_that_dies_leaves_what_a_sigkill_would(make_shop: Any) -> None:
+    """The attempt runs in a forked process that dies after the charge: no rollback, the
+    lease held (the retry waits it out), and what the step did reaches the report."""
+    schedule = "client: attempt 1 dies at after_foreign:charged"
+    found = make_shop(Mistakes(provider_ignores_keys=True)).explore(schedule=schedule)
+
+    failure = found.failures[0]
+    assert failure.story[0] == "1. client    died at after_foreign:charged"
+    assert failure.story[1].startswith("2. client    answered 201")
+    assert "ran 2 times with the same downstream key" in found.report()  # one call was the child's
+
+
+def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:
+    """Every schedule of one crash first (29), then a seeded sample of those of two."""
+    found = make_shop().explore(depth=2, max_schedules=40, seed=1)
+    assert found.ok, found.report()
+    assert dict(found.by_depth) == {0: 1, 1: 28, 2: 11}
