@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
-from recoverypoint.explore import Exploration, Schedule, Subject, explore
+from recoverypoint.explore import Crash, Exploration, Schedule, Subject, explore
 from recoverypoint.jobs import InProcessBackend, Job, consume_once
 from recoverypoint.testing import temporary_database
 
@@ -249,6 +251,32 @@ def test_the_same_operation_gives_the_same_report(make_shop: Any) -> None:
     assert first.schedules == second.schedules
 
 
+points = st.from_regex(r"[a-z_]{1,12}:[a-z_*]{1,12}", fullmatch=True)
+crashes = st.builds(
+    Crash,
+    attempt=st.integers(1, 9),
+    point=points,
+    nth=st.integers(1, 5),
+    effect=st.sampled_from(["raise", "exit"]),
+)
+
+
+@given(st.sampled_from(["client", "completer"]), st.lists(crashes, max_size=3))
+def test_every_schedule_reads_back_as_written(recovery: Any, crashed: list[Crash]) -> None:
+    schedule = Schedule(recovery, tuple(crashed))
+    assert Schedule.parse(str(schedule)) == schedule
+
+
+@given(st.text(max_size=80))
+def test_any_text_is_a_schedule_or_a_clear_error(text: str) -> None:
+    try:
+        parsed = Schedule.parse(text)
+    except ValueError as exc:
+        assert "schedule begins with" in str(exc) or "not a crash" in str(exc)
+    else:
+        assert Schedule.parse(str(parsed)) == parsed
+
+
 def test_schedules_read_back() -> None:
     text = "completer: attempt 1 dies at after_foreign:charged; attempt 2 raises at x:y (hit 2)"
     assert str(Schedule.parse(text)) == text
@@ -256,6 +284,8 @@ def test_schedules_read_back() -> None:
         Schedule.parse("attempt 1 raises at x:y")
     with pytest.raises(ValueError, match="not a crash"):
         Schedule.parse("client: crash somewhere")
+    with pytest.raises(ValueError, match="not a crash"):
+        Schedule.parse("client: attempt 1 raises at x:y (hit 0)")
 
 
 def test_rocket_rides_passes_every_schedule_to_depth_two(server_url: str) -> None:
@@ -337,6 +367,12 @@ def test_the_command_refuses_what_is_not_a_subject(server_url: str) -> None:
     ran = explore_command(server_url, "no_such_module:subject")
     assert ran.returncode == 2
     assert "cannot load no_such_module:subject" in ran.stderr
+    ran = explore_command(
+        server_url, "recoverypoint.demo.rocket_rides.explore:subject", "--schedule", "soon"
+    )
+    assert ran.returncode == 2
+    assert "a schedule begins with 'client:' or 'completer:'" in ran.stderr
+    assert "Traceback" not in ran.stderr
 
 
 PLUGIN_TEST = """

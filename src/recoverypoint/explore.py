@@ -97,7 +97,7 @@ _OPEN_TRANSACTIONS = sa.text(
 )
 _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
-_CRASH = re.compile(r"attempt (\d+) (raises|dies) at (\S+?)(?: \(hit (\d+)\))?")
+_CRASH = re.compile(r"attempt ([1-9]\d*) (raises|dies) at (\S+?)(?: \(hit ([1-9]\d*)\))?")
 
 
 @dataclass(frozen=True)
