@@ -9,8 +9,8 @@ Layers, lowest first (a module may import its own layer and those below):
 2. the connection and the request path's queries: _pg, _pooler, store, phase_guard, context (what
    a phase receives wraps the connection), and the planned sql
 3. the engine, and the package's curated ``__init__``
-4. services on the engine: admin, workers, integrations, client — and admin, which the
-   workers and the console will use, imports none of them
+4. services on the engine: admin, workers, integrations, client, explore (which runs the
+   workers) — and admin, which the workers and the console will use, imports none of them
 5. the demo
 6. the CLI (and the planned console); only ``__main__`` imports the CLI
 
@@ -58,7 +58,7 @@ LAYERS = {
         2,
     ),
     **dict.fromkeys([PACKAGE, "engine", "engine_async", "idempotent"], 3),
-    **dict.fromkeys(["admin", "workers", "integrations", "client"], 4),
+    **dict.fromkeys(["admin", "workers", "integrations", "client", "explore"], 4),
     "demo": 5,
     **dict.fromkeys(["cli", "console"], 6),
     "__main__": 7,

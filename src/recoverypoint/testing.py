@@ -40,7 +40,7 @@ import secrets
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -74,6 +74,8 @@ class Faults:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self.fired: Counter[str] = Counter()
+        # Decides at every boundary while set (see watching): how explore() crashes a run.
+        self._watcher: Callable[[str], Effect | None] | None = None
 
     def arm(self, point: str, probability: float = 1.0, effect: Effect = "raise") -> None:
         """Make ``point`` fire with ``probability``."""
@@ -95,7 +97,7 @@ class Faults:
         """Switch every fault point off."""
         with self._lock:
             self._armed.clear()
-            self.active = False
+            self.active = self._watcher is not None
 
     def configure(self, spec: str, effect: Effect = "raise", seed: int | None = None) -> None:
         """Arm the points of ``"point=probability,…"`` (the environment variable's format)."""
@@ -110,12 +112,19 @@ class Faults:
 
     def hit(self, boundary: str, name: str) -> None:
         """Called by the engine at each boundary; fires when an armed point says so."""
+        point = f"{boundary}:{name}"
         with self._lock:
-            armed = self._armed.get(f"{boundary}:{name}") or self._armed.get(f"{boundary}:*")
-            if armed is None or self._random.random() >= armed.probability:
-                return
-            self.fired[f"{boundary}:{name}"] += 1
-        if armed.effect == "exit":
+            watcher = self._watcher
+        effect = watcher(point) if watcher is not None else None
+        if effect is None:
+            with self._lock:
+                armed = self._armed.get(point) or self._armed.get(f"{boundary}:*")
+                if armed is None or self._random.random() >= armed.probability:
+                    return
+                effect = armed.effect
+        with self._lock:
+            self.fired[point] += 1
+        if effect == "exit":
             sys.stderr.write(f"recoverypoint: injected fault {boundary}:{name}, exiting\n")
             sys.stderr.flush()
             os._exit(FAULT_EXIT_STATUS)
@@ -132,6 +141,20 @@ class Faults:
         finally:
             with self._lock:
                 self._armed.pop(point, None)
+                self.active = bool(self._armed) or self._watcher is not None
+
+    @contextmanager
+    def watching(self, watcher: Callable[[str], Effect | None]) -> Iterator[Faults]:
+        """Call ``watcher(point)`` at every boundary for the duration of a ``with`` block;
+        the effect it returns fires there, ``None`` lets the run go on."""
+        with self._lock:
+            self._watcher = watcher
+            self.active = True
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._watcher = None
                 self.active = bool(self._armed)
 
 

@@ -22,6 +22,7 @@ from ._common import Handler, Subparsers
 from .console import add_console
 from .demo import add_demo
 from .doctor import add_doctor
+from .explore import add_explore
 from .jobs import add_jobs
 from .keys import add_keys
 from .metrics import add_metrics
@@ -37,6 +38,7 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     add_metrics,
     add_console,
     add_demo,
+    add_explore,
 )
 
 

@@ -106,7 +106,8 @@ def _demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="recoverypoint-demo-"))
     bar = ProgressBar()
     try:
-        with _database(url.render_as_string(hide_password=False) if url else None) as database:
+        server = url.render_as_string(hide_password=False) if url else None
+        with throwaway_database(server) as database:
             report = run(config, database, workdir, progress=bar)
     except (DBAPIError, RuntimeError) as exc:
         bar.close()
@@ -127,7 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _database(server_url: str | None) -> Iterator[str]:
+def throwaway_database(server_url: str | None) -> Iterator[str]:
     """A database of the run's own: every row in it is the run's, so the checks can count."""
     if server_url is None:
         print("starting an embedded PostgreSQL...", file=sys.stderr, flush=True)

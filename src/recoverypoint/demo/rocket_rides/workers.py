@@ -24,25 +24,17 @@ import os
 from datetime import timedelta
 
 import httpx
-import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint.database import DATABASE_URL_ENV
-from recoverypoint.jobs import InProcessBackend, Job, consume_once
+from recoverypoint.jobs import InProcessBackend, Job
 
+from . import receipts as receipt_consumer
 from .api import async_ride_operation, ride_operation
 
 PROVIDER_URL_ENV = "ROCKET_RIDES_PROVIDER_URL"
 LOCK_TIMEOUT_ENV = "ROCKET_RIDES_LOCK_TIMEOUT"
-RECEIPT_JOB = "send_ride_receipt"
-
-_DELIVERED = sa.text(
-    "INSERT INTO receipt_deliveries (job_key, enqueuer_pid) VALUES (:job_key, :pid)"
-)
-_SEND = sa.text(
-    "INSERT INTO receipts (job_key, ride_id, user_id, amount, currency) "
-    "VALUES (:job_key, :ride_id, :user_id, :amount, :currency)"
-)
+RECEIPT_JOB = receipt_consumer.RECEIPT_JOB
 
 missing = [name for name in (DATABASE_URL_ENV, PROVIDER_URL_ENV) if not os.environ.get(name)]
 if missing:
@@ -64,7 +56,4 @@ async_engine.register(
 
 @receipts.handler(RECEIPT_JOB)
 def send_ride_receipt(job: Job) -> None:
-    with engine.db.begin() as conn:
-        conn.execute(_DELIVERED, {"job_key": job.job_key, "pid": os.getpid()})
-        if consume_once(conn, RECEIPT_JOB, job.job_key):
-            conn.execute(_SEND, {"job_key": job.job_key, **job.args})
+    receipt_consumer.send_ride_receipt(engine.db, job)

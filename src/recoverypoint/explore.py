@@ -1,0 +1,692 @@
+"""Prove an operation crash-safe: run it once per crash schedule and check every invariant.
+
+recoverypoint's own bookkeeping is exactly-once; whether *your* operation is also depends
+on your code: a foreign step that forgets ``step.downstream_key()``, a provider that does
+not dedupe on it, a phase that writes outside its transaction, a consumer that does not
+call :func:`~recoverypoint.jobs.consume_once`. :func:`explore` finds those before
+production. It runs the operation with a crash at every boundary the engine has
+(:data:`recoverypoint.testing.BOUNDARIES`), as an exception and as the death of a forked
+process (``os._exit``: no rollback, the lease left held), then lets it recover as it
+would in production (the client retries, or the completer finishes the key; the enqueuer
+publishes the staged jobs), with crashes during that recovery too, up to ``depth``
+crashes per schedule. Between schedules it truncates recoverypoint's tables and yours.
+
+After each schedule it checks recoverypoint's invariants (the key finishes; every answer
+a client got, and every replay, is the same; no lease is left; each staged job was
+published and consumed through ``consume_once``) and yours (``check``). The smallest
+failing schedule is reported with what each attempt did, the broken invariant, what the
+database held, a hint where the guarantee ended, and the schedule in one line to paste
+into ``explore(..., schedule=...)``. Schedules are enumerated in a fixed order, so the
+same operation gives the same report; ``seed`` only orders a sample (``max_schedules``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from .engine import Engine
+from .jobs import Job, JobBackend
+from .operation import Operation, Outcome
+from .testing import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
+from .workers import Completer, Enqueuer
+
+Recovery = Literal["client", "completer"]
+Check = Callable[[sa.Connection], None]
+
+KEY = "explore"
+# recoverypoint's tables that one schedule writes (its schema and namespace stay).
+_OWN_TABLES = ("idempotency_keys", "staged_jobs", "processed_messages")
+# Attempts after the first before a key that never finishes is given up on.
+_RECOVERY_ATTEMPTS = 4
+_ROWS_SHOWN = 10
+# What a person needs of recoverypoint's own rows (the rest is in the tables' docs).
+_SHOWN = {
+    "idempotency_keys": "id, recovery_point, response_status, attempts, "
+    "locked_at IS NOT NULL AS leased, last_error",
+    "staged_jobs": "job_name, job_key, attempts, last_error",
+    "processed_messages": "consumer, message_id",
+}
+
+# Time passes (leases expire, backoffs end, as they would while a client waits), and
+# where the key and its jobs stand, in one round trip; the SELECT reads the rows as they
+# were, which the UPDATEs change in nothing it reads.
+_STATE = sa.text(
+    """
+    WITH expired AS (
+        UPDATE idempotency_keys SET locked_at = locked_at - interval '366 days',
+            next_attempt_at = least(next_attempt_at, now())
+        WHERE finished_at IS NULL
+    ), due AS (
+        UPDATE staged_jobs SET next_attempt_at = now() WHERE next_attempt_at > now()
+    )
+    SELECT k.id IS NOT NULL AS stored, k.recovery_point, k.response_status,
+        k.locked_at IS NOT NULL AS leased, k.last_error, k.abandoned_at IS NOT NULL AS abandoned,
+        (SELECT count(*) FROM staged_jobs) AS staged
+    FROM (SELECT 1) AS one
+    LEFT JOIN idempotency_keys AS k ON k.operation = :operation AND k.operation_version = :version
+    """
+)
+# The sequences behind the tables' identity and serial columns, restarted between schedules
+# so that every schedule sees the same ids.
+_SEQUENCES = sa.text(
+    """
+    SELECT pg_get_serial_sequence(t, a.attname)
+    FROM unnest(CAST(:tables AS text[])) AS t
+    JOIN pg_attribute AS a ON a.attrelid = CAST(t AS regclass) AND a.attnum > 0
+    WHERE NOT a.attisdropped AND pg_get_serial_sequence(t, a.attname) IS NOT NULL
+    """
+)
+# Transactions left open on the database by others than this exploration's connection.
+_OPEN_TRANSACTIONS = sa.text(
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
+)
+_ROLLBACK_POLLS = 5000
+_CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
+_CRASH = re.compile(r"attempt ([1-9]\d*) (raises|dies) at (\S+?)(?: \(hit ([1-9]\d*)\))?")
+
+
+@dataclass(frozen=True)
+class Crash:
+    """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies."""
+
+    attempt: int
+    point: str
+    nth: int = 1
+    effect: Effect = "raise"
+
+    def __str__(self) -> str:
+        verb = "raises" if self.effect == "raise" else "dies"
+        hit = f" (hit {self.nth})" if self.nth > 1 else ""
+        return f"attempt {self.attempt} {verb} at {self.point}{hit}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who recovers (the client, or the completer once the client gave up) and where each
+    attempt crashes. Written as ``"completer: attempt 1 raises at after_foreign:charge"``."""
+
+    recovery: Recovery = "client"
+    crashes: tuple[Crash, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.recovery}: " + ("; ".join(map(str, self.crashes)) or "no crash")
+
+    @property
+    def depth(self) -> int:
+        return len(self.crashes)
+
+    def crash_in(self, attempt: int) -> Crash | None:
+        return next((c for c in self.crashes if c.attempt == attempt), None)
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """The schedule a report printed; raises ValueError on anything else."""
+        recovery, sep, rest = text.partition(":")
+        if not sep or recovery.strip() not in ("client", "completer"):
+            raise ValueError(f"a schedule begins with 'client:' or 'completer:', got {text!r}")
+        crashes = []
+        for part in filter(None, (p.strip() for p in rest.split(";"))):
+            if part == "no crash":
+                continue
+            match = _CRASH.fullmatch(part)
+            if match is None:
+                raise ValueError(f"not a crash: {part!r} (e.g. 'attempt 1 raises at X:y')")
+            effect: Effect = "raise" if match[2] == "raises" else "exit"
+            crashes.append(Crash(int(match[1]), match[3], int(match[4] or 1), effect))
+        return cls("client" if recovery.strip() == "client" else "completer", tuple(crashes))
+
+
+@dataclass
+class Failure:
+    """One schedule that broke an invariant, and all a person needs to act on it."""
+
+    schedule: Schedule
+    invariant: str
+    detail: str
+    story: list[str]
+    held: list[str]
+    hints: list[str]
+
+    def report(self) -> str:
+        lines = [f"smallest failing schedule: {self.schedule}"]
+        lines += [f"  {line}" for line in self.story]
+        lines.append(f"broken invariant: {self.invariant}")
+        lines += [f"  {line}" for line in self.detail.splitlines()]
+        lines += [f"why: {hint}" for hint in self.hints]
+        lines += ["what the database held:"] + [f"  {line}" for line in self.held]
+        lines.append(f'reproduce: explore(..., schedule="{self.schedule}")')
+        return "\n".join(lines)
+
+
+@dataclass
+class Exploration:
+    """What :func:`explore` found: ``ok``, the schedules run, and the failures, smallest
+    schedule first."""
+
+    operation: str
+    depth: int
+    schedules: int = 0
+    seconds: float = 0.0
+    by_depth: Counter[int] = field(default_factory=Counter)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        if self.ok:
+            return (
+                f"{self.operation}: every invariant held in {self.schedules} schedules "
+                f"(depth {self.depth}) in {self.seconds:.1f}s"
+            )
+        return (
+            f"{self.operation}: {len(self.failures)} of {self.schedules} schedules broke an "
+            f"invariant (depth {self.depth}, {self.seconds:.1f}s)"
+        )
+
+    def report(self) -> str:
+        """The summary and, on failure, the smallest failing schedule in full."""
+        if self.ok:
+            return self.summary()
+        others = sorted({f.invariant for f in self.failures[1:]} - {self.failures[0].invariant})
+        tail = [f"also broken in schedules as small: {', '.join(others)}"] if others else []
+        return "\n".join([self.summary(), self.failures[0].report(), *tail])
+
+
+@dataclass
+class _Run:
+    """What one schedule did, as it happened."""
+
+    schedule: Schedule
+    attempt: int = 0
+    hits: Counter[str] = field(default_factory=Counter)
+    trace: list[Crash] = field(default_factory=list)  # every boundary reached
+    story: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # what each client call got
+    calls: Counter[str] = field(default_factory=Counter)  # foreign step → calls
+    downstream: dict[str, list[str]] = field(default_factory=dict)  # step → keys asked for
+    deliveries: Counter[str] = field(default_factory=Counter)  # job_key → deliveries
+    pipe: int | None = None  # in a forked attempt: where its record goes before it dies
+
+    def decide(self, point: str) -> Effect | None:
+        """The fault registry's watcher: record the boundary, crash where scheduled."""
+        self.hits[point] += 1
+        nth = self.hits[point]
+        self.trace.append(Crash(self.attempt, point, nth))
+        crash = self.schedule.crash_in(self.attempt)
+        if crash is None or (crash.point, crash.nth) != (point, nth):
+            return None
+        if self.pipe is not None:
+            record = {"calls": self.calls, "downstream": self.downstream, "trace": self.trace}
+            os.write(self.pipe, json.dumps(record, default=_plain).encode())
+        return crash.effect
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Crash):
+        return [value.attempt, value.point, value.nth]
+    raise TypeError(type(value).__name__)
+
+
+class _Recorder:
+    """The job backend during exploration: counts each delivery, then delivers."""
+
+    def __init__(self, backend: JobBackend, run: Callable[[], _Run]) -> None:
+        self.backend = backend
+        self.run = run
+
+    def publish(self, job: Job) -> None:
+        self.run().deliveries[job.job_key] += 1
+        self.backend.publish(job)
+
+
+@dataclass
+class Subject:
+    """An operation ready to explore: what ``recoverypoint explore module:name`` gets from
+    ``name(database_url)``, a function that builds it on the throwaway database it is
+    given (migrated already: create your own tables in it)."""
+
+    engine: Engine
+    operation: Operation[Any] | Callable[..., Any]
+    params: Any
+    scope: str = ""
+    check: Check | Sequence[Check] = ()
+    tables: Sequence[str] = ()
+    setup: Callable[[sa.Connection], None] | None = None
+    dispose: Sequence[sa.Engine] = ()
+
+    def explore(self, **options: Any) -> Exploration:
+        """:func:`explore` with this subject; ``options`` are its keyword arguments."""
+        return explore(
+            self.engine,
+            self.operation,
+            self.params,
+            scope=self.scope,
+            check=self.check,
+            tables=self.tables,
+            setup=self.setup,
+            dispose=self.dispose,
+            **options,
+        )
+
+
+def explore(
+    engine: Engine,
+    operation: Operation[Any] | Callable[..., Any],
+    params: Any,
+    *,
+    scope: str = "",
+    check: Check | Sequence[Check] = (),
+    tables: Sequence[str] = (),
+    setup: Callable[[sa.Connection], None] | None = None,
+    dispose: Sequence[sa.Engine] = (),
+    depth: int = 2,
+    effects: Sequence[Effect] = ("raise", "exit"),
+    recoveries: Sequence[Recovery] = ("client", "completer"),
+    schedule: str | Schedule | None = None,
+    max_schedules: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Exploration:
+    """Run ``operation`` (registered with ``engine``) with ``params`` once per crash
+    schedule, up to ``depth`` crashes each, and check every invariant after each.
+    ``operation`` may be an ``@idempotent`` function, called with ``params`` as its
+    keyword arguments; only a call again resumes one, so its client alone recovers it.
+
+    ``check(connection)`` raises (an ``assert`` will do) when your invariant is broken;
+    pass several as a list. ``tables`` are yours to empty between schedules (in this
+    order, a table before those it refers to; their identities restart), and
+    ``setup(connection)`` puts back what a schedule needs. Exploration deletes every key
+    and staged job in ``engine``'s database: give it a database of its own
+    (:func:`recoverypoint.testing.temporary_database`).
+
+    A crash with ``effect="exit"`` runs its attempt in a forked process; list in
+    ``dispose`` your own SQLAlchemy engines so that no pooled connection crosses the fork.
+    ``schedule`` runs one schedule only (a report's ``reproduce`` line). ``progress(done,
+    known)`` is called after each schedule; ``known`` grows as deeper schedules appear.
+    """
+    explorer = _Explorer(
+        engine,
+        operation,
+        params,
+        scope,
+        [check] if callable(check) else list(check),
+        tables,
+        setup,
+        dispose,
+    )
+    found = Exploration(explorer.operation.name, depth)
+    if not explorer.resumable:
+        recoveries = ("client",)
+    started = time.perf_counter()
+    with explorer.instrumented():
+        if schedule is not None:
+            planned = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
+            explorer.run(planned, found)
+        else:
+            explorer.search(found, depth, effects, recoveries, max_schedules, seed, progress)
+    found.seconds = time.perf_counter() - started
+    return found
+
+
+class _Explorer:
+    def __init__(
+        self,
+        engine: Engine,
+        operation: Operation[Any] | Callable[..., Any],
+        params: Any,
+        scope: str,
+        checks: list[Check],
+        tables: Sequence[str],
+        setup: Callable[[sa.Connection], None] | None,
+        dispose: Sequence[sa.Engine],
+    ) -> None:
+        self.engine = engine
+        self.params = params
+        self.scope = scope
+        decorated = getattr(operation, "operation", None)  # an @idempotent function's
+        if isinstance(operation, Operation):
+            self.operation: Operation[Any] = operation
+            self.request: Callable[[], Any] = self._run_operation
+            self.resumable = True
+            operation.dump_params(params)  # bad params: an error now, not in every schedule
+        elif isinstance(decorated, Operation):
+            self.operation = decorated
+            self.request = functools.partial(operation, **params)
+            # Its arguments live in its caller alone: only a call again can resume it.
+            self.resumable = False
+        else:
+            raise TypeError(
+                f"explore takes an Operation or an @idempotent function, not {operation!r}"
+            )
+        name, version = self.operation.name, self.operation.version
+        if engine.operation(name, version) is not self.operation:
+            raise ValueError(f"register {name!r} with the engine before exploring it")
+        self.checks = checks
+        self.tables = [*tables, *_OWN_TABLES]  # yours first: they may refer to the keys
+        self.reset: str | None = None
+        self.conn: sa.Connection
+        self.setup = setup
+        self.dispose = [engine.db, *dispose]
+        self.current = _Run(Schedule())
+
+    # -- the search ----------------------------------------------------------------------
+
+    def search(
+        self,
+        found: Exploration,
+        depth: int,
+        effects: Sequence[Effect],
+        recoveries: Sequence[Recovery],
+        max_schedules: int | None,
+        seed: int,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        """Breadth first: every schedule of one crash before any of two, so the first
+        failure is a smallest one; the search ends with the depth that found one."""
+        level = [Schedule(recoveries[0])]
+        known = 1
+        order = random.Random(seed)
+        while level and not found.failures:
+            following: list[Schedule] = []
+            for planned in level:
+                if max_schedules is not None and found.schedules >= max_schedules:
+                    return
+                run = self.run(planned, found)
+                if progress is not None:
+                    progress(found.schedules, known)
+                if planned.depth < depth:
+                    following += _extensions(planned, run, effects, recoveries)
+            if max_schedules is not None:
+                order.shuffle(following)
+            known += len(following)
+            level = following
+
+    def run(self, planned: Schedule, found: Exploration) -> _Run:
+        run = self.current = _Run(planned)
+        self._reset()
+        with faults.watching(run.decide):
+            while (actor := self._next_actor(run)) is not None:
+                run.attempt += 1
+                run.hits.clear()
+                crash = planned.crash_in(run.attempt)
+                if crash is not None and crash.effect == "exit":
+                    self._in_child(actor, run)
+                else:
+                    self._attempt(actor, run)
+        found.schedules += 1
+        found.by_depth[planned.depth] += 1
+        broken = self._broken(run)
+        if broken is not None:
+            invariant, detail = broken
+            found.failures.append(
+                Failure(planned, invariant, detail, run.story, self._held(), self._hints(run))
+            )
+        return run
+
+    # -- one attempt -----------------------------------------------------------------------
+
+    def _next_actor(self, run: _Run) -> str | None:
+        if run.attempt > _RECOVERY_ATTEMPTS + run.schedule.depth:
+            return None
+        key = self._state()
+        if not key.stored:
+            return "client"  # nothing stored (the first phase rolled back): it comes back
+        if key.response_status is None:
+            return run.schedule.recovery
+        if self.engine.jobs is not None and key.staged:
+            return "enqueuer"
+        return None
+
+    def _attempt(self, actor: str, run: _Run) -> None:
+        label = f"{run.attempt}. {actor:<9}"
+        try:
+            if actor == "client":
+                answer = _answer(self.request())
+                run.answers.append(answer)
+                run.story.append(f"{label} answered {answer}")
+            elif actor == "completer":
+                done = Completer(self.engine, min_age=0).run_once()
+                run.story.append(f"{label} finished {done.finished}, failed {done.failed}")
+            else:
+                published = Enqueuer(self.engine).run_once()
+                run.story.append(f"{label} published {published.published}")
+        except InjectedFault as exc:
+            run.story.append(f"{label} raised at {exc}")
+        except Exception as exc:  # the operation's own failure: the next attempt retries
+            run.story.append(f"{label} failed: {type(exc).__name__}: {exc}"[:300])
+
+    def _in_child(self, actor: str, run: _Run) -> None:
+        """Run the attempt in a forked process that dies at the scheduled crash, as a
+        SIGKILL would leave it: no rollback sent, no lease released, its memory gone."""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns to report coverage
+            os.close(read)
+            for db in self.dispose:
+                db.dispose(close=False)  # the parent's connections stay the parent's
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - its "exiting" line is ours to tell
+            run.pipe = write
+            try:
+                self._attempt(actor, run)
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            record = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        self._await_rollback()
+        crash = run.schedule.crash_in(run.attempt)
+        if os.waitstatus_to_exitcode(status) == FAULT_EXIT_STATUS and record:
+            child = json.loads(record)
+            run.calls.update(child["calls"])
+            for step, keys in child["downstream"].items():
+                run.downstream.setdefault(step, []).extend(keys)
+            run.trace += [Crash(a, p, n) for a, p, n in child["trace"]]
+            run.story.append(f"{run.attempt}. {actor:<9} died at {crash and crash.point}")
+        else:
+            run.story.append(f"{run.attempt}. {actor:<9} ended without reaching its crash")
+
+    # -- the invariants --------------------------------------------------------------------
+
+    def _broken(self, run: _Run) -> tuple[str, str] | None:
+        key = self._state()
+        if not key.stored or key.response_status is None or key.abandoned:
+            where = f"stopped at {key.recovery_point}" if key.stored else "was never stored"
+            error = f"; last error: {key.last_error}" if key.stored else ""
+            return "the key finishes", f"the key {where}{error}"
+        if key.leased:
+            return "no lease is left", "the finished key's lease is still held"
+        run.answers += [_answer(self.request()) for _ in range(2)]  # two replays
+        first = run.answers[0]
+        for answer in run.answers[1:]:
+            if answer != first:
+                return "the answer is stable across replays", (
+                    f"a client was told {first}, then {answer}"
+                )
+        if self.engine.jobs is not None:
+            if key.staged:
+                return "each staged job is published", f"{key.staged} job(s) never published"
+            consumed = set(self.conn.scalars(_CONSUMED, {"keys": list(run.deliveries)}))
+            for job_key, times in run.deliveries.items():
+                # Delivered once, any consumer is right; delivered again, only one that
+                # dedupes on the job key is.
+                if times > 1 and job_key not in consumed:
+                    return "each staged job is consumed once, through consume_once", (
+                        f"job {job_key} was delivered {times} times and its consumer never "
+                        "called consume_once(connection, consumer, job.job_key)"
+                    )
+        for check in self.checks:
+            try:
+                with self.engine.db.connect() as conn:  # not ours: a check may end a transaction
+                    check(conn)
+            except Exception as exc:
+                name = getattr(check, "__name__", "check")
+                return f"your check {name}", f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _hints(self, run: _Run) -> list[str]:
+        """Where the guarantee ended, read from what the foreign steps and jobs did."""
+        hints = []
+        for step, calls in run.calls.items():
+            if calls < 2:
+                continue
+            keys = run.downstream.get(step, [])
+            if not keys:
+                hints.append(
+                    f"foreign step {step!r} ran {calls} times and never asked for "
+                    "step.downstream_key(): the provider cannot tell its retry from a new "
+                    "request. Pass the key as the provider's idempotency key."
+                )
+            elif len(set(keys)) == 1:
+                hints.append(
+                    f"foreign step {step!r} ran {calls} times with the same downstream key "
+                    f"{keys[0]!r}. If the provider acted twice, the provider is where the "
+                    "guarantee ends: it does not dedupe on that key (see its idempotency "
+                    "documentation), or the key does not reach it."
+                )
+        for job_key, times in run.deliveries.items():
+            if times > 1:
+                hints.append(
+                    f"job {job_key} was delivered {times} times (delivery is at least once): "
+                    "its consumer must run its work under consume_once(conn, name, job.job_key)."
+                )
+        return hints
+
+    def _held(self) -> list[str]:
+        held = []
+        with self.engine.db.connect() as conn:
+            for table in self.tables:
+                columns = _SHOWN.get(table, "*")
+                query = sa.text(f"SELECT {columns} FROM {table}")
+                rows = conn.execute(query).mappings().all()
+                held.append(f"{table}: {len(rows)} row(s)")
+                held += [f"  {_json(dict(r))}"[:300] for r in rows[:_ROWS_SHOWN]]
+        return held
+
+    # -- the database ----------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        """Empty the tables and restart their identities: on tables this small, DELETE
+        takes a fraction of TRUNCATE's time (which writes new files for each)."""
+        conn = self.conn
+        if self.reset is None:
+            sequences = conn.scalars(_SEQUENCES, {"tables": self.tables})
+            # One round trip: the table names are the caller's, the sequences PostgreSQL's.
+            self.reset = "; ".join(
+                [f"DELETE FROM {table}" for table in self.tables]
+                + [
+                    f"SELECT setval('{name.replace(chr(39), chr(39) * 2)}', 1, false)"
+                    for name in sequences
+                ]
+            )
+        conn.exec_driver_sql(self.reset)
+        if self.setup is not None:
+            self.setup(conn)
+
+    def _await_rollback(self) -> None:
+        """Until PostgreSQL has seen the dead process's connection drop and rolled its
+        transaction back: its row locks would otherwise make the next attempt's SKIP
+        LOCKED claims pass over the rows, as no real recovery that far apart would."""
+        for _ in range(_ROLLBACK_POLLS):
+            if not self.conn.scalar(_OPEN_TRANSACTIONS):
+                return
+            time.sleep(0.001)
+
+    def _state(self) -> sa.Row[Any]:
+        # The operation's only key: each schedule begins with the tables empty.
+        names = {"operation": self.operation.name, "version": self.operation.version}
+        return self.conn.execute(_STATE, names).one()
+
+    def _run_operation(self) -> Outcome:
+        return self.engine.run(self.operation, key=KEY, params=self.params, scope=self.scope)
+
+    # -- watching the operation ------------------------------------------------------------
+
+    @contextmanager
+    def instrumented(self) -> Iterator[None]:
+        """For the exploration: foreign steps counted and their downstream keys noted,
+        job deliveries counted, recoverypoint's failure logs quiet."""
+        phases = list(self.operation.phases)
+        self.operation.phases[:] = [
+            p if p.atomic else replace(p, fn=self._watched(p.point, p.fn)) for p in phases
+        ]
+        backend = self.engine.jobs
+        if backend is not None:
+            self.engine.jobs = _Recorder(backend, lambda: self.current)
+        log = logging.getLogger("recoverypoint")
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        # One connection for the exploration's own reads and resets (a round trip each).
+        self.conn = self.engine.db.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            yield
+        finally:
+            self.conn.close()
+            self.operation.phases[:] = phases
+            self.engine.jobs = backend
+            log.setLevel(level)
+
+    def _watched(self, point: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def step(context: Any, params: Any) -> Any:
+            run = self.current
+            run.calls[point] += 1
+            derive = context.downstream_key
+
+            def downstream_key(name: str | None = None) -> str:
+                key: str = derive(name)
+                run.downstream.setdefault(point, []).append(key)
+                return key
+
+            context.downstream_key = downstream_key
+            return fn(context, params)
+
+        return step
+
+
+def _extensions(
+    planned: Schedule, run: _Run, effects: Sequence[Effect], recoveries: Sequence[Recovery]
+) -> list[Schedule]:
+    """Every schedule of one crash more: at each boundary ``run`` reached after its last
+    crash, with each effect; a first crash is tried with each way to recover."""
+    last = planned.crashes[-1].attempt if planned.crashes else 0
+    ways = recoveries if not planned.crashes else (planned.recovery,)
+    return [
+        Schedule(way, (*planned.crashes, replace(hit, effect=effect)))
+        for hit in run.trace
+        if hit.attempt > last
+        for effect in effects
+        for way in ways
+    ]
+
+
+def _answer(returned: object) -> str:
+    """What a client got, as it is compared and shown: an Outcome's status, body and
+    headers, or what an @idempotent function returned."""
+    if isinstance(returned, Outcome):
+        headers = f" {_json(returned.headers)}" if returned.headers else ""
+        return f"{returned.status} {_json(returned.body)}{headers}"
+    return f"returned {returned!r}"
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, default=str, sort_keys=True)
+
+
+__all__ = ["Crash", "Exploration", "Failure", "Schedule", "Subject", "explore"]
