@@ -87,7 +87,7 @@ class Idempotency(BaseIdempotency[Request]):
             scope=self.scope(request),
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
-            target=target(request.url.path, request.url.query),
+            target=_target(request),
             params=lambda: params,
         )
         return _response(reply)
@@ -102,7 +102,7 @@ class Idempotency(BaseIdempotency[Request]):
             scope=self.scope(request),
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
-            target=target(request.url.path, request.url.query),
+            target=_target(request),
             params=lambda: params,
         )
         return _response(reply)
@@ -202,7 +202,7 @@ class SingleStepMiddleware:
                 "scope": tenant,
                 "key_headers": request.headers.getlist(IDEMPOTENCY_KEY),
                 "method": request.method,
-                "target": target(request.url.path, request.url.query),
+                "target": _target(request),
                 "body": lambda: body,
             }
             committed = False
@@ -300,6 +300,13 @@ class _AppRun:
         if not committed:
             self.cancel_scope.cancel()
         self.resumed.set()
+
+
+def _target(request: Request) -> str:
+    # From the ASGI scope, not `request.url`: how Starlette's URL escapes the decoded path
+    # depends on its version (1.7, the last for Python 3.10, turns the path `/a%3Fb` into
+    # the path `/a` and the query `b`).
+    return target(request.scope["path"], request.scope.get("query_string", b""))
 
 
 def _response(reply: Reply) -> Response:
