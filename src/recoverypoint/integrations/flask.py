@@ -146,10 +146,7 @@ def _body(request: flask.Request, limit: int) -> bytes:
 
 
 def _target(request: flask.Request) -> str:
-    # Flask decodes the path: `%` and `?` are encoded again, so that `/a%3Fb` (a path) and
-    # `/a?b` (a path and a query) fingerprint apart.
-    path = request.path.replace("%", "%25").replace("?", "%3F")
-    return target(path, request.query_string.decode("latin-1"))
+    return target(request.path, request.query_string)
 
 
 def _response(reply: Reply) -> flask.Response:
