@@ -48,17 +48,7 @@ def validate_key(key: object) -> str:
 
 def validate_scope(scope: object) -> str:
     """Return ``scope`` if it can own keys; scopes come from the application, not the client."""
-    if (
-        not isinstance(scope, str)
-        or len(scope) > MAX_SCOPE_LENGTH
-        or "\x00" in scope
-        or not (scope.isascii() or _encodable(scope))
-    ):
-        raise ValueError(
-            f"scope must be a str of at most {MAX_SCOPE_LENGTH} characters without NUL or "
-            f"lone surrogates, got {scope!r:.80}"
-        )
-    return scope
+    return _stored_name(scope, "scope", MAX_SCOPE_LENGTH, may_be_empty=True)
 
 
 def validate_request(method: object, path: object) -> tuple[str, str]:
@@ -172,18 +162,25 @@ MAX_NAMESPACE_LENGTH = 255
 
 def validate_namespace(namespace: object) -> str:
     """Return ``namespace`` if it can tell one database's derived keys from another's."""
+    return _stored_name(namespace, "namespace", MAX_NAMESPACE_LENGTH, may_be_empty=False)
+
+
+def _stored_name(value: object, what: str, limit: int, *, may_be_empty: bool) -> str:
+    """``value`` if it is text PostgreSQL can store (no NUL, no lone surrogate) of at most
+    ``limit`` characters; else a :class:`ValueError` naming ``what``."""
     if (
-        not isinstance(namespace, str)
-        or not namespace
-        or len(namespace) > MAX_NAMESPACE_LENGTH
-        or "\x00" in namespace
-        or not (namespace.isascii() or _encodable(namespace))
+        not isinstance(value, str)
+        or not (value or may_be_empty)
+        or len(value) > limit
+        or "\x00" in value
+        or not (value.isascii() or _encodable(value))
     ):
+        kind = "a str" if may_be_empty else "a non-empty str"
         raise ValueError(
-            f"namespace must be a non-empty str of at most {MAX_NAMESPACE_LENGTH} characters "
-            f"without NUL or lone surrogates, got {namespace!r:.80}"
+            f"{what} must be {kind} of at most {limit} characters without NUL or "
+            f"lone surrogates, got {value!r:.80}"
         )
-    return namespace
+    return value
 
 
 def key_seed(namespace: str, scope: str, operation: str, key: str) -> str:
