@@ -33,8 +33,8 @@ def terminate(conn: sa.Connection, database: str | None) -> int:
     """Kill every backend of ``database`` but ``conn``'s own; how many were killed."""
     killed = conn.execute(
         sa.text(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = :n AND pid <> pg_backend_pid()"
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = :n"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
         ),
         {"n": database},
     ).scalar_one()

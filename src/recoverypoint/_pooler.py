@@ -32,7 +32,8 @@ logger = logging.getLogger("recoverypoint")
 UNPREPARED = "recoverypoint_unprepared"
 """Set in a pooled connection's ``info`` when nothing may be prepared on it."""
 
-_installed: weakref.WeakKeyDictionary[sa.Engine, bool | None] = weakref.WeakKeyDictionary()
+# By pool: engines made with execution_options() share their parent's pool and its events.
+_installed: weakref.WeakKeyDictionary[sa.pool.Pool, bool | None] = weakref.WeakKeyDictionary()
 _warned: set[str] = set()
 
 
@@ -40,15 +41,17 @@ def install(db: sa.Engine, prepared_statements: bool | None) -> None:
     """Decide for every connection ``db``'s pool makes (an async engine's ``sync_engine``)
     whether statements may be prepared on it: ``None`` unless it reaches PostgreSQL through
     a pooler, ``True`` always (PgBouncer 1.21 on, with ``max_prepared_statements``, keeps
-    them), ``False`` never."""
-    if db in _installed:
-        if _installed[db] != prepared_statements:
+    them; before it, psycopg's statements, numbered per client connection, may run another
+    client's), ``False`` never. Connections the pool made before this are not checked:
+    make the recoverypoint engine before using a SQLAlchemy engine of your own."""
+    if db.pool in _installed:
+        if _installed[db.pool] != prepared_statements:
             raise ValueError(
                 "this SQLAlchemy engine already serves a recoverypoint engine with "
-                f"prepared_statements={_installed[db]}; give both the same"
+                f"prepared_statements={_installed[db.pool]}; give both the same"
             )
         return
-    _installed[db] = prepared_statements
+    _installed[db.pool] = prepared_statements
     if prepared_statements is not True:
         event.listen(db, "connect", _LISTENERS[prepared_statements])
 

@@ -120,6 +120,10 @@ class Engine(Registry):
         ``False``: never.
     """
 
+    db: sa.Engine
+    """The sync engine on the database: the request path's own for rp.Engine; for
+    rp.Engine, the workers', the admin layer's and migrations'."""
+
     def __init__(
         self,
         database: str | URL | sa.Engine,
@@ -136,13 +140,14 @@ class Engine(Registry):
         super().__init__(asynchronous=False)
         self.db = create_engine(database)
         driver = self.db.dialect.driver
-        phase_guard.install(self.db)
-        _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
+        # Refused before anything is installed on an engine that may be the caller's own.
         if driver not in ("psycopg", "psycopg_async"):
             raise ValueError(
                 f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
                 "create it from a postgresql+psycopg:// URL"
             )
+        phase_guard.install(self.db)
+        _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
         self._owns_db = not isinstance(database, sa.Engine)
         self.max_params_bytes = max_params_bytes
         self.serialization_retries = serialization_retries
@@ -401,9 +406,13 @@ class Engine(Registry):
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
             released = store.release(self.db, run.key, error, retry_in)
-        except Exception:
-            # The lease then simply expires; the original error matters more.
-            logger.exception("could not release key %s after: %s", run.record.id, error)
+        except Exception as exc:
+            # The lease then simply expires; the original error matters more. An outage
+            # is one line per request, not a traceback each.
+            if is_outage(exc):
+                logger.warning("could not release key %s (the database is away)", run.record.id)
+            else:
+                logger.exception("could not release key %s after: %s", run.record.id, error)
             return
         logger.warning(
             "key %s of %s failed at %s (lease %s): %s",

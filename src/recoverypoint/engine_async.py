@@ -120,6 +120,10 @@ class AsyncEngine(Registry):
         ``False``: never.
     """
 
+    db: sa.Engine
+    """The sync engine on the database: the request path's own for rp.Engine; for
+    rp.AsyncEngine, the workers', the admin layer's and migrations'."""
+
     def __init__(
         self,
         database: str | URL | sa_async.AsyncEngine,
@@ -141,22 +145,25 @@ class AsyncEngine(Registry):
             else:
                 self.async_db = sa_async.create_async_engine(normalize_url(database))
             driver = self.async_db.dialect.driver
+        else:
+            super().__init__(asynchronous=False)
+            self.db = create_engine(database)
+            driver = self.db.dialect.driver
+        # Refused before anything is installed on an engine that may be the caller's own.
+        if driver not in ("psycopg", "psycopg_async"):
+            raise ValueError(
+                f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
+                "create it from a postgresql+psycopg:// URL"
+            )
+        if True:  # ASYNC
             # The workers, the admin layer and migrations are sync: an engine of their own
             # on the same database (it connects only when they use it).
             self.db = create_engine(self.async_db.url.set(drivername="postgresql+psycopg"))
             phase_guard.install(self.async_db.sync_engine)
             _pooler.install(self.async_db.sync_engine, prepared_statements)
         else:
-            super().__init__(asynchronous=False)
-            self.db = create_engine(database)
-            driver = self.db.dialect.driver
             phase_guard.install(self.db)
         _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
-        if driver not in ("psycopg", "psycopg_async"):
-            raise ValueError(
-                f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
-                "create it from a postgresql+psycopg:// URL"
-            )
         self._owns_db = not isinstance(database, sa_async.AsyncEngine)
         self.max_params_bytes = max_params_bytes
         self.serialization_retries = serialization_retries
@@ -428,9 +435,13 @@ class AsyncEngine(Registry):
         retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
         try:
             released = await store_async.release(self.async_db, run.key, error, retry_in)
-        except Exception:
-            # The lease then simply expires; the original error matters more.
-            logger.exception("could not release key %s after: %s", run.record.id, error)
+        except Exception as exc:
+            # The lease then simply expires; the original error matters more. An outage
+            # is one line per request, not a traceback each.
+            if is_outage(exc):
+                logger.warning("could not release key %s (the database is away)", run.record.id)
+            else:
+                logger.exception("could not release key %s after: %s", run.record.id, error)
             return
         logger.warning(
             "key %s of %s failed at %s (lease %s): %s",

@@ -108,7 +108,6 @@ class DatabaseUnavailable(IdempotencyError):
     finds the key's lease still held."""
 
 
-
 class ConfigurationError(IdempotencyError):
     """The service is set up wrongly (its database not migrated, an operation not
     registered, a scope function that fails): no retry succeeds until its operators fix it.

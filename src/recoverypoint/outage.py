@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from .errors import DatabaseUnavailable
 
 # SQLSTATEs of a server that is going, gone, full, or no longer the primary.
-_OUTAGE_CLASSES = ("08", "53", "58")  # connection exception, insufficient resources, system
+_OUTAGE_CLASSES = ("08", "53")  # connection exception, insufficient resources
 _OUTAGE_STATES = frozenset(
     {
         "57P01",  # admin_shutdown: a fast shutdown, pg_terminate_backend
@@ -28,13 +28,15 @@ _OUTAGE_STATES = frozenset(
         "57P03",  # cannot_connect_now: starting up, shutting down, in recovery
         "57P05",  # idle_session_timeout
         "25006",  # read_only_sql_transaction: connected to a standby, or a demoted primary
+        "58000",  # system_error
+        "58030",  # io_error (58P01 and 58P02, a file a statement names, are the statement's)
     }
 )
 
 
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` says the database (or the way to it) failed, not the request."""
-    if isinstance(exc, sa.exc.TimeoutError):  # no pooled connection came in time
+    if isinstance(exc, DatabaseUnavailable | sa.exc.TimeoutError):  # or no connection came
         return True
     error: BaseException | None = exc
     if isinstance(exc, sa.exc.DBAPIError):
@@ -69,9 +71,9 @@ def unavailable(exc: BaseException) -> DatabaseUnavailable:
 
 
 def drop_older_connections(pool: Any, pooled: Any) -> None:
-    """After ``pooled`` broke, have the pool reconnect every connection it made no later
-    than it (a failover or a restart broke them all), on their next checkout, instead of
-    handing each out to fail once. This is what SQLAlchemy's own ``Connection`` does on a
+    """After ``pooled`` broke, have the pool reconnect every connection it made before now
+    (a failover or a restart broke them all), on their next checkout, instead of handing
+    each out to fail once. This is what SQLAlchemy's own ``Connection`` does on a
     disconnect (``Pool._invalidate``); the request path borrows raw connections, so it
     asks for it here; the caller invalidates ``pooled`` itself."""
     pool._invalidate(pooled, None, False)

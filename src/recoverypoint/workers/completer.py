@@ -35,9 +35,10 @@ from ..admin._sql import REGISTERED  # the operations this completer can resume,
 from ..admin.key_actions import abandon_exhausted
 from ..engine import Engine
 from ..engine_async import AsyncEngine
-from ..errors import KeyInUse, LockLost
+from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..observe import Observer
 from ..operation import Operation, Outcome, Response
+from ..outage import is_outage
 from ..sql import lease_free
 from .engines import AnyEngine
 from .loop import Result, Worker
@@ -252,8 +253,8 @@ class Completer(Worker[CompleterResult]):
         """
         try:
             return self._claim_due(operations, token, self.batch_size), operations
-        except Exception:
-            if len(operations) < 2:
+        except Exception as exc:
+            if len(operations) < 2 or is_outage(exc):  # the database is down for them all
                 raise
         batch: list[_Claimed] = []
         healthy: list[Operation[Any]] = []
@@ -343,7 +344,9 @@ class Completer(Worker[CompleterResult]):
         result: CompleterResult,
     ) -> None:
         """Count a resume that raised; abandon the key if that was its last attempt."""
-        if isinstance(exc, (KeyInUse, LockLost)):
+        if isinstance(exc, (KeyInUse, LockLost, DatabaseUnavailable)):
+            # Not an attempt that failed: another holder, or the database away (the key's
+            # lease runs out, and a later pass tries again).
             result.skipped += 1
             return
         # The engine released the lease, counted the attempt and logged the error.

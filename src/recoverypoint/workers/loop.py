@@ -171,7 +171,7 @@ class Worker(ABC, Generic[R]):
         try:
             with self.db.begin() as conn:
                 conn.execute(_RECORD_PASS, fields)
-        except sa.exc.DBAPIError:
+        except sa.exc.SQLAlchemyError:  # a pool timeout too
             logger.debug("could not record the pass of %s", self.name, exc_info=True)
 
     def log(self, level: int, event: str, **fields: object) -> None:
