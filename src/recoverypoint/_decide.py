@@ -328,20 +328,21 @@ STEP_NOT_RECORDED = problem_response(
 
 
 def step_result(
-    phase: Phase, state: dict[str, Any], result: object, key_id: int
-) -> tuple[Response | None, dict[str, Any]]:
-    """What a foreign step that returned ``result`` commits: its Response, if it returned
-    one, and the state after it. A result that cannot be stored makes the key finish with
-    :data:`STEP_NOT_RECORDED` (the step ran: running it again could repeat its effect)."""
+    phase: Phase, state: dict[str, Any], state_json: str, result: object, key_id: int
+) -> tuple[Response | None, dict[str, Any], str]:
+    """What a foreign step that returned ``result`` from ``state`` (stored as
+    ``state_json``) commits: its Response, if it returned one, and the state after it, with
+    its JSON (made here to check it, and kept for the phase after the step). A result that
+    cannot be stored makes the key finish with :data:`STEP_NOT_RECORDED` (the step ran:
+    running it again could repeat its effect)."""
     try:
         if isinstance(result, Response):
             canonical_json(result.body)
             canonical_json(safe_headers(result.headers))
-            return result, state
+            return result, state, state_json
         if result is None or isinstance(result, Mapping):
             new_state = {**state, **(result or {})}
-            dump_state(phase, new_state)
-            return None, new_state
+            return None, new_state, dump_state(phase, new_state)
         raise TypeError(
             f"foreign step {phase.point!r} returned {type(result).__name__}; "
             "return a dict, None or a Response"
@@ -354,7 +355,7 @@ def step_result(
             phase.point,
             exc,
         )
-        return STEP_NOT_RECORDED, state
+        return STEP_NOT_RECORDED, state, state_json
 
 
 def dump_state(phase: Phase, state: dict[str, Any]) -> str:

@@ -493,15 +493,16 @@ class _Run:
             result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
-        response, new_state = step_result(phase, state, result, self.record.id)
+        response, new_state, new_state_json = step_result(
+            phase, state, state_json, result, self.record.id
+        )
 
         def commit_step(tx: Transaction) -> Step:
-            return self._commit(tx, phase, response, new_state, [])
+            return self._commit(tx, phase, response, new_state, [], new_state_json)
 
         following = self.operation.phases[self.operation.next_phase(phase.point)]
         if response is not None or not following.atomic:
             return self.engine._transact(commit_step)
-        new_state_json = dump_state(phase, new_state)
         # The step's result commits in the next atomic phase's transaction: one commit less
         # per step. Should that phase fail, the result is committed on its own before the
         # error propagates, so a retry resumes after the step all the same.
@@ -560,10 +561,12 @@ class _Run:
         result: object,
         state: dict[str, Any],
         jobs: list[StagedJob],
+        state_json: str | None = None,
     ) -> Step:
         """Record what ``phase`` reached (its point, a jump, or the final response) and
-        COMMIT, with the jobs it staged."""
-        state_json = dump_state(phase, state)
+        COMMIT, with the jobs it staged; ``state_json``, if given, is ``state`` dumped."""
+        if state_json is None:
+            state_json = dump_state(phase, state)
         point = phase.point
         if isinstance(result, RecoveryPoint):
             if result.name not in phase.jumps_to:
