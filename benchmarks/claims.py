@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint import store
+from recoverypoint.keys import key_seed
 from recoverypoint.migrate import upgrade
 
 SCOPE, OPERATION = "bench", "claim_only"
@@ -218,7 +219,9 @@ class Claimer:
             path="/x",
             params_json="{}",
             fingerprint="f",
+            seed=key_seed("bench", SCOPE, OPERATION, key),
             token=uuid.uuid4(),
+            lock_timeout=90.0,
         )
         return self.engine._transact(lambda conn: store.claim(conn, request))
 
