@@ -415,6 +415,7 @@ def _flask_sender(client: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def hostile_engine(db: sa.Engine) -> rp.Engine:
+    RUNS.bind(db)
     engine = rp.Engine(db)
     engine.register(echo_operation())
     return engine
