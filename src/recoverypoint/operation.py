@@ -18,6 +18,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .errors import DeclarationError, InvalidParams
 from .keys import MAX_JSON_DEPTH, canonical_json, check_depth
+from .leases import DEFAULT_LOCK_TIMEOUT, MAX_LOCK_TIMEOUT
 
 P = TypeVar("P")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -25,9 +26,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 STARTED = "started"
 FINISHED = "finished"
 
-# Leases and retentions are added to timestamps in SQL: beyond a few thousand years that
-# overflows, and a key would fail forever. A lease of a year is already "never".
-MAX_LOCK_TIMEOUT = timedelta(days=365)
+# Retentions are added to timestamps in SQL, as leases are (leases.MAX_LOCK_TIMEOUT).
 MAX_RETENTION = timedelta(days=36500)
 
 
@@ -164,7 +163,7 @@ class Operation(Generic[P]):
         *,
         params: type[P] | None = None,
         version: int = 1,
-        lock_timeout: timedelta = timedelta(seconds=90),
+        lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
         max_attempts: int = 10,
         retention: timedelta | None = None,
     ) -> None:

@@ -1,39 +1,22 @@
 """The SQL fragments the operator queries and actions share.
 
 A key's state is computed by the database, on its clock, with the lock timeout its lease's
-holder stored when it claimed the key (:data:`LOCK_TIMEOUT`), so a listing, a filter and
-the re-check inside an action's UPDATE judge a lease as its holder does, whether or not
-the operation is known here.
+holder stored when it claimed the key (:data:`recoverypoint.leases.HOLDERS_TIMEOUT`), so a
+listing, a filter and the re-check inside an action's UPDATE judge a lease as its holder
+does, whether or not the operation is known here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..engine.sql import lease_free
+from ..leases import HOLDERS_TIMEOUT, REGISTERED, free, seconds_left
 
-# The operations the caller knows, as a table (the completer's claim uses it too).
-REGISTERED = """
-    registered AS (
-        SELECT * FROM unnest(
-            CAST(:operations AS text[]), CAST(:versions AS integer[]),
-            CAST(:lock_timeouts AS double precision[])
-        ) AS r(operation, version, lock_timeout)
-    )
-"""
-
-# The holder's own, stored by its claim. A row claimed before migration 0010 has none: then
-# the operation's, if it is known here (a subquery, not a join: it is evaluated again on the
-# row version an UPDATE re-checks), else NULL: a deadline nobody here knows.
-LOCK_TIMEOUT = """
-    coalesce(k.lock_timeout,
-             (SELECT r.lock_timeout FROM registered AS r
-              WHERE r.operation = k.operation AND r.version = k.operation_version))
-"""
+__all__ = ["DETAIL_COLUMNS", "KEY_COLUMNS", "LIVE", "REGISTERED", "STATE", "where"]
 
 # A lease nobody may take over: the negation of the engine's own rule. A held lease whose
 # deadline is unknown (the rule is NULL) is live: it may be running a step right now.
-LIVE = f"(k.finished_at IS NULL AND coalesce(NOT {lease_free(LOCK_TIMEOUT)}, true))"
+LIVE = f"(k.finished_at IS NULL AND coalesce(NOT {free(HOLDERS_TIMEOUT)}, true))"
 
 STATE = f"""
     CASE
@@ -53,10 +36,8 @@ KEY_COLUMNS = f"""
     k.id, k.scope, k.operation, k.operation_version AS version,
     k.idempotency_key AS key, k.recovery_point AS point, {STATE} AS state,
     k.attempts, k.next_attempt_at, {SECONDS.format("k.next_attempt_at - now()")} AS next_attempt_in,
-    k.locked_at, k.lock_token, {LOCK_TIMEOUT} AS lock_timeout,
-    CASE WHEN k.finished_at IS NULL AND k.locked_at IS NOT NULL THEN
-        {SECONDS.format(f"k.locked_at + make_interval(secs => {LOCK_TIMEOUT}) - now()")}
-    END AS lease_left,
+    k.locked_at, k.lock_token, {HOLDERS_TIMEOUT} AS lock_timeout,
+    CASE WHEN k.finished_at IS NULL THEN {seconds_left(HOLDERS_TIMEOUT)} END AS lease_left,
     k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
     k.last_run_at, k.finished_at, k.abandoned_at, k.last_error
 """

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from ..leases import registered
 from ..operation import Operation
 from .mask import Mask
 
@@ -106,14 +107,9 @@ class Admin:
         return None
 
     def known(self, operations: Iterable[Operation[Any]]) -> dict[str, Any]:
-        """The bind parameters of the ``registered`` table (see _sql.REGISTERED)."""
-        ops = list(operations)
-        return {
-            "operations": [op.name for op in ops],
-            "versions": [op.version for op in ops],
-            "lock_timeouts": [op.lock_timeout.total_seconds() for op in ops],
-            "stuck_after": self.stuck_after.total_seconds(),
-        }
+        """The bind parameters of the ``registered`` table
+        (:data:`~recoverypoint.leases.REGISTERED`) and of the states' ``stuck_after``."""
+        return {**registered(operations), "stuck_after": self.stuck_after.total_seconds()}
 
     def params(self) -> dict[str, Any]:
         return self.known(self.operations)

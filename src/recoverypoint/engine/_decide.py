@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from datetime import datetime, timezone
 from operator import itemgetter
 from typing import Any, NamedTuple
 
+from .. import leases
 from ..errors import (
     DeclarationError,
     InvalidParams,
@@ -115,9 +115,7 @@ class KeyRecord(NamedTuple):
 
     def lease_left(self, lock_timeout: float) -> int:
         """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""
-        if self.held_for is None:
-            return 0
-        return max(0, math.ceil(lock_timeout - self.held_for))
+        return leases.left(self.held_for, lock_timeout)
 
 
 class Finished(NamedTuple):

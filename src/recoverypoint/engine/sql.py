@@ -31,6 +31,8 @@ import re
 from typing import NamedTuple
 from uuid import UUID
 
+from .. import leases
+
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
 
@@ -79,16 +81,10 @@ _RECORD_COLUMNS = """
 """
 
 
-def lease_free(lock_timeout: str) -> str:
-    """The rule, written once, for a lease anyone may take on key row ``k``: nobody holds it,
-    or its holder has not renewed it for ``lock_timeout`` seconds (an SQL expression: the
-    timeout of the version that started the key, which each caller finds its own way)."""
-    return f"(k.locked_at IS NULL OR k.locked_at <= now() - make_interval(secs => {lock_timeout}))"
-
-
 # How long the lease has been held, in seconds; NULL when it is free. The caller judges it
-# against the lock timeout of the version that started the key, which SQL does not know.
-_HELD_FOR = "extract(epoch FROM now() - locked_at)::float8::text"
+# (leases.left) against the lock timeout of the version that started the key, which SQL
+# does not know.
+_HELD_FOR = f"{leases.HELD_FOR}::text"
 
 # Every claim stores its lock timeout with the lease it takes (a column of the row it writes
 # anyway), so that an operator's tool judges the lease as its holder does.
@@ -129,7 +125,7 @@ CLAIM_BY_ID = Statement(f"""
         SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
             last_run_at = now()
         WHERE k.id = %(id)s AND k.finished_at IS NULL
-          AND (k.lock_token = %(token)s OR {lease_free("%(lock_timeout)s")})
+          AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
         RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for
     )
     SELECT * FROM claimed

@@ -51,6 +51,7 @@ from pydantic_core import PydanticSerializationError
 from ..engine import Engine
 from ..engine.context import StepContext
 from ..errors import AbandonedCall, InvalidParams, Retryable
+from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..operation import FINISHED, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
@@ -145,7 +146,7 @@ def idempotent(
     scope: ArgumentRule | None = None,
     name: str | None = None,
     version: int = 1,
-    lock_timeout: timedelta = timedelta(seconds=90),
+    lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),

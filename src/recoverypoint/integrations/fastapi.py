@@ -59,6 +59,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InvalidKey, RequestTooLarge
+from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
 from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply, read_key
@@ -116,7 +117,7 @@ class Idempotency(BaseIdempotency[Request]):
         return _response(reply)
 
     def single_step(
-        self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
+        self, name: str, *, lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT
     ) -> Callable[[E], E]:
         """Make an endpoint single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.

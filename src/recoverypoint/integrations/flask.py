@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import flask
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, body_params, target
 from ._problem import IDEMPOTENCY_KEY, Reply
@@ -78,7 +79,7 @@ class Idempotency(BaseIdempotency[flask.Request]):
         return _response(reply)
 
     def single_step(
-        self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
+        self, name: str, *, lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT
     ) -> Callable[[V], V]:
         """Make a view single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.

@@ -31,11 +31,10 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, text
 
-from ..admin._sql import REGISTERED  # the operations this completer can resume, as a table
 from ..admin.key_actions import abandon_exhausted
 from ..engine import AsyncEngine, Engine
-from ..engine.sql import lease_free
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
+from ..leases import REGISTERED, free, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome, Response
 from ..outage import is_outage
@@ -69,7 +68,7 @@ _CLAIM_DUE = text(
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE {_DUE}
-          AND {lease_free("r.lock_timeout")}
+          AND {free("r.lock_timeout")}
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED
@@ -233,12 +232,7 @@ class Completer(Worker[CompleterResult]):
         await asyncio.gather(*(complete(key) for key in keys))
 
     def _registered(self, operations: list[Operation[Any]]) -> dict[str, Any]:
-        return {
-            "operations": [op.name for op in operations],
-            "versions": [op.version for op in operations],
-            "lock_timeouts": [op.lock_timeout.total_seconds() for op in operations],
-            "min_age": self.min_age,
-        }
+        return {**registered(operations), "min_age": self.min_age}
 
     def _claim(
         self, operations: list[Operation[Any]], token: uuid.UUID, result: CompleterResult
