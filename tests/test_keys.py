@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recoverypoint.context import KeyIdentity
+from recoverypoint.engine.context import KeyIdentity
 from recoverypoint.errors import InvalidKey, InvalidParams, RequestTooLarge
 from recoverypoint.keys import (
     MAX_JSON_DEPTH,

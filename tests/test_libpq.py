@@ -1,4 +1,4 @@
-"""The sync engine's statements on libpq (recoverypoint._libpq): values of any shape reach
+"""The sync engine's statements on libpq (recoverypoint.engine._libpq): values of any shape reach
 the server intact, and a request interrupted while a pipeline waits for its results
 leaves no half-written key, no broken connection in the pool, and one effect after a retry.
 """

@@ -6,7 +6,7 @@ phase of one statement staging a job) costs 8: the replay lookup; BEGIN with the
 statements; the point with COMMIT; BEGIN with the fence; one statement; the response and
 the jobs with COMMIT. A replay costs 1. The engine's statements go through libpq, prepared
 once per connection, BEGIN and COMMIT in the same pipeline as the statement beside them
-(see recoverypoint._libpq). Structure, not speed: the numbers are exact.
+(see recoverypoint.engine._libpq). Structure, not speed: the numbers are exact.
 """
 
 from __future__ import annotations

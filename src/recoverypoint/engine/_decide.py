@@ -85,8 +85,9 @@ class KeyRecord(NamedTuple):
 
     @classmethod
     def parse(cls, row: Sequence[str | None]) -> KeyRecord:
-        """The record from the text of its columns (:data:`recoverypoint.sql._RECORD_COLUMNS`,
-        then ``claimed``, ``inserted`` and ``held_for``)."""
+        """The record from the text of its columns
+        (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`, then ``claimed``, ``inserted``
+        and ``held_for``)."""
         (
             key_id, created_at, version, fingerprint, point, state, params, status, headers,
             body, attempts, seed, ctid, xid, claimed, inserted, held_for,
@@ -131,7 +132,7 @@ class Finished(NamedTuple):
 
     @classmethod
     def parse(cls, row: Sequence[str | None]) -> Finished:
-        """The record from the text of the columns of :data:`recoverypoint.sql.FINISHED`."""
+        """The record from the text of the columns of :data:`recoverypoint.engine.sql.FINISHED`."""
         version, fingerprint, status, headers, body = row
         assert version and fingerprint and status
         return cls(

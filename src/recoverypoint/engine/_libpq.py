@@ -1,6 +1,6 @@
 """The sync engine's own statements on libpq, through psycopg's ``pq`` module.
 
-Each :class:`~recoverypoint.sql.Statement` is prepared once per connection (sent unnamed
+Each :class:`~recoverypoint.engine.sql.Statement` is prepared once per connection (sent unnamed
 behind a pooler, :mod:`recoverypoint._pooler`); a transaction's
 first statement travels in one pipeline with its BEGIN, and the write that records a phase
 with its COMMIT (that write raises when it misses its row, which aborts the transaction
@@ -75,7 +75,7 @@ def _encoding(connection: psycopg.Connection[Any]) -> str:
 
 class Deallocated(Exception):
     """The engine's prepared statements were gone in the middle of a transaction, which
-    failed with them: it runs again (:func:`recoverypoint._pg.serializable`), and its
+    failed with them: it runs again (:func:`recoverypoint.engine._pg.serializable`), and its
     statements are prepared again."""
 
 

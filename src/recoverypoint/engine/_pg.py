@@ -15,7 +15,7 @@ and the transaction (:class:`Transaction`) writes out:
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`Transaction.fetch_and_commit`), or alone (:meth:`Transaction.commit`).
 
-The sync engine sends its own statements through libpq (:mod:`recoverypoint._libpq`):
+The sync engine sends its own statements through libpq (:mod:`recoverypoint.engine._libpq`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
 them, and with nothing outside a transaction that psycopg would begin one for, the
 connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
@@ -160,7 +160,7 @@ class Transaction:
 
     def begin_with(self, query: str) -> tuple[Any, ...] | None:
         """BEGIN and one of the engine's statements, written out without parameters (see
-        :func:`recoverypoint.sql.fence_by_ctid`), in one round trip; its first row."""
+        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
         assert not self._began, "begin_with opens the transaction"
         self._began = True
         # libpq answers with the last statement's result: the row, or the error.
@@ -193,7 +193,7 @@ class Transaction:
         """A SQLAlchemy Connection on this transaction, for phase code that uses one.
 
         Only the engine ends the transaction: phase code gets it through
-        :func:`recoverypoint.phase_guard.refusing_to_end`.
+        :func:`recoverypoint.engine.phase_guard.refusing_to_end`.
         """
         if self._sqlalchemy is None:
             # Phases run once the claim or the fence began the transaction.

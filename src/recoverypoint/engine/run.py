@@ -439,7 +439,7 @@ class Engine(Registry):
             self._transact(wait)
 
     def _transact(self, work: Callable[[Transaction], T]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg`).
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint.engine._pg`).
         A table or column that is not there is a :class:`ConfigurationError` when the
         schema is missing or old (every request would fail the same way); else, the phase
         code's own, it is re-raised as it is."""

@@ -468,7 +468,7 @@ class AsyncEngine(Registry):
             await self._transact(wait)
 
     async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint._pg_async`).
+        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint.engine._pg_async`).
         A table or column that is not there is a :class:`ConfigurationError` when the
         schema is missing or old (every request would fail the same way); else, the phase
         code's own, it is re-raised as it is."""

@@ -1,8 +1,8 @@
 """Every statement of the request path, named after its intent, in psycopg's named
 placeholders (``%(name)s``; a :class:`Statement` also carries libpq's numbered form).
-:mod:`recoverypoint.store` and :mod:`recoverypoint.store_async` run them;
-:mod:`recoverypoint._pg` and :mod:`recoverypoint._pg_async` begin and end the transactions
-they run in.
+:mod:`recoverypoint.engine.store` and :mod:`recoverypoint.engine.store_async` run them;
+:mod:`recoverypoint.engine._pg` and :mod:`recoverypoint.engine._pg_async` begin and end the
+transactions they run in.
 
 Every write after the claim is fenced by the lease's ``lock_token`` and checked by row
 count (the write that records a phase raises when it finds no row, so the COMMIT sent with
@@ -226,7 +226,7 @@ _CTID = re.compile(r"\(\d+,\d+\)")
 
 def fence_by_ctid(ctid: str, key_id: int, token: UUID) -> str:
     """The fence by address, its values written into the text, so that it travels with
-    BEGIN in one message (:meth:`recoverypoint._pg.Transaction.begin_with`): a round trip
+    BEGIN in one message (:meth:`recoverypoint.engine._pg.Transaction.begin_with`): a round trip
     less for every phase after the first. Only values whose form is checked here go in:
     never a client's input."""
     if _CTID.fullmatch(ctid) is None or type(key_id) is not int or type(token) is not UUID:

@@ -1,8 +1,8 @@
 # Generated from src/recoverypoint/engine/store_async.py by tools/async_to_sync.py:
 # edit engine/store_async.py, then run tools/async_to_sync.py.
-"""The request path's statements (named in :mod:`recoverypoint.sql`) on
+"""The request path's statements (named in :mod:`recoverypoint.engine.sql`) on
 ``idempotency_keys`` and ``staged_jobs``, run in the transactions of
-:mod:`recoverypoint._pg`, together with the phase's own writes."""
+:mod:`recoverypoint.engine._pg`, together with the phase's own writes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The request path's statements (named in :mod:`recoverypoint.sql`) on
+"""The request path's statements (named in :mod:`recoverypoint.engine.sql`) on
 ``idempotency_keys`` and ``staged_jobs``, run in the transactions of
-:mod:`recoverypoint._pg_async`, together with the phase's own writes."""
+:mod:`recoverypoint.engine._pg_async`, together with the phase's own writes."""
 
 from __future__ import annotations
 
