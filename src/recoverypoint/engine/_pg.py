@@ -34,7 +34,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -43,11 +43,12 @@ from psycopg.rows import tuple_row
 
 from ..backoff import backoff_delay
 from ..errors import ConcurrentUpdate
-from ..observe import NO_OBSERVER, Observer
+from ..observe import Observer
 from ..outage import drop_older_connections
 from . import _libpq, sql
 
 T = TypeVar("T")
+P = ParamSpec("P")
 TextRow = tuple[str | None, ...]
 
 # SQLSTATEs that mean "the same transaction may succeed if run again".
@@ -215,14 +216,22 @@ class Transaction:
 
 def serializable(
     db: sa.Engine,
-    work: Callable[[Transaction], T],
     retries: int,
-    observer: Observer = NO_OBSERVER,
+    observer: Observer,
+    work: Callable[Concatenate[Transaction, P], T],
+    /,
+    *args: P.args,
+    **kwargs: P.kwargs,
 ) -> T:
-    """Run ``work`` in one SERIALIZABLE transaction on a connection of ``db``'s pool, again
-    on serialization failure or deadlock with capped, jittered backoff, then
-    :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
-    committed for it when it returns. ``observer`` hears of each retry and of running out."""
+    """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction ``tx`` on a
+    connection of ``db``'s pool, again on serialization failure or deadlock with capped,
+    jittered backoff, up to ``retries`` times, then :class:`ConcurrentUpdate`. ``observer``
+    hears of each retry and of running out.
+
+    A unit of work that may run again is a callable, not a ``with`` block (whose body runs
+    once): what it found that its caller needs even when the COMMIT is interrupted travels
+    on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
+    that records a phase carries the COMMIT); otherwise it is committed when it returns."""
     # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
     # first (libpq), and psycopg sends none of its own inside it.
     autocommit = False
@@ -232,7 +241,7 @@ def serializable(
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
             try:
-                result = work(tx)
+                result = work(tx, *args, **kwargs)
                 tx.commit()
                 return result
             except _libpq.Deallocated:
@@ -247,7 +256,7 @@ def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                _roll_back_leftovers(tx)
+                shielded(_roll_back_leftovers, tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
@@ -336,3 +345,8 @@ def run_alone(db: sa.Engine, query: str, params: dict[str, Any]) -> tuple[Any, .
     with borrowed(db) as (_, connection):
         cursor = connection.execute(query, params)
         return cursor.fetchone()
+
+
+def shielded(cleanup: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """``cleanup(*args, **kwargs)``: sync code is not cancelled midway."""
+    return cleanup(*args, **kwargs)

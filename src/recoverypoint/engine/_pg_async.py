@@ -32,7 +32,7 @@ import functools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import psycopg
 import sqlalchemy as sa
@@ -43,11 +43,12 @@ from sqlalchemy.util import greenlet_spawn
 
 from ..backoff import backoff_delay
 from ..errors import ConcurrentUpdate
-from ..observe import NO_OBSERVER, Observer
+from ..observe import Observer
 from ..outage import drop_older_connections
 from . import _libpq, sql
 
 T = TypeVar("T")
+P = ParamSpec("P")
 TextRow = tuple[str | None, ...]
 
 # SQLSTATEs that mean "the same transaction may succeed if run again".
@@ -243,14 +244,22 @@ class AsyncTransaction:
 
 async def serializable(
     db: sa_async.AsyncEngine,
-    work: Callable[[AsyncTransaction], Awaitable[T]],
     retries: int,
-    observer: Observer = NO_OBSERVER,
+    observer: Observer,
+    work: Callable[Concatenate[AsyncTransaction, P], Awaitable[T]],
+    /,
+    *args: P.args,
+    **kwargs: P.kwargs,
 ) -> T:
-    """Run ``work`` in one SERIALIZABLE transaction on a connection of ``db``'s pool, again
-    on serialization failure or deadlock with capped, jittered backoff, then
-    :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
-    committed for it when it returns. ``observer`` hears of each retry and of running out."""
+    """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction ``tx`` on a
+    connection of ``db``'s pool, again on serialization failure or deadlock with capped,
+    jittered backoff, up to ``retries`` times, then :class:`ConcurrentUpdate`. ``observer``
+    hears of each retry and of running out.
+
+    A unit of work that may run again is a callable, not a ``with`` block (whose body runs
+    once): what it found that its caller needs even when the COMMIT is interrupted travels
+    on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
+    that records a phase carries the COMMIT); otherwise it is committed when it returns."""
     if True:  # ASYNC  # noqa: SIM108
         autocommit = True  # the lookup runs on a cursor, which would begin a transaction
     else:
@@ -263,7 +272,7 @@ async def serializable(
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
             try:
-                result = await work(tx)
+                result = await work(tx, *args, **kwargs)
                 await tx.commit()
                 return result
             except _libpq.Deallocated:
@@ -278,10 +287,7 @@ async def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                if True:  # ASYNC
-                    await shielded(_roll_back_leftovers(tx))
-                else:
-                    _roll_back_leftovers(tx)
+                await shielded(_roll_back_leftovers, tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
@@ -349,7 +355,7 @@ async def _give_back(
 ) -> None:
     if True:  # ASYNC
         # The pool's own code runs in SQLAlchemy's greenlet.
-        await shielded(greenlet_spawn(_hand_back, db.pool, pooled, connection, switched))
+        await shielded(greenlet_spawn, _hand_back, db.pool, pooled, connection, switched)
     else:
         _hand_back(db.pool, pooled, connection, switched)
 
@@ -387,13 +393,16 @@ async def run_alone(
 
 if True:  # ASYNC
 
-    async def shielded(cleanup: Awaitable[T]) -> T:
-        """Run ``cleanup`` to its end even when the caller is cancelled meanwhile, once or
-        again and again (as anyio's cancel scopes do); the cancellation is raised after it.
+    async def shielded(
+        cleanup: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Run ``cleanup(*args, **kwargs)`` to its end even when the caller is cancelled
+        meanwhile, once or again and again (as anyio's cancel scopes do); the cancellation
+        is raised after it.
 
         A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
         and hands its connection back this way."""
-        task = asyncio.ensure_future(cleanup)
+        task = asyncio.ensure_future(cleanup(*args, **kwargs))
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
@@ -406,3 +415,9 @@ if True:  # ASYNC
             if cancelled is not None:
                 raise cancelled
             return result
+
+else:
+
+    def shielded(cleanup: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``cleanup(*args, **kwargs)``: sync code is not cancelled midway."""
+        return cleanup(*args, **kwargs)

@@ -19,7 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -77,6 +77,7 @@ logger = logging.getLogger("recoverypoint")
 _DRIVER_ERRORS = (psycopg.Error, sa.exc.SQLAlchemyError)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class AsyncEngine(Registry):
@@ -256,23 +257,21 @@ class AsyncEngine(Registry):
         claim_request = self.claim_request(
             operation, key, params, scope, request, self.max_params_bytes, namespace
         )
-        claimed: list[_AsyncRun] = []  # the claim's run, once there is one
+        claim = _Claim(operation, claim_request, params, observed)
         try:
-            first = await self._transact(
-                lambda tx: self._claim(tx, operation, claim_request, params, observed, claimed)
-            )
+            first = await self._transact(self._claim, claim)
         except Exception:
             raise  # raised before COMMIT: the claim rolled back
         except BaseException as exc:
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
-            if claimed:
-                await self._abandon(claimed[0], exc, claim_request)
+            if claim.run is not None:
+                await self._abandon(claim.run, exc, claim_request)
             raise
-        if isinstance(first, Outcome):
+        if claim.run is None:  # a finished key: its replay
+            assert isinstance(first, Outcome)
             return first
-        run, step = first
-        return await self._drive(run, step)
+        return await self._drive(claim.run, first)
 
     async def _database_namespace(self) -> str:
         """The namespace migration 0009 stored in the database; read once, then kept."""
@@ -319,21 +318,15 @@ class AsyncEngine(Registry):
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
         with observing as observed:
-            taken: list[KeyRecord] = []  # the claim's record, once it took the lease
-
-            async def claim(tx: AsyncTransaction) -> KeyRecord | None:
-                record = await store_async.claim_by_id(tx, key_id, held, lock_timeout)
-                taken[:] = [record] if record is not None and record.claimed else []
-                return record
-
+            claim = _ClaimById(key_id, held, lock_timeout)
             try:
-                record = await self._transact(claim)
+                record = await self._transact(claim.take)
             except Exception:
                 raise  # raised before COMMIT: the claim rolled back
             except BaseException as exc:
                 # As in run(): an interrupt that lands on COMMIT does not stop it.
-                if taken:
-                    await self._abandon(_AsyncRun(self, operation, taken[0], held), exc)
+                if claim.taken is not None:
+                    await self._abandon(_AsyncRun(self, operation, claim.taken, held), exc)
                 raise
             if record is None:
                 raise LookupError(f"key record {key_id} was deleted")
@@ -345,18 +338,16 @@ class AsyncEngine(Registry):
             lease_left = record.lease_left(lock_timeout)
             raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
-    async def _claim(
-        self,
-        tx: AsyncTransaction,
-        operation: Operation[Any],
-        request: ClaimRequest,
-        params: Any,
-        observed: RunObservation,
-        claimed: list[_AsyncRun],
-    ) -> Outcome | tuple[_AsyncRun, Step | None]:
+    async def _claim(self, tx: AsyncTransaction, claim: _Claim) -> Step | None:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
-        A finished key is looked up first, alone: a replay costs one round trip."""
+        A finished key is looked up first, alone: a replay costs one round trip.
+
+        Returns a finished key's replay (``claim.run`` stays ``None``), or, once the claim
+        took the lease (``claim.run`` set), what its first atomic phase reached, if it ran
+        one here."""
+        claim.run = None  # an attempt run again after a serialization failure starts over
+        operation, request, params = claim.operation, claim.request, claim.params
         finished = await store_async.finished_key(tx, request)
         if finished is not None:
             self.judge(operation, request, params, finished)
@@ -380,13 +371,12 @@ class AsyncEngine(Registry):
                 lease_left = 1 if taken is None else max(1, taken.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
             record = taken
-        run = _AsyncRun(self, operation, record, request.token, observed)
-        claimed.append(run)
+        run = claim.run = _AsyncRun(self, operation, record, request.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
             store_async.held(tx, run.key, record)
-            with observed.phase(operation.phases[0].point, True):
-                return run, await run.atomic(tx, operation.phases[0], "{}")
-        return run, None
+            with claim.observed.phase(operation.phases[0].point, True):
+                return await run.atomic(tx, operation.phases[0], "{}")
+        return None
 
     async def _drive(self, run: _AsyncRun, step: Step | None) -> Outcome:
         progress = run.progress
@@ -409,11 +399,8 @@ class AsyncEngine(Registry):
     async def _abandon(
         self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
     ) -> None:
-        if True:  # ASYNC
-            # A cancelled request gives its lease up and counts the attempt all the same.
-            await _pg_async.shielded(self._give_up(run, exc, claim))
-        else:
-            self._give_up(run, exc, claim)
+        # A cancelled request gives its lease up and counts the attempt all the same.
+        await _pg_async.shielded(self._give_up, run, exc, claim)
 
     async def _give_up(
         self, run: _AsyncRun, exc: BaseException, claim: ClaimRequest | None = None
@@ -460,25 +447,84 @@ class AsyncEngine(Registry):
         row, and the key would stay leased. The claim is made again, in a transaction rolled
         back: its INSERT waits on the key's unique index for the first one's end."""
 
-        async def wait(tx: AsyncTransaction) -> None:
-            await store_async.claim(tx, claim)
-            raise _Settled  # rolled back: nothing is written
-
         with contextlib.suppress(_Settled):
-            await self._transact(wait)
+            await self._transact(_wait_for, claim)
 
-    async def _transact(self, work: Callable[[AsyncTransaction], Awaitable[T]]) -> T:
-        """Run ``work`` in one SERIALIZABLE transaction (see :mod:`recoverypoint.engine._pg_async`).
+    async def _transact(
+        self,
+        work: Callable[Concatenate[AsyncTransaction, P], Awaitable[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction, again after a
+        serialization failure (see :func:`recoverypoint.engine._pg_async.serializable`).
         A table or column that is not there is a :class:`ConfigurationError` when the
         schema is missing or old (every request would fail the same way); else, the phase
         code's own, it is re-raised as it is."""
         try:
             return await _pg_async.serializable(
-                self.async_db, work, self.serialization_retries, self.observer
+                self.async_db, self.serialization_retries, self.observer, work, *args, **kwargs
             )
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
             await self._check_schema()
             raise
+
+
+class _Claim:
+    """What a request's claim (:meth:`AsyncEngine._claim`) works with. The claim is a unit
+    of work that a serialization failure runs again, so what it found travels on this
+    object, not in its return value: an interrupt may land on its COMMIT after it took the
+    lease, and the caller must then give the lease up."""
+
+    __slots__ = ("observed", "operation", "params", "request", "run")
+
+    def __init__(
+        self,
+        operation: Operation[Any],
+        request: ClaimRequest,
+        params: Any,
+        observed: RunObservation,
+    ) -> None:
+        self.operation = operation
+        """The operation the request names; the key may be judged by an older version."""
+        self.request = request
+        """What the claim writes and compares: the key, the params' fingerprint, the token."""
+        self.params = params
+        """The params as the caller passed them, for judging a key reused with other ones."""
+        self.observed = observed
+        self.run: _AsyncRun | None = None
+        """The run, set once the claim took the lease (the transaction may still roll back:
+        the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""
+
+
+class _ClaimById:
+    """The claim of :meth:`AsyncEngine.resume`: an unfinished key taken by id, as a unit of
+    work that a serialization failure runs again (:meth:`take`)."""
+
+    __slots__ = ("key_id", "lock_timeout", "taken", "token")
+
+    def __init__(self, key_id: int, token: uuid.UUID, lock_timeout: float) -> None:
+        self.key_id = key_id
+        self.token = token
+        """The lease to take, or the one the caller already holds."""
+        self.lock_timeout = lock_timeout
+        """Seconds: the lock timeout of the version that started the key."""
+        self.taken: KeyRecord | None = None
+        """The record, set once the claim took the lease (the transaction may still roll
+        back: the caller gives it up if an interrupt lands on COMMIT)."""
+
+    async def take(self, tx: AsyncTransaction) -> KeyRecord | None:
+        """The key's record; it is :attr:`taken` when the claim took its lease."""
+        record = await store_async.claim_by_id(tx, self.key_id, self.token, self.lock_timeout)
+        self.taken = record if record is not None and record.claimed else None
+        return record
+
+
+async def _wait_for(tx: AsyncTransaction, claim: ClaimRequest) -> None:
+    """Make ``claim`` again and roll it back (see :meth:`AsyncEngine._settle`)."""
+    await store_async.claim(tx, claim)
+    raise _Settled  # rolled back: nothing is written
 
 
 class _Settled(Exception):
@@ -516,7 +562,7 @@ class _AsyncRun:
         atomic phase after it along."""
         if phase.atomic:
             with self.observed.phase(phase.point, True):
-                return await self.engine._transact(lambda tx: self.fenced(tx, phase, state_json))
+                return await self.engine._transact(self.fenced, phase, state_json)
         # Outside any transaction, and no pooled connection is held meanwhile.
         if faults.active:
             faults.hit("before_foreign", phase.point)
@@ -529,28 +575,29 @@ class _AsyncRun:
             phase, state, state_json, result, self.record.id
         )
 
-        async def commit_step(tx: AsyncTransaction) -> Step:
-            return await self._commit(tx, phase, response, new_state, [], new_state_json)
-
         following = self.operation.phases[self.operation.next_phase(phase.point)]
         if response is not None or not following.atomic:
-            return await self.engine._transact(commit_step)
+            return await self.engine._transact(
+                self._commit_step, phase, response, new_state, new_state_json
+            )
         # The step's result commits in the next atomic phase's transaction: one commit less
         # per step. Should that phase fail, the result is committed on its own before the
         # error propagates, so a retry resumes after the step all the same.
         try:
             with self.observed.phase(following.point, True):
-                return await self.engine._transact(
-                    lambda tx: self.fenced(tx, following, new_state_json)
-                )
+                return await self.engine._transact(self.fenced, following, new_state_json)
         except LockLost:
             raise
         except BaseException:
             try:
-                if True:  # ASYNC
-                    await _pg_async.shielded(self.engine._transact(commit_step))
-                else:
-                    self.engine._transact(commit_step)
+                await _pg_async.shielded(
+                    self.engine._transact,
+                    self._commit_step,
+                    phase,
+                    response,
+                    new_state,
+                    new_state_json,
+                )
             except Exception:
                 logger.exception(
                     "could not record foreign step %r of key %s", phase.point, self.record.id
@@ -590,6 +637,17 @@ class _AsyncRun:
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
+
+    async def _commit_step(
+        self,
+        tx: AsyncTransaction,
+        phase: Phase,
+        response: Response | None,
+        state: dict[str, Any],
+        state_json: str,
+    ) -> Step:
+        """Record what the foreign step ``phase`` reached; it stages no jobs."""
+        return await self._commit(tx, phase, response, state, [], state_json)
 
     async def _commit(
         self,
