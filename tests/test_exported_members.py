@@ -68,7 +68,7 @@ SURFACE = {
         "Mask",
         "NotFound",
         "Overview",
-        "Phase",
+        "PhaseMark",
         "Refused",
         "Stats",
         "StatsRow",
@@ -143,3 +143,12 @@ def test_the_surface_is_sorted_and_every_name_exists(module: str) -> None:
         warnings.simplefilter("error")  # a listed name is never a deprecated alias
         missing = [name for name in imported.__all__ if not hasattr(imported, name)]
     assert not missing
+
+
+def test_a_renamed_name_still_imports_and_says_where_it_went() -> None:
+    from recoverypoint import admin
+
+    with pytest.warns(DeprecationWarning, match="PhaseMark"):
+        assert admin.Phase is admin.PhaseMark  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        admin.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
