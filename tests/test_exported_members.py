@@ -38,6 +38,7 @@ SURFACE = {
         "Retryable",
         "StepContext",
         "TransactionEnded",
+        "Withdrawn",
         "downstream_key",
         "idempotent",
     ],

@@ -24,7 +24,7 @@ from .errors import (
     TransactionEnded,
 )
 from .idempotent import downstream_key, idempotent
-from .operation import Operation, Outcome, RecoveryPoint, Request, Response
+from .operation import Operation, Outcome, RecoveryPoint, Request, Response, Withdrawn
 
 __all__ = [
     "AbandonedCall",
@@ -52,6 +52,7 @@ __all__ = [
     "Retryable",
     "StepContext",
     "TransactionEnded",
+    "Withdrawn",
     "downstream_key",
     "idempotent",
 ]
