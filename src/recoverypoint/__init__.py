@@ -4,6 +4,7 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 :class:`Engine`, and run each request under its idempotency key.
 """
 
+from . import _moved
 from .engine import AsyncEngine, Engine
 from .engine.context import AsyncAtomicContext, AtomicContext, StepContext
 from .errors import (
@@ -56,3 +57,5 @@ __all__ = [
     "downstream_key",
     "idempotent",
 ]
+
+_moved.install()  # the request path's old module names, for one release
