@@ -1,5 +1,6 @@
-"""The import contract of DESIGN.md, read from the source with ``ast``: layers import only
-downward, nothing imports the CLI, and no module imports itself in a circle.
+"""The import contract (README: "How the code is laid out"), read from the source with
+``ast``: layers import only downward, nothing imports the CLI, and no module imports itself
+in a circle.
 
 Layers, lowest first (a module may import its own layer and those below):
 
