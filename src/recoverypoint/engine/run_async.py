@@ -19,7 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -77,7 +77,10 @@ logger = logging.getLogger("recoverypoint")
 _DRIVER_ERRORS = (psycopg.Error, sa.exc.SQLAlchemyError)
 
 T = TypeVar("T")
-P = ParamSpec("P")
+if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 
 
 class AsyncEngine(Registry):
@@ -452,19 +455,18 @@ class AsyncEngine(Registry):
 
     async def _transact(
         self,
-        work: Callable[Concatenate[AsyncTransaction, P], Awaitable[T]],
+        work: Callable[[AsyncTransaction, Unpack[Ts]], Awaitable[T]],
         /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        *args: Unpack[Ts],
     ) -> T:
-        """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction, again after a
+        """Run ``work(tx, *args)`` in one SERIALIZABLE transaction, again after a
         serialization failure (see :func:`recoverypoint.engine._pg_async.serializable`).
         A table or column that is not there is a :class:`ConfigurationError` when the
         schema is missing or old (every request would fail the same way); else, the phase
         code's own, it is re-raised as it is."""
         try:
             return await _pg_async.serializable(
-                self.async_db, self.serialization_retries, self.observer, work, *args, **kwargs
+                self.async_db, self.serialization_retries, self.observer, work, *args
             )
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
             await self._check_schema()
