@@ -424,7 +424,6 @@ class Engine(Registry):
         still be committing: a release sent on another connection meanwhile would find no
         row, and the key would stay leased. The claim is made again, in a transaction rolled
         back: its INSERT waits on the key's unique index for the first one's end."""
-
         with contextlib.suppress(_Settled):
             self._transact(_wait_for, claim)
 
@@ -468,6 +467,7 @@ class _Claim:
         self.params = params
         """The params as the caller passed them, for judging a key reused with other ones."""
         self.observed = observed
+        """Hears of the claim, and of the first phase when it runs in the claim's transaction."""
         self.run: _Run | None = None
         """The run, set once the claim took the lease (the transaction may still roll back:
         the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""
