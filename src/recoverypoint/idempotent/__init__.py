@@ -51,6 +51,8 @@ from pydantic_core import PydanticSerializationError
 from ..context import StepContext
 from ..engine import Engine
 from ..errors import AbandonedCall, InvalidParams, Retryable
+from ..keys import chosen_scope
+from ..logfmt import logfmt
 from ..operation import FINISHED, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
@@ -120,6 +122,8 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -135,6 +139,8 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
 
 
@@ -149,6 +155,8 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
@@ -170,6 +178,15 @@ def idempotent(
     exclude:
         Arguments left out of the params (neither fingerprinted nor stored): a client, a
         Celery task's ``self``.
+    key_required:
+        With ``False``, a call whose key is ``None`` runs the function unprotected: called
+        as it is, nothing stored, logged with the record field ``idempotency=unprotected``
+        (:func:`downstream_key` has no value in it). By default such a call raises
+        :class:`~recoverypoint.InvalidKey`.
+    on_replay:
+        Called with the :class:`~recoverypoint.Outcome` of every call answered from the
+        stored value without running the function (``outcome.replayed`` is true), before
+        the value is returned; the call's return type is unchanged.
 
     The arguments are the params: validated by their annotations (unannotated ones must be
     JSON), fingerprinted and stored; arguments that cannot be stored raise
@@ -195,7 +212,7 @@ def idempotent(
             max_attempts=max_attempts,
             retention=retention,
         )
-        calls = _Calls(fn, shape, operation, key, scope)
+        calls = _Calls(fn, shape, operation, key, scope, key_required, on_replay)
         if is_async:
             operation.foreign_step(CALLED)(calls.step_async)
             operation.atomic_phase(FINISHED)(_finish_async)
@@ -224,15 +241,21 @@ class _Calls:
         operation: Operation[Any],
         key: ArgumentRule,
         scope: ArgumentRule | None,
+        key_required: bool,
+        on_replay: Callable[[Outcome], object] | None,
     ) -> None:
         self.fn, self.shape, self.operation = fn, shape, operation
         self.key = shape.rule(key, "key")
         self.scope = None if scope is None else shape.rule(scope, "scope")
+        self.key_required = key_required
+        self.on_replay = on_replay
 
     def wrapper(self, engine: Engine) -> Callable[..., Any]:
         @functools.wraps(self.fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             call, run = self.request(args, kwargs)
+            if run is None:
+                return self.fn(*args, **kwargs)
             with self.calling(call):
                 outcome = engine.run(self.operation, **run)
             return self.returned(outcome)
@@ -243,23 +266,40 @@ class _Calls:
         @functools.wraps(self.fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
             call, run = self.request(args, kwargs)
+            if run is None:
+                return await self.fn(*args, **kwargs)
             with self.calling(call):
                 outcome = await engine.run(self.operation, **run)
             return self.returned(outcome)
 
         return call
 
-    def request(self, args: Any, kwargs: Any) -> tuple[_Call, dict[str, Any]]:
-        """The call, and what :meth:`Engine.run` is given for it."""
+    def request(self, args: Any, kwargs: Any) -> tuple[_Call, dict[str, Any] | None]:
+        """The call, and what :meth:`Engine.run` is given for it: ``None`` for a call
+        without a key where the key is optional, which runs unprotected (logged here)."""
         arguments = self.shape.bind(args, kwargs)
         qualname = self.shape.qualname
-        scope = "" if self.scope is None else self.scope(arguments)
+        call = _Call(self.operation, args, kwargs)
+        key = self.key(arguments)
+        if key is None and not self.key_required:
+            logger.info(
+                "%s",
+                logfmt(event="unprotected", function=qualname),
+                extra={"idempotency": "unprotected"},
+            )
+            return call, None
+        scope = ""
+        if self.scope is not None:
+            scope = chosen_scope(
+                as_key_text(self.scope(arguments), "scope", qualname),
+                f"the scope rule of {qualname}",
+            )
         run = {
-            "key": as_key_text(self.key(arguments), "key", qualname),
-            "scope": as_key_text(scope, "scope", qualname),
+            "key": as_key_text(key, "key", qualname),
+            "scope": scope,
             "params": self.shape.params_of(arguments),
         }
-        return _Call(self.operation, args, kwargs), run
+        return call, run
 
     @contextmanager
     def calling(self, call: _Call) -> Iterator[None]:
@@ -278,6 +318,8 @@ class _Calls:
             _CALL.reset(reset)
 
     def returned(self, outcome: Outcome) -> Any:
+        if outcome.replayed and self.on_replay is not None:
+            self.on_replay(outcome)
         if outcome.status != _RETURNED:
             body = outcome.body if isinstance(outcome.body, Mapping) else {}
             if _NOT_STORED in body:
