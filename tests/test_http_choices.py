@@ -6,8 +6,10 @@ status classes stored, an optional key, and the scope (a function that names an 
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -314,3 +316,28 @@ def test_a_scope_function_never_raises_and_never_yields_an_empty_scope(returned:
         assert scope.status == 500
     else:
         assert scope == returned and scope != ""
+
+
+# -- README, "HTTP: FastAPI and Flask", its choices' example, word for word -------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_choices_example(
+    database_url: str, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    section = README.read_text().split("## HTTP: FastAPI and Flask\n", 1)[1].split("\n## ", 1)[0]
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "UNSCOPED" in b]
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
+    namespace: dict[str, Any] = {"__name__": "readme_choices"}
+    exec(compile(example, "README.md", "exec"), namespace)
+    with serve_wsgi(namespace["app"]) as base_url:
+        key = uuid.uuid4().hex
+        sent = {"X-Request-Id": key}
+        first, again = (httpx.post(f"{base_url}/pings", headers=sent) for _ in "ab")
+        keyless = httpx.post(f"{base_url}/pings")
+    assert first.json() == again.json() == keyless.json() == {"pong": "yes"}
+    assert again.headers["X-Replayed"] == "true" and "x-replayed" not in first.headers
+    assert keyless.headers["Idempotent-Unprotected"] == "true"
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = :k", k=key) == 1
+    namespace["engine"].dispose()
