@@ -48,8 +48,8 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 from pydantic_core import PydanticSerializationError
 
-from ..context import StepContext
 from ..engine import Engine
+from ..engine.context import StepContext
 from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..keys import chosen_scope
 from ..logfmt import logfmt

@@ -53,8 +53,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from ..context import AtomicContext, StepContext
 from ..engine import Engine
+from ..engine.context import AtomicContext, StepContext
 from ..errors import (
     ConfigurationError,
     IdempotencyError,
