@@ -357,8 +357,12 @@ class AsyncEngine(Registry):
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
         A finished key is looked up first, alone: a replay costs one round trip."""
-        finished = await store_async.finished_key(tx, request)
-        if finished is not None:
+        honoured_for = operation.honoured_for.total_seconds()
+        finished = await store_async.finished_key(tx, request, honoured_for)
+        if finished is not None and finished.expired:
+            # Past its retention a key is a new request, whether or not it was reaped.
+            await store_async.forget_expired(tx, request, honoured_for)
+        elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
         record = await store_async.claim(tx, request)

@@ -141,13 +141,28 @@ CLAIM_BY_ID = Statement(f"""
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it. Only what a replay reads (see
-# Finished.parse): the request's params and the phases' state may be large.
+# Finished.parse): the request's params and the phases' state may be large. The last
+# column: whether it is past the retention it is honoured for (see PAST_RETENTION).
 FINISHED = Statement("""
     SELECT operation_version::text, fingerprint, response_status::text,
-           response_headers::text, response_body::text
+           response_headers::text, response_body::text,
+           (abandoned_at IS NULL
+            AND finished_at <= now() - make_interval(secs => %(retention)s))::text
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND finished_at IS NOT NULL
+""")
+
+# A key finished longer ago than the retention it is honoured for: a reuse of it is a new
+# request, whether or not the reaper got to it. Deleted in the claim's transaction, before
+# CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
+# abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
+PAST_RETENTION = Statement("""
+    DELETE FROM idempotency_keys
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+      AND finished_at <= now() - make_interval(secs => %(retention)s)
+      AND abandoned_at IS NULL
+    RETURNING id
 """)
 
 # The database's namespace of derived keys (migration 0009), read once per engine.
