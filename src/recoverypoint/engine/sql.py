@@ -205,16 +205,27 @@ _STAGED = """
 """
 
 
-def _by_ctid_and_by_id(sql: str, returning: str = "") -> Fenced:
+# A NOTIFY on the key's channel (recoverypoint.engine.waits.channel), for the duplicates
+# that wait for it: sent by the write that finishes or releases the key, so that it is heard
+# exactly when that transaction commits, and never if it rolls back.
+_WAKE = (
+    "pg_notify('recoverypoint_' || md5(scope || chr(31) || operation || chr(31) "
+    "|| idempotency_key), '')::text"
+)
+
+
+def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) -> Fenced:
+    extra = [column for column in (returning, _WAKE if wakes else "") if column]
+
     def written_out(where: str) -> str:
         return f"{sql.format(where=where)} RETURNING ctid::text, pg_current_xact_id()::text" + (
-            f", {returning}" if returning else ""
+            "".join(f", {column}" for column in extra)
         )
 
     # Also in the phase's own transaction: phase code that ended it cannot have the point
     # recorded in another.
     held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
-    nulls = ", ".join(["NULL"] * (2 + bool(returning)))
+    nulls = ", ".join(["NULL"] * (2 + len(extra)))
 
     def guarded(staged: str) -> Statement:
         # CASE, not AND: the miss is decided before the function is called.
@@ -283,6 +294,7 @@ FINISH = _by_ctid_and_by_id(
     WHERE {where}
 """,
     returning="response_body::text",
+    wakes=True,
 )
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
@@ -292,11 +304,12 @@ RELEASE = _by_ctid_and_by_id(
     SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
         next_attempt_at = now() + make_interval(secs => %(retry_in)s)
     WHERE {where}
-"""
+""",
+    wakes=True,
 )
 
 # A request withdrawn by its first phase (see operation.Withdrawn): forget the key, as long
 # as nothing was recorded under it.
 WITHDRAW = _by_ctid_and_by_id(
-    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}"
+    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}", wakes=True
 )

@@ -1,0 +1,42 @@
+# Generated from src/recoverypoint/engine/listen_async.py by tools/async_to_sync.py:
+# edit engine/listen_async.py, then run tools/async_to_sync.py.
+"""A duplicate's wait for the first call's answer, on a connection of its own (see
+:mod:`recoverypoint.engine.waits`).
+
+The connection is opened for the wait and closed after it, outside the engine's pool, in
+autocommit: the waiter holds no pooled connection and no transaction, and cannot starve
+the calls it waits for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import sql
+
+
+class KeyListener:
+    """LISTENs on one key's channel."""
+
+    def __init__(self, connection: psycopg.Connection[tuple[object, ...]]) -> None:
+        self.connection = connection
+
+    def heard(self, timeout: float) -> bool:
+        """Whether a NOTIFY came within ``timeout`` seconds."""
+        for _ in self.connection.notifies(timeout=timeout, stop_after=1):
+            return True
+        return False
+
+
+@contextmanager
+def listening(db: sa.Engine, channel: str) -> Iterator[KeyListener]:
+    """A connection of its own to ``db``'s database, LISTENing on ``channel``."""
+    _, params = db.dialect.create_connect_args(db.url)
+    connection = psycopg.Connection.connect(autocommit=True, **params)
+    try:
+        connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        yield KeyListener(connection)
+    finally:
+        connection.close()

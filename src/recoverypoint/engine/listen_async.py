@@ -1,0 +1,40 @@
+"""A duplicate's wait for the first call's answer, on a connection of its own (see
+:mod:`recoverypoint.engine.waits`).
+
+The connection is opened for the wait and closed after it, outside the engine's pool, in
+autocommit: the waiter holds no pooled connection and no transaction, and cannot starve
+the calls it waits for."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import sql
+
+
+class AsyncKeyListener:
+    """LISTENs on one key's channel."""
+
+    def __init__(self, connection: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+        self.connection = connection
+
+    async def heard(self, timeout: float) -> bool:
+        """Whether a NOTIFY came within ``timeout`` seconds."""
+        async for _ in self.connection.notifies(timeout=timeout, stop_after=1):
+            return True
+        return False
+
+
+@asynccontextmanager
+async def listening(db: sa.Engine, channel: str) -> AsyncIterator[AsyncKeyListener]:
+    """A connection of its own to ``db``'s database, LISTENing on ``channel``."""
+    _, params = db.dialect.create_connect_args(db.url)
+    connection = await psycopg.AsyncConnection.connect(autocommit=True, **params)
+    try:
+        await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        yield AsyncKeyListener(connection)
+    finally:
+        await connection.close()
