@@ -2,8 +2,8 @@
 (LISTEN/NOTIFY), on the session's PostgreSQL. Every run of the operation's step is a row of
 ``wait_runs``, counted where it lands.
 
-The holder's lease outlasts every wait here, so a waiter that was not woken by the commit
-would run out of time and raise ``KeyInUse``: a replay proves the NOTIFY was heard."""
+The holder's lease outlasts every wait here; the waiter's listener is watched (what it
+heard), so that a replay found at the end of the wait does not pass for one it was woken to."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rides import count
 
 import recoverypoint as rp
-from recoverypoint.engine import waits
+from recoverypoint.engine import listen, waits
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS wait_runs (
@@ -90,8 +90,22 @@ def listeners(db: sa.Engine) -> int:
     )
 
 
+@pytest.fixture
+def heard(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each wait of a listener ended with: True for a NOTIFY, False for its timeout."""
+    ends: list[bool] = []
+    real = listen.KeyListener.heard
+
+    def watched(self: listen.KeyListener, timeout: float) -> bool:
+        ends.append(real(self, timeout))
+        return ends[-1]
+
+    monkeypatch.setattr(listen.KeyListener, "heard", watched)
+    return ends
+
+
 def test_a_waiting_duplicate_gets_the_first_calls_answer_when_it_commits(
-    engine: rp.Engine, db: sa.Engine
+    engine: rp.Engine, db: sa.Engine, heard: list[bool]
 ) -> None:
     holder = Holder()
     op = declared(holder)
@@ -119,13 +133,14 @@ def test_a_waiting_duplicate_gets_the_first_calls_answer_when_it_commits(
         answer, replay = first.result(60), waiting.result(60)
 
     assert not answer.replayed and replay.replayed
+    assert heard == [True]  # woken by the commit's NOTIFY, once
     assert replay.body == answer.body == {"item": item}
     assert runs(db, item) == 1
     assert listeners(db) == 0  # closed after the wait
 
 
 def test_a_waiting_duplicate_runs_the_key_itself_when_the_first_call_fails(
-    engine: rp.Engine, db: sa.Engine
+    engine: rp.Engine, db: sa.Engine, heard: list[bool]
 ) -> None:
     holder = Holder()
     op = declared(holder)
@@ -148,6 +163,7 @@ def test_a_waiting_duplicate_runs_the_key_itself_when_the_first_call_fails(
         ran = waiting.result(60)
 
     assert not ran.replayed and ran.status == 201
+    assert heard == [True]  # woken by the release's NOTIFY
     assert runs(db, item) == 1
 
 
