@@ -9,11 +9,14 @@ so a test counts runs per item. The scope is the ``X-Tenant`` header.
 - ``/optional``, ``/optional-phased``: the same integration, the key optional (single-step
   and phased);
 - ``/unscoped/{status}``: single-step, ``scope=UNSCOPED`` and every default;
-- ``/empty``, ``/empty-phased``: a scope function that returns ``""``.
+- ``/empty``, ``/empty-phased``: a scope function that returns ``""``;
+- ``/held``: single-step, on an integration with ``wait=``; an item held with
+  :meth:`Holds.hold` stops inside its first run until released.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import flask
@@ -34,12 +37,34 @@ CREATE TABLE IF NOT EXISTS choice_runs (
 );
 """
 
+WAIT = 30  # seconds; the lease (90 s) outlasts it
+
 KEY_HEADER = "X-Request-Key"
 REPLAYED_HEADER = "X-Was-Replayed"
 
 
 class Item(BaseModel):
     item: str
+
+
+class Holds:
+    """Items whose first run stops until the test releases it."""
+
+    def __init__(self) -> None:
+        self.entered: dict[str, threading.Event] = {}
+        self.released: dict[str, threading.Event] = {}
+
+    def hold(self, item: str) -> None:
+        self.entered[item], self.released[item] = threading.Event(), threading.Event()
+
+    def stop(self, item: str) -> None:
+        entered = self.entered.get(item)
+        if entered is not None and not entered.is_set():
+            entered.set()
+            assert self.released[item].wait(60), "never released"
+
+
+HOLDS = Holds()
 
 
 def work(db: sa.Engine, item: str) -> int:
@@ -82,6 +107,7 @@ def fastapi_app(engine: rp.Engine) -> FastAPI:
     )
     shared = rp_fastapi.Idempotency(engine, scope=UNSCOPED)
     empty = rp_fastapi.Idempotency(engine, scope=empty_scope)
+    waiting = rp_fastapi.Idempotency(engine, scope=tenant, wait=WAIT)
     optional_op, empty_op = operation("choice_optional_fastapi"), operation("choice_empty_fastapi")
     engine.register(optional_op, empty_op)
     app = FastAPI()
@@ -118,6 +144,12 @@ def fastapi_app(engine: rp.Engine) -> FastAPI:
     def empty_phased(request: Request, body: Item) -> Response:
         return empty.run(empty_op, request, body)
 
+    @app.post("/held")
+    @waiting.single_step("choice_held_fastapi")
+    def held(body: Item) -> Response:
+        HOLDS.stop(body.item)
+        return answer(201, body)
+
     return app
 
 
@@ -134,6 +166,7 @@ def flask_app(engine: rp.Engine) -> flask.Flask:
     )
     shared = rp_flask.Idempotency(engine, scope=UNSCOPED)
     empty = rp_flask.Idempotency(engine, scope=empty_scope)
+    waiting = rp_flask.Idempotency(engine, scope=tenant, wait=WAIT)
     optional_op, empty_op = operation("choice_optional_flask"), operation("choice_empty_flask")
     engine.register(optional_op, empty_op)
     app = flask.Flask("choices")
@@ -169,5 +202,11 @@ def flask_app(engine: rp.Engine) -> flask.Flask:
     @app.post("/empty-phased")
     def empty_phased() -> flask.Response:
         return empty.run(empty_op)
+
+    @app.post("/held")
+    @waiting.single_step("choice_held_flask")
+    def held() -> tuple[dict[str, Any], int]:
+        HOLDS.stop(str(flask.request.get_json()["item"]))
+        return answer(201)
 
     return app

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
-from choices_apps import KEY_HEADER, REPLAYED_HEADER, SCHEMA, fastapi_app, flask_app
+from choices_apps import HOLDS, KEY_HEADER, REPLAYED_HEADER, SCHEMA, fastapi_app, flask_app
 from http_servers import serve_asgi, serve_wsgi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -180,6 +182,50 @@ def test_a_required_key_stays_the_default(
     missing = post(servers, framework, "/answer/201", item)
     assert missing.status_code == 400
     assert runs(db, item) == 0
+
+
+# -- waiting for the first request's answer --------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_duplicate_waits_for_the_first_requests_answer_instead_of_a_409(
+    servers: dict[str, str], db: sa.Engine, scope: str, framework: str
+) -> None:
+    item = new_item()
+    HOLDS.hold(item)
+    sent = {"Idempotency-Key": "k-1", "X-Tenant": scope}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, servers, framework, "/held", item, sent)
+        assert HOLDS.entered[item].wait(60)
+        duplicate = pool.submit(post, servers, framework, "/held", item, sent)
+        # The duplicate waits LISTENing on a connection of its own; then the first answers.
+        for _ in range(600):
+            if listening(db):
+                break
+            threading.Event().wait(0.05)
+        assert listening(db) >= 1
+        HOLDS.released[item].set()
+        answered, replayed = first.result(60), duplicate.result(60)
+
+    assert answered.status_code == replayed.status_code == 201
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert replayed.json() == answered.json() == {"item": item, "runs": 1}
+    assert runs(db, item) == 1
+
+
+def listening(db: sa.Engine) -> int:
+    return count(
+        db,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND query LIKE 'LISTEN %%' AND state = 'idle'",
+    )
+
+
+def test_a_wait_past_the_cap_is_refused_when_the_integration_is_made(db: sa.Engine) -> None:
+    engine = rp.Engine(db)
+    for wait in (-1, float("nan"), 61, "30"):
+        with pytest.raises(ValueError, match="wait"):
+            rp_flask.Idempotency(engine, scope=UNSCOPED, wait=wait)  # type: ignore[arg-type]
 
 
 # -- scopes ----------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from pydantic_core import PydanticSerializationError
 
 from ..engine import Engine
 from ..engine.context import StepContext
+from ..engine.waits import wait_seconds
 from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..keys import chosen_scope
 from ..logfmt import logfmt
@@ -77,7 +78,13 @@ class AsyncRunner(Protocol):
     def register(self, *operations: Operation[Any]) -> None: ...
 
     async def run(
-        self, operation: Operation[Any], *, key: str, params: Any, scope: str = ...
+        self,
+        operation: Operation[Any],
+        *,
+        key: str,
+        params: Any,
+        scope: str = ...,
+        wait: timedelta | float | None = ...,
     ) -> Outcome: ...
 
 
@@ -124,6 +131,7 @@ def idempotent(
     exclude: Collection[str] = (),
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -141,6 +149,7 @@ def idempotent(
     exclude: Collection[str] = (),
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
 
 
@@ -157,6 +166,7 @@ def idempotent(
     exclude: Collection[str] = (),
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
@@ -187,6 +197,11 @@ def idempotent(
         Called with the :class:`~recoverypoint.Outcome` of every call answered from the
         stored value without running the function (``outcome.replayed`` is true), before
         the value is returned; the call's return type is unchanged.
+    wait:
+        How long a call that finds its key in use waits for the call that holds it (at
+        most a minute; see :mod:`recoverypoint.engine.waits`): it then returns that call's
+        value, or runs the function if that call failed. Without it, or when the wait runs
+        out, it raises :class:`~recoverypoint.KeyInUse`.
 
     The arguments are the params: validated by their annotations (unannotated ones must be
     JSON), fingerprinted and stored; arguments that cannot be stored raise
@@ -194,6 +209,8 @@ def idempotent(
     JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
     every call, the first included.
     """
+
+    wait_seconds(wait)  # refused when decorating, not at the first call
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         is_async = inspect.iscoroutinefunction(fn)
@@ -212,7 +229,7 @@ def idempotent(
             max_attempts=max_attempts,
             retention=retention,
         )
-        calls = _Calls(fn, shape, operation, key, scope, key_required, on_replay)
+        calls = _Calls(fn, shape, operation, key, scope, key_required, on_replay, wait)
         if is_async:
             operation.foreign_step(CALLED)(calls.step_async)
             operation.atomic_phase(FINISHED)(_finish_async)
@@ -243,12 +260,14 @@ class _Calls:
         scope: ArgumentRule | None,
         key_required: bool,
         on_replay: Callable[[Outcome], object] | None,
+        wait: timedelta | float | None,
     ) -> None:
         self.fn, self.shape, self.operation = fn, shape, operation
         self.key = shape.rule(key, "key")
         self.scope = None if scope is None else shape.rule(scope, "scope")
         self.key_required = key_required
         self.on_replay = on_replay
+        self.wait = wait
 
     def wrapper(self, engine: Engine) -> Callable[..., Any]:
         @functools.wraps(self.fn)
@@ -298,6 +317,7 @@ class _Calls:
             "key": as_key_text(key, "key", qualname),
             "scope": scope,
             "params": self.shape.params_of(arguments),
+            "wait": self.wait,
         }
         return call, run
 

@@ -55,6 +55,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ..engine import Engine
 from ..engine.context import AtomicContext, StepContext
+from ..engine.waits import wait_seconds
 from ..errors import (
     ConfigurationError,
     IdempotencyError,
@@ -213,6 +214,7 @@ class AsyncRunner(Protocol):
         params: Any,
         scope: str = ...,
         request: KeyRequest | None = ...,
+        wait: timedelta | float | None = ...,
     ) -> Outcome: ...
 
 
@@ -275,6 +277,11 @@ class BaseIdempotency(Generic[RequestT]):
     key_header, replayed_header:
         The names of the header the key is read from (``Idempotency-Key``) and of the one
         that marks a replay (``Idempotent-Replayed``), for clients that use others.
+    wait:
+        How long a request that finds its key in use waits for the request that holds it
+        (at most a minute, see :mod:`recoverypoint.engine.waits`), to answer with that
+        request's answer (a replay), instead of 409 at once. A sync server's worker waits
+        with it; 409 when the wait runs out.
     stored_classes:
         The status classes (2 for 2xx...) of the single-step answers stored as the key's and
         replayed; by default all. An answer of another class is sent as it is and the key
@@ -293,9 +300,11 @@ class BaseIdempotency(Generic[RequestT]):
         key_header: str = IDEMPOTENCY_KEY,
         replayed_header: str = IDEMPOTENT_REPLAYED,
         stored_classes: Collection[int] = STORED_CLASSES,
+        wait: timedelta | float | None = None,
     ) -> None:
         if retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
+        wait_seconds(wait)  # refused now rather than at every request
         if scope is not UNSCOPED and not callable(scope):
             raise ValueError(
                 "scope must be a function of the request that returns who owns its key "
@@ -311,6 +320,7 @@ class BaseIdempotency(Generic[RequestT]):
         if self.key_header.lower() == self.replayed_header.lower():
             raise ValueError(f"key_header and replayed_header are both {key_header!r}")
         self.stored_classes = _status_classes(stored_classes)
+        self.wait = wait
 
     def _scope_of(
         self, request: RequestT, when: str, refusals: tuple[type[Exception], ...]
@@ -504,6 +514,7 @@ class BaseIdempotency(Generic[RequestT]):
                 scope=scope,
                 params=params(),
                 request=KeyRequest(method, target),
+                wait=self.wait,
             )
         except Exception as exc:
             return self._refusal(exc, method, target)
@@ -527,6 +538,7 @@ class BaseIdempotency(Generic[RequestT]):
                 scope=scope,
                 params=params(),
                 request=KeyRequest(method, target),
+                wait=self.wait,
             )
         except Exception as exc:
             return self._refusal(exc, method, target)
