@@ -194,3 +194,43 @@ def test_any_scope_a_rule_yields_is_used_or_refused_before_the_function_runs(
         assert tenant != "" and runs(db, sent["item"]) == 1
 
     check()
+
+
+def test_a_call_with_wait_gets_the_running_calls_value(engine: rp.Engine, db: sa.Engine) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    entered, released = threading.Event(), threading.Event()
+
+    @rp.idempotent(engine, key="key", name=unique("waited"), wait=30)
+    def place(item: str, key: str) -> int:
+        if not entered.is_set():
+            entered.set()
+            assert released.wait(60)
+        return work(db, item)
+
+    item = unique("item")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(place, item, "k")
+        assert entered.wait(60)
+        waiting = pool.submit(place, item, "k")
+        for _ in range(600):
+            if count(
+                db,
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
+                "AND state = 'idle' AND datname = current_database()",
+            ):
+                break
+            threading.Event().wait(0.05)
+        released.set()
+        assert first.result(60) == waiting.result(60) == 1
+    assert runs(db, item) == 1
+
+
+@pytest.mark.parametrize("wait", [-0.5, float("nan"), float("inf"), 10**9, True, "1"])
+def test_a_bad_wait_is_refused_when_decorating(engine: rp.Engine, wait: Any) -> None:
+    with pytest.raises(ValueError, match="wait"):
+
+        @rp.idempotent(engine, key="key", name=unique("bad_wait"), wait=wait)
+        def place(key: str) -> int:
+            return 1
