@@ -387,3 +387,39 @@ def test_the_readme_choices_example(
     assert keyless.headers["Idempotent-Unprotected"] == "true"
     assert count(db, "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = :k", k=key) == 1
     namespace["engine"].dispose()
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    values=st.lists(
+        st.text(
+            alphabet=st.characters(
+                min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"
+            ),
+            max_size=300,
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    framework=st.sampled_from(FRAMEWORKS),
+)
+def test_any_value_of_the_renamed_key_header_is_answered_never_a_500(
+    servers: dict[str, str], db: sa.Engine, values: list[str], framework: str
+) -> None:
+    item = new_item()
+    # As bytes: any latin-1 value a client may send, not only what httpx would encode.
+    headers = [(KEY_HEADER.encode(), v.encode("latin-1")) for v in values]
+    headers.append((b"X-Tenant", item.encode()))
+    answer = httpx.post(
+        servers[framework] + "/answer/201", json={"item": item}, headers=headers, timeout=60
+    )
+    assert answer.status_code in (201, 400), answer.text
+    if answer.status_code == 400:
+        assert runs(db, item) == 0
+        assert keys_of(db, f"choice_answer_{framework}", item) == 0
+    else:
+        assert runs(db, item) == 1
