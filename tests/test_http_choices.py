@@ -217,7 +217,7 @@ def listening(db: sa.Engine) -> int:
     return count(
         db,
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND query LIKE 'LISTEN %%' AND state = 'idle'",
+        "AND query LIKE '%%pg_advisory_lock_shared%%' AND state = 'idle'",
     )
 
 
@@ -411,8 +411,9 @@ def test_any_value_of_the_renamed_key_header_is_answered_never_a_500(
     servers: dict[str, str], db: sa.Engine, values: list[str], framework: str
 ) -> None:
     item = new_item()
-    # As bytes: any latin-1 value a client may send, not only what httpx would encode.
-    headers = [(KEY_HEADER.encode(), v.encode("latin-1")) for v in values]
+    # As bytes: any latin-1 value a client may send, not only what httpx would encode
+    # (HTTP/1.1 drops a value's surrounding whitespace; h11 refuses to send it).
+    headers = [(KEY_HEADER.encode(), v.strip(" \t").encode("latin-1")) for v in values]
     headers.append((b"X-Tenant", item.encode()))
     answer = httpx.post(
         servers[framework] + "/answer/201", json={"item": item}, headers=headers, timeout=60

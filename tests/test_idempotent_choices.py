@@ -217,8 +217,8 @@ def test_a_call_with_wait_gets_the_running_calls_value(engine: rp.Engine, db: sa
         for _ in range(600):
             if count(
                 db,
-                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
-                "AND state = 'idle' AND datname = current_database()",
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' "
+                "AND query LIKE '%%pg_advisory_lock_shared%%' AND datname = current_database()",
             ):
                 break
             threading.Event().wait(0.05)

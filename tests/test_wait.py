@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from hypothesis import given, settings
@@ -86,7 +87,7 @@ def listeners(db: sa.Engine) -> int:
     return count(
         db,
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND query LIKE 'LISTEN %%' AND state = 'idle'",
+        "AND query LIKE '%%pg_advisory_lock_shared%%' AND state = 'idle'",
     )
 
 
@@ -277,14 +278,36 @@ def test_a_bad_wait_is_a_value_error_and_stores_nothing(
 
 @settings(max_examples=100, deadline=None)
 @given(scope=st.text(max_size=50), name=st.text(min_size=1, max_size=50), key=st.text(max_size=50))
-def test_the_channel_python_computes_is_the_one_postgresql_notifies(
+def test_the_channel_and_lock_python_computes_are_the_ones_postgresql_uses(
     db: sa.Engine, scope: str, name: str, key: str
 ) -> None:
     if "\x00" in scope + name + key or not (scope + name + key).isprintable():
         return  # never stored: refused before any key is claimed
+    identity = "md5(:s || chr(31) || :o || chr(31) || :k)"
     with db.connect() as conn:
-        computed = conn.scalar(
-            sa.text("SELECT 'recoverypoint_' || md5(:s || chr(31) || :o || chr(31) || :k)"),
+        channel, lock = conn.execute(
+            sa.text(
+                f"SELECT 'recoverypoint_' || {identity}, "
+                f"('x' || left({identity}, 16))::bit(64)::bigint"
+            ),
             {"s": scope, "o": name, "k": key},
-        )
-    assert computed == waits.channel(scope, name, key)
+        ).one()
+    assert channel == waits.channel(scope, name, key)
+    assert lock == waits.lock(scope, name, key)
+
+
+def test_a_notify_is_sent_only_while_a_call_waits(engine: rp.Engine, database_url: str) -> None:
+    """The NOTIFY of a finish: none for a key nobody waits on (PostgreSQL commits notifying
+    transactions one at a time); one for a key whose waiter holds its lock."""
+    op = declared(Holder())
+    engine.register(op)
+    url = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True) as conn:
+        for key in ("alone", "awaited"):
+            conn.execute(f'LISTEN "{waits.channel("", op.name, key)}"')
+        conn.execute("SELECT pg_advisory_lock_shared(%s)", (waits.lock("", op.name, "awaited"),))
+        engine.run(op, key="alone", params={"item": uuid.uuid4().hex})
+        engine.run(op, key="awaited", params={"item": uuid.uuid4().hex})
+        # Both commits are done: whatever they sent is queued for this connection.
+        heard = [n.channel for n in conn.notifies(timeout=1, stop_after=2)]
+    assert heard == [waits.channel("", op.name, "awaited")]

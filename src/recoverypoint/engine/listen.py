@@ -31,12 +31,15 @@ class KeyListener:
 
 
 @contextmanager
-def listening(db: sa.Engine, channel: str) -> Iterator[KeyListener]:
-    """A connection of its own to ``db``'s database, LISTENing on ``channel``."""
+def listening(db: sa.Engine, channel: str, lock: int) -> Iterator[KeyListener]:
+    """A connection of its own to ``db``'s database, LISTENing on ``channel`` and holding
+    the advisory lock ``lock`` shared (until it closes), so that the write that finishes or
+    releases the key sends its NOTIFY; a write that took the lock first is waited for."""
     _, params = db.dialect.create_connect_args(db.url)
     connection = psycopg.Connection.connect(autocommit=True, **params)
     try:
         connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
         yield KeyListener(connection)
     finally:
         connection.close()

@@ -29,12 +29,15 @@ class AsyncKeyListener:
 
 
 @asynccontextmanager
-async def listening(db: sa.Engine, channel: str) -> AsyncIterator[AsyncKeyListener]:
-    """A connection of its own to ``db``'s database, LISTENing on ``channel``."""
+async def listening(db: sa.Engine, channel: str, lock: int) -> AsyncIterator[AsyncKeyListener]:
+    """A connection of its own to ``db``'s database, LISTENing on ``channel`` and holding
+    the advisory lock ``lock`` shared (until it closes), so that the write that finishes or
+    releases the key sends its NOTIFY; a write that took the lock first is waited for."""
     _, params = db.dialect.create_connect_args(db.url)
     connection = await psycopg.AsyncConnection.connect(autocommit=True, **params)
     try:
         await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        await connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
         yield AsyncKeyListener(connection)
     finally:
         await connection.close()

@@ -229,10 +229,11 @@ class Engine(Registry):
             refused = exc
         try:
             channel = waits.channel(scope, operation.name, key)
-            with listen.listening(self.db, channel) as listener:
+            lock = waits.lock(scope, operation.name, key)
+            with listen.listening(self.db, channel, lock) as listener:
                 while True:
-                    # Claimed again once LISTENing: a commit before LISTEN is seen here,
-                    # one after it is heard.
+                    # Claimed again once LISTENing with the lock: a commit before is seen
+                    # here, one after it is heard.
                     try:
                         return self._observed_run(operation, key, params, scope, request)
                     except KeyInUse as exc:

@@ -250,10 +250,11 @@ class AsyncEngine(Registry):
             refused = exc
         try:
             channel = waits.channel(scope, operation.name, key)
-            async with listen_async.listening(self.db, channel) as listener:
+            lock = waits.lock(scope, operation.name, key)
+            async with listen_async.listening(self.db, channel, lock) as listener:
                 while True:
-                    # Claimed again once LISTENing: a commit before LISTEN is seen here,
-                    # one after it is heard.
+                    # Claimed again once LISTENing with the lock: a commit before is seen
+                    # here, one after it is heard.
                     try:
                         return await self._observed_run(operation, key, params, scope, request)
                     except KeyInUse as exc:

@@ -205,12 +205,17 @@ _STAGED = """
 """
 
 
-# A NOTIFY on the key's channel (recoverypoint.engine.waits.channel), for the duplicates
-# that wait for it: sent by the write that finishes or releases the key, so that it is heard
-# exactly when that transaction commits, and never if it rolls back.
+# A NOTIFY on the key's channel (recoverypoint.engine.waits), for the duplicates that wait
+# for it: sent by the write that finishes, releases or withdraws the key, so that it is heard
+# exactly when that transaction commits, and never if it rolls back. Only when a duplicate
+# waits: each holds the key's advisory lock shared while it does, so this write cannot take
+# it (and PostgreSQL, which commits the transactions that notify one at a time, is spared
+# the NOTIFY of every other key). A waiter that asks for the lock after this took it waits
+# for the commit, then reads the key again.
+_IDENTITY = "md5(scope || chr(31) || operation || chr(31) || idempotency_key)"
 _WAKE = (
-    "pg_notify('recoverypoint_' || md5(scope || chr(31) || operation || chr(31) "
-    "|| idempotency_key), '')::text"
+    f"CASE WHEN pg_try_advisory_xact_lock(('x' || left({_IDENTITY}, 16))::bit(64)::bigint) "
+    f"THEN NULL ELSE pg_notify('recoverypoint_' || {_IDENTITY}, '')::text END"
 )
 
 

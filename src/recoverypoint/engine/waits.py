@@ -4,6 +4,8 @@ A call that meets a key in use (:class:`~recoverypoint.KeyInUse`) may wait for t
 that holds it, when its caller asked for that with ``wait=``: it is woken by the commit
 that finishes or releases the key (a NOTIFY on the key's :func:`channel`, sent in that very
 transaction), and then claims again: a replay, or, if the holder failed, the key to run.
+The NOTIFY is sent only while someone waits: a waiter holds the key's :func:`lock` shared,
+which the finishing write then fails to take.
 
 A wait is bounded twice, so that duplicates cannot pin the database's resources: each
 lasts at most :data:`MAX_WAIT`, and an engine lets at most :data:`MAX_WAITERS` wait at once
@@ -50,8 +52,19 @@ def wait_seconds(wait: object) -> float:
 def channel(scope: str, operation: str, key: str) -> str:
     """The NOTIFY channel of one key: what sql.py's ``_WAKE`` computes from the key row.
     A hash (an identifier holds 63 bytes); a collision only wakes a waiter for nothing."""
+    return CHANNEL_PREFIX + _identity(scope, operation, key)
+
+
+def lock(scope: str, operation: str, key: str) -> int:
+    """The advisory lock a waiter holds shared on one key: the first 64 bits of the same
+    hash, as sql.py's ``_WAKE`` reads them (a signed bigint)."""
+    value = int(_identity(scope, operation, key)[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _identity(scope: str, operation: str, key: str) -> str:
     identity = "\x1f".join((scope, operation, key)).encode()
-    return CHANNEL_PREFIX + hashlib.md5(identity, usedforsecurity=False).hexdigest()
+    return hashlib.md5(identity, usedforsecurity=False).hexdigest()
 
 
 class WaitSlots:
