@@ -31,8 +31,10 @@ parameters allowed), or bare as Stripe's clients send it (``8e03978e-…``); see
 
 The header names are the integration's ``key_header`` and ``replayed_header`` (the draft's
 and Stripe's by default); which single-step answers are stored, by status class, its
-``stored_classes`` (all by default). A scope function must name an owner: one that returns
-``""`` is a 500 that says so; ``scope=UNSCOPED`` shares one scope among all clients, on
+``stored_classes`` (all by default); with ``wait=`` a duplicate waits (at most a minute)
+for the first request's answer instead of a 409. A scope function must name an owner: one
+that returns ``""`` is a 500 that says so; ``scope=UNSCOPED`` shares one scope among all
+clients, on
 purpose.
 
 Errors are ``application/problem+json`` (RFC 9457); their ``type`` is
