@@ -34,8 +34,7 @@ and Stripe's by default); which single-step answers are stored, by status class,
 ``stored_classes`` (all by default); with ``wait=`` a duplicate waits (at most a minute)
 for the first request's answer instead of a 409. A scope function must name an owner: one
 that returns ``""`` is a 500 that says so; ``scope=UNSCOPED`` shares one scope among all
-clients, on
-purpose.
+clients, on purpose.
 
 Errors are ``application/problem+json`` (RFC 9457); their ``type`` is
 ``tag:recoverypoint,2025:<error>`` (``key-in-use``, ``params-mismatch``...). The 500 tells
