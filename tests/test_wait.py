@@ -185,6 +185,37 @@ def test_a_wait_that_runs_out_is_key_in_use(engine: rp.Engine, db: sa.Engine) ->
     assert runs(db, item) == 1 and listeners(db) == 0
 
 
+def test_a_waiter_whose_connection_dies_is_answered_key_in_use(
+    engine: rp.Engine, db: sa.Engine
+) -> None:
+    holder = Holder()
+    op = declared(holder)
+    engine.register(op)
+    item = uuid.uuid4().hex
+    holder.hold(item)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(engine.run, op, key="k", params={"item": item})
+        assert holder.entered[item].wait(60)
+        waiting = pool.submit(engine.run, op, key="k", params={"item": item}, wait=WAIT)
+        for _ in range(600):
+            if listeners(db):
+                break
+            threading.Event().wait(0.05)
+        with db.begin() as conn:  # the waiter's connection is cut, as a restart would
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND state = 'idle' "
+                    "AND query LIKE '%%pg_advisory_lock_shared%%'"
+                )
+            )
+        with pytest.raises(rp.KeyInUse):
+            waiting.result(60)
+        holder.released[item].set()
+        first.result(60)
+    assert runs(db, item) == 1
+
+
 def test_waiters_beyond_the_engines_limit_are_answered_at_once(
     engine: rp.Engine, db: sa.Engine
 ) -> None:

@@ -16,6 +16,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from .waits import CannotWait
+
 
 class KeyListener:
     """LISTENs on one key's channel."""
@@ -24,9 +26,13 @@ class KeyListener:
         self.connection = connection
 
     def heard(self, timeout: float) -> bool:
-        """Whether a NOTIFY came within ``timeout`` seconds."""
-        for _ in self.connection.notifies(timeout=timeout, stop_after=1):
-            return True
+        """Whether a NOTIFY came within ``timeout`` seconds; :class:`CannotWait` if the
+        connection failed."""
+        try:
+            for _ in self.connection.notifies(timeout=timeout, stop_after=1):
+                return True
+        except psycopg.Error as exc:
+            raise CannotWait() from exc
         return False
 
 
@@ -34,12 +40,19 @@ class KeyListener:
 def listening(db: sa.Engine, channel: str, lock: int) -> Iterator[KeyListener]:
     """A connection of its own to ``db``'s database, LISTENing on ``channel`` and holding
     the advisory lock ``lock`` shared (until it closes), so that the write that finishes or
-    releases the key sends its NOTIFY; a write that took the lock first is waited for."""
+    releases the key sends its NOTIFY; a write that took the lock first is waited for.
+    :class:`CannotWait` if the connection fails."""
     _, params = db.dialect.create_connect_args(db.url)
-    connection = psycopg.Connection.connect(autocommit=True, **params)
     try:
-        connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
+        connection = psycopg.Connection.connect(autocommit=True, **params)
+    except psycopg.Error as exc:
+        raise CannotWait() from exc
+    try:
+        try:
+            connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
+        except psycopg.Error as exc:
+            raise CannotWait() from exc
         yield KeyListener(connection)
     finally:
         connection.close()

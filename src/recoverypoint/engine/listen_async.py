@@ -14,6 +14,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from .waits import CannotWait
+
 
 class AsyncKeyListener:
     """LISTENs on one key's channel."""
@@ -22,9 +24,13 @@ class AsyncKeyListener:
         self.connection = connection
 
     async def heard(self, timeout: float) -> bool:
-        """Whether a NOTIFY came within ``timeout`` seconds."""
-        async for _ in self.connection.notifies(timeout=timeout, stop_after=1):
-            return True
+        """Whether a NOTIFY came within ``timeout`` seconds; :class:`CannotWait` if the
+        connection failed."""
+        try:
+            async for _ in self.connection.notifies(timeout=timeout, stop_after=1):
+                return True
+        except psycopg.Error as exc:
+            raise CannotWait() from exc
         return False
 
 
@@ -32,12 +38,19 @@ class AsyncKeyListener:
 async def listening(db: sa.Engine, channel: str, lock: int) -> AsyncIterator[AsyncKeyListener]:
     """A connection of its own to ``db``'s database, LISTENing on ``channel`` and holding
     the advisory lock ``lock`` shared (until it closes), so that the write that finishes or
-    releases the key sends its NOTIFY; a write that took the lock first is waited for."""
+    releases the key sends its NOTIFY; a write that took the lock first is waited for.
+    :class:`CannotWait` if the connection fails."""
     _, params = db.dialect.create_connect_args(db.url)
-    connection = await psycopg.AsyncConnection.connect(autocommit=True, **params)
     try:
-        await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        await connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
+        connection = await psycopg.AsyncConnection.connect(autocommit=True, **params)
+    except psycopg.Error as exc:
+        raise CannotWait() from exc
+    try:
+        try:
+            await connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            await connection.execute("SELECT pg_advisory_lock_shared(%s)", (lock,))
+        except psycopg.Error as exc:
+            raise CannotWait() from exc
         yield AsyncKeyListener(connection)
     finally:
         await connection.close()

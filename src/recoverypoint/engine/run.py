@@ -242,7 +242,7 @@ class Engine(Registry):
                             raise
                     # Woken by the holder's commit, or at its lease's end (it may have died).
                     listener.heard(min(left, refused.retry_after))
-        except psycopg.Error:
+        except waits.CannotWait:
             raise refused from None  # no connection to wait on: answered as without wait
         finally:
             self._wait_slots.give_back()

@@ -30,6 +30,11 @@ CHANNEL_PREFIX = "recoverypoint_"
 """The NOTIFY channels' prefix; sql.py writes the rest (the md5 of the key's identity) too."""
 
 
+class CannotWait(Exception):
+    """The connection to wait on failed (to open, or while waiting): the call is answered
+    as it would be without a wait."""
+
+
 def wait_seconds(wait: object) -> float:
     """``wait`` (a :class:`~datetime.timedelta`, seconds, or ``None`` for no wait) in
     seconds; a :class:`ValueError` for anything else, a negative or not finite value, or
