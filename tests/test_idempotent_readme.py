@@ -32,8 +32,8 @@ def examples() -> list[str]:
     start = text.index(TITLE)
     end = text.index("\n## ", start + len(TITLE))
     blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) == 4 and "scope=..." in blocks[3]  # the last is a one-line sketch
-    return blocks[:3]
+    assert len(blocks) == 5 and "scope=..." in blocks[4]  # the last is a one-line sketch
+    return blocks[:4]
 
 
 @pytest.fixture
@@ -66,6 +66,17 @@ def test_the_async_payment_example(
     [row] = key_rows(db, "process_payment")
     assert (row.idempotency_key, row.response_status) == ("order:42", 200)
     assert list(api.calls.values()) == [1]  # one charge request for the two calls
+
+
+def test_the_optional_key_and_replay_hook_example(
+    payments: tuple[Payments, str], db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="recoverypoint"):
+        exec(compile(examples()[3], "README.md", "exec"), {"__name__": "readme_reserve"})
+    [row] = key_rows(db, "stock.reserve")
+    assert (row.idempotency_key, row.response_body) == ("r-1", 1)
+    unprotected = [r for r in caplog.records if getattr(r, "idempotency", None) == "unprotected"]
+    assert len(unprotected) == 1
 
 
 def test_the_agent_tool_example(

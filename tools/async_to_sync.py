@@ -42,6 +42,7 @@ PAIRS = {
     f"{PACKAGE}engine/store_async.py": f"{PACKAGE}engine/store.py",
     f"{PACKAGE}engine/context/atomic_async.py": f"{PACKAGE}engine/context/atomic.py",
     f"{PACKAGE}engine/run_async.py": f"{PACKAGE}engine/run.py",
+    f"{PACKAGE}engine/listen_async.py": f"{PACKAGE}engine/listen.py",
     "tests/test_engine_async.py": "tests/test_engine_sync.py",
 }
 
@@ -71,6 +72,8 @@ NAMES = [
     ("_pg_async", "_pg"),
     ("store_async", "store"),
     ("atomic_async", "atomic"),
+    ("listen_async", "listen"),
+    ("AsyncKeyListener", "KeyListener"),
     # The tests' concurrency (tests/acompat.py): tasks become threads.
     ("AEvent", "Event"),
     ("aspawn", "spawn"),

@@ -5,12 +5,13 @@ Nothing here touches the database, so every rule can be read (and tested) on its
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Final, Literal
 
 from .errors import InvalidKey, InvalidParams, RequestTooLarge
 
@@ -49,6 +50,31 @@ def validate_key(key: object) -> str:
 def validate_scope(scope: object) -> str:
     """Return ``scope`` if it can own keys; scopes come from the application, not the client."""
     return _stored_name(scope, "scope", MAX_SCOPE_LENGTH, may_be_empty=True)
+
+
+class _Unscoped(enum.Enum):
+    UNSCOPED = "unscoped"
+
+
+UNSCOPED: Final = _Unscoped.UNSCOPED
+"""Passed as ``scope=``, it says on purpose that keys have no owner: every key is in the one
+scope shared by all callers (a service with no users, an internal job). An integration
+never assumes it: a scope function that returns ``""`` is refused."""
+
+Unscoped = Literal[_Unscoped.UNSCOPED]
+
+
+def chosen_scope(scope: object, owner: str) -> str:
+    """A scope function's (or rule's) result for ``owner``: refused with a
+    :class:`ValueError` when empty, which would put the keys of every caller it says
+    nothing about in one namespace shared by all."""
+    if scope == "":
+        raise ValueError(
+            f"{owner} returned an empty scope, which would put these keys in one namespace "
+            "shared by every caller: return the user's or tenant's id, or pass "
+            "scope=UNSCOPED if one shared namespace is what you mean"
+        )
+    return validate_scope(scope)
 
 
 def validate_request(method: object, path: object) -> tuple[str, str]:

@@ -28,6 +28,9 @@ FINISHED = "finished"
 
 # Retentions are added to timestamps in SQL, as leases are (leases.MAX_LOCK_TIMEOUT).
 MAX_RETENTION = timedelta(days=36500)
+DEFAULT_RETENTION = timedelta(hours=72)
+"""How long a finished key is honoured (replayed) when its operation names no retention of
+its own; the reaper's default too."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class AsyncRunner(Protocol):
         params: Any,
         scope: str = ...,
         request: Request | None = ...,
+        wait: timedelta | float | None = ...,
     ) -> Outcome: ...
 
 
@@ -145,9 +149,12 @@ class Operation(Generic[P]):
     max_attempts:
         Failed attempts after which the completer abandons a key.
     retention:
-        How long the reaper keeps a finished key of this operation for replays (the window
-        in which a client may still retry); ``None`` takes the reaper's ``--retention``.
-        An abandoned key is kept at least the reaper's ``--abandoned-retention``.
+        How long a finished key of this operation is honoured: until then a call with it
+        replays its response; after it, a call with the key is a new request, whether or
+        not the reaper has deleted the key yet (the engine decides when it reads the key).
+        ``None``: 72 hours (:data:`DEFAULT_RETENTION`). The reaper deletes keys past their
+        operation's retention, else past its ``--retention``. An abandoned key is kept, and
+        replays its error, until the reaper deletes it after ``--abandoned-retention``.
     """
 
     @overload
@@ -207,6 +214,7 @@ class Operation(Generic[P]):
         self.lock_timeout = lock_timeout
         self.max_attempts = max_attempts
         self.retention = retention
+        self.honoured_for = retention or DEFAULT_RETENTION
         self.phases: list[Phase] = []
         self._adapter: TypeAdapter[P] | None = TypeAdapter(params) if params is not None else None
         # Sets dump in hash-seed order, which differs between processes: sorted when present.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..leases import registered
+from ..operation import DEFAULT_RETENTION as DEFAULT_RETENTION
 from ..operation import Operation
 from .mask import Mask
 
@@ -64,8 +65,8 @@ STATES = tuple(state.value for state in KeyState)
 
 DEFAULT_STUCK_AFTER = timedelta(minutes=5)
 
-# The reaper's defaults, here so that `keys show` and the reaper read the same ones.
-DEFAULT_RETENTION = timedelta(hours=72)
+# The reaper's defaults, here so that `keys show` and the reaper read the same ones (the
+# retention is the engine's too: the one it honours a finished key for).
 DEFAULT_ABANDONED_RETENTION = timedelta(days=30)
 
 

@@ -129,12 +129,14 @@ class Finished(NamedTuple):
     response_headers: dict[str, str] | None
     response_body: str | None
     """As JSON text: :func:`replay` parses it."""
+    expired: bool
+    """Past the retention it is honoured for: a reuse of the key is a new request."""
 
     @classmethod
     def parse(cls, row: Sequence[str | None]) -> Finished:
         """The record from the text of the columns of
         :data:`recoverypoint.engine.sql.FIND_FINISHED`."""
-        version, fingerprint, status, headers, body = row
+        version, fingerprint, status, headers, body, expired = row
         assert version and fingerprint and status
         return cls(
             int(version),
@@ -142,6 +144,7 @@ class Finished(NamedTuple):
             int(status),
             None if headers is None else json.loads(headers),
             body,
+            expired == "true",
         )
 
 

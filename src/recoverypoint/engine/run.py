@@ -18,8 +18,10 @@ import contextlib
 import functools
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -53,7 +55,7 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from . import _pg, phase_guard, sql, store
+from . import _pg, listen, phase_guard, sql, store, waits
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -161,6 +163,7 @@ class Engine(Registry):
         self.jobs = jobs
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
+        self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
 
     @property
     def observer(self) -> Observer:
@@ -203,6 +206,7 @@ class Engine(Registry):
         params: Any,
         scope: str = "",
         request: Request | None = None,
+        wait: timedelta | float | None = None,
     ) -> Outcome:
         """Run ``operation`` once per ``(scope, operation, key)``.
 
@@ -211,7 +215,50 @@ class Engine(Registry):
         :class:`IdempotencyError` for bad input (nothing stored), a key in use or reused
         with other params, a database outage (:class:`DatabaseUnavailable`, whatever the
         driver raised), and re-raises what a phase raised once the lease is released.
+
+        ``wait`` (a duration, at most a minute): a call that finds the key in use waits
+        that long for the call that holds it, and gets its answer (a replay), or the key
+        if that call failed; then :class:`KeyInUse` as without it. See
+        :mod:`recoverypoint.engine.waits`.
         """
+        seconds = waits.wait_seconds(wait)
+        if not seconds:
+            return self._observed_run(operation, key, params, scope, request)
+        deadline = time.monotonic() + seconds
+        try:
+            return self._observed_run(operation, key, params, scope, request)
+        except KeyInUse as exc:
+            if not self._wait_slots.take():
+                raise  # as many calls wait as an engine lets: answered at once
+            refused = exc
+        try:
+            channel = waits.channel(scope, operation.name, key)
+            lock = waits.lock(scope, operation.name, key)
+            with listen.listening(self.db, channel, lock) as listener:
+                while True:
+                    # Claimed again once LISTENing with the lock: a commit before is seen
+                    # here, one after it is heard.
+                    try:
+                        return self._observed_run(operation, key, params, scope, request)
+                    except KeyInUse as exc:
+                        refused, left = exc, deadline - time.monotonic()
+                        if left <= 0:
+                            raise
+                    # Woken by the holder's commit, or at its lease's end (it may have died).
+                    listener.heard(min(left, refused.retry_after))
+        except waits.CannotWait:
+            raise refused from None  # no connection to wait on: answered as without wait
+        finally:
+            self._wait_slots.give_back()
+
+    def _observed_run(
+        self,
+        operation: Operation[Any],
+        key: str,
+        params: Any,
+        scope: str,
+        request: Request | None,
+    ) -> Outcome:
         observing = self.observer.run(
             operation.name, operation.version, by=CLIENT, scope=scope, key=key
         )
@@ -330,8 +377,12 @@ class Engine(Registry):
         one here."""
         claim.run = None  # an attempt run again after a serialization failure starts over
         operation, request, params = claim.operation, claim.request, claim.params
-        finished = store.finished_key(tx, request)
-        if finished is not None:
+        honoured_for = operation.honoured_for.total_seconds()
+        finished = store.finished_key(tx, request, honoured_for)
+        if finished is not None and finished.expired:
+            # Past its retention a key is a new request, whether or not it was reaped.
+            store.forget_expired(tx, request, honoured_for)
+        elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
         record = store.claim(tx, request)

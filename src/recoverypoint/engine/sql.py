@@ -137,13 +137,28 @@ CLAIM_BY_ID = Statement(f"""
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it. Only what a replay reads (see
-# Finished.parse): the request's params and the phases' state may be large.
+# Finished.parse): the request's params and the phases' state may be large. The last
+# column: whether it is past the retention it is honoured for (see PAST_RETENTION).
 FIND_FINISHED = Statement("""
     SELECT operation_version::text, fingerprint, response_status::text,
-           response_headers::text, response_body::text
+           response_headers::text, response_body::text,
+           (abandoned_at IS NULL
+            AND finished_at <= now() - make_interval(secs => %(retention)s))::text
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
       AND finished_at IS NOT NULL
+""")
+
+# A key finished longer ago than the retention it is honoured for: a reuse of it is a new
+# request, whether or not the reaper got to it. Deleted in the claim's transaction, before
+# CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
+# abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
+PAST_RETENTION = Statement("""
+    DELETE FROM idempotency_keys
+    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+      AND finished_at <= now() - make_interval(secs => %(retention)s)
+      AND abandoned_at IS NULL
+    RETURNING id
 """)
 
 # The database's namespace of derived keys (migration 0009), read once per engine.
@@ -186,16 +201,32 @@ _STAGED = """
 """
 
 
-def _by_ctid_and_by_id(sql: str, returning: str = "") -> Fenced:
+# A NOTIFY on the key's channel (recoverypoint.engine.waits), for the duplicates that wait
+# for it: sent by the write that finishes, releases or withdraws the key, so that it is heard
+# exactly when that transaction commits, and never if it rolls back. Only when a duplicate
+# waits: each holds the key's advisory lock shared while it does, so this write cannot take
+# it (and PostgreSQL, which commits the transactions that notify one at a time, is spared
+# the NOTIFY of every other key). A waiter that asks for the lock after this took it waits
+# for the commit, then reads the key again.
+_IDENTITY = "md5(scope || chr(31) || operation || chr(31) || idempotency_key)"
+_WAKE = (
+    f"CASE WHEN pg_try_advisory_xact_lock(('x' || left({_IDENTITY}, 16))::bit(64)::bigint) "
+    f"THEN NULL ELSE pg_notify('recoverypoint_' || {_IDENTITY}, '')::text END"
+)
+
+
+def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) -> Fenced:
+    extra = [column for column in (returning, _WAKE if wakes else "") if column]
+
     def written_out(where: str) -> str:
         return f"{sql.format(where=where)} RETURNING ctid::text, pg_current_xact_id()::text" + (
-            f", {returning}" if returning else ""
+            "".join(f", {column}" for column in extra)
         )
 
     # Also in the phase's own transaction: phase code that ended it cannot have the point
     # recorded in another.
     held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
-    nulls = ", ".join(["NULL"] * (2 + bool(returning)))
+    nulls = ", ".join(["NULL"] * (2 + len(extra)))
 
     def guarded(staged: str) -> Statement:
         # CASE, not AND: the miss is decided before the function is called.
@@ -264,6 +295,7 @@ FINISH = _by_ctid_and_by_id(
     WHERE {where}
 """,
     returning="response_body::text",
+    wakes=True,
 )
 
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
@@ -273,11 +305,12 @@ RELEASE = _by_ctid_and_by_id(
     SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
         next_attempt_at = now() + make_interval(secs => %(retry_in)s)
     WHERE {where}
-"""
+""",
+    wakes=True,
 )
 
 # A request withdrawn by its first phase (see operation.Withdrawn): forget the key, as long
 # as nothing was recorded under it.
 WITHDRAW = _by_ctid_and_by_id(
-    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}"
+    "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}", wakes=True
 )

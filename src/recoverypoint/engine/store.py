@@ -20,11 +20,30 @@ from ._pg import Transaction, borrowed
 from .context.common import StagedJob
 
 
-def finished_key(tx: Transaction, request: ClaimRequest) -> Finished | None:
-    """The key if it is finished, read before the transaction begins."""
-    params = {"scope": request.scope, "operation": request.operation, "key": request.key}
+def finished_key(tx: Transaction, request: ClaimRequest, retention: float) -> Finished | None:
+    """The key if it is finished, read before the transaction begins; ``retention``: the
+    seconds it is honoured for."""
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "retention": retention,
+    }
     row = tx.lookup(sql.FIND_FINISHED, params)
     return None if row is None else Finished.parse(row)
+
+
+def forget_expired(tx: Transaction, request: ClaimRequest, retention: float) -> None:
+    """Delete the key if it finished more than ``retention`` seconds ago (and was not
+    abandoned), so that the claim that follows in ``tx`` makes it anew."""
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "retention": retention,
+    }
+    with _waiting_for_key:
+        tx.fetch(sql.PAST_RETENTION, params)
 
 
 def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:

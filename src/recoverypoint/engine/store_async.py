@@ -18,11 +18,32 @@ from ._pg_async import AsyncTransaction, borrowed
 from .context.common import StagedJob
 
 
-async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> Finished | None:
-    """The key if it is finished, read before the transaction begins."""
-    params = {"scope": request.scope, "operation": request.operation, "key": request.key}
+async def finished_key(
+    tx: AsyncTransaction, request: ClaimRequest, retention: float
+) -> Finished | None:
+    """The key if it is finished, read before the transaction begins; ``retention``: the
+    seconds it is honoured for."""
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "retention": retention,
+    }
     row = await tx.lookup(sql.FIND_FINISHED, params)
     return None if row is None else Finished.parse(row)
+
+
+async def forget_expired(tx: AsyncTransaction, request: ClaimRequest, retention: float) -> None:
+    """Delete the key if it finished more than ``retention`` seconds ago (and was not
+    abandoned), so that the claim that follows in ``tx`` makes it anew."""
+    params = {
+        "scope": request.scope,
+        "operation": request.operation,
+        "key": request.key,
+        "retention": retention,
+    }
+    with _waiting_for_key:
+        await tx.fetch(sql.PAST_RETENTION, params)
 
 
 async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:

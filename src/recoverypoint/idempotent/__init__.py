@@ -50,8 +50,11 @@ from pydantic_core import PydanticSerializationError
 
 from ..engine import Engine
 from ..engine.context import StepContext
+from ..engine.waits import wait_seconds
 from ..errors import AbandonedCall, InvalidParams, Retryable
+from ..keys import chosen_scope
 from ..leases import DEFAULT_LOCK_TIMEOUT
+from ..logfmt import logfmt
 from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
@@ -111,6 +114,9 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -126,6 +132,9 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
 
 
@@ -140,6 +149,9 @@ def idempotent(
     max_attempts: int = 10,
     retention: timedelta | None = None,
     exclude: Collection[str] = (),
+    key_required: bool = True,
+    on_replay: Callable[[Outcome], object] | None = None,
+    wait: timedelta | float | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
@@ -161,6 +173,20 @@ def idempotent(
     exclude:
         Arguments left out of the params (neither fingerprinted nor stored): a client, a
         Celery task's ``self``.
+    key_required:
+        With ``False``, a call whose key is ``None`` runs the function unprotected: called
+        as it is, nothing stored, logged with the record field ``idempotency=unprotected``
+        (:func:`downstream_key` has no value in it). By default such a call raises
+        :class:`~recoverypoint.InvalidKey`.
+    on_replay:
+        Called with the :class:`~recoverypoint.Outcome` of every call answered from the
+        stored value without running the function (``outcome.replayed`` is true), before
+        the value is returned; the call's return type is unchanged.
+    wait:
+        How long a call that finds its key in use waits for the call that holds it (at
+        most a minute; see :mod:`recoverypoint.engine.waits`): it then returns that call's
+        value, or runs the function if that call failed. Without it, or when the wait runs
+        out, it raises :class:`~recoverypoint.KeyInUse`.
 
     The arguments are the params: validated by their annotations (unannotated ones must be
     JSON), fingerprinted and stored; arguments that cannot be stored raise
@@ -168,6 +194,8 @@ def idempotent(
     JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
     every call, the first included.
     """
+
+    wait_seconds(wait)  # refused when decorating, not at the first call
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         is_async = inspect.iscoroutinefunction(fn)
@@ -186,7 +214,7 @@ def idempotent(
             max_attempts=max_attempts,
             retention=retention,
         )
-        calls = _Calls(fn, shape, operation, key, scope)
+        calls = _Calls(fn, shape, operation, key, scope, key_required, on_replay, wait)
         if is_async:
             operation.foreign_step(CALLED)(calls.step_async)
             operation.atomic_phase(FINISHED)(_finish_async)
@@ -215,15 +243,23 @@ class _Calls:
         operation: Operation[Any],
         key: ArgumentRule,
         scope: ArgumentRule | None,
+        key_required: bool,
+        on_replay: Callable[[Outcome], object] | None,
+        wait: timedelta | float | None,
     ) -> None:
         self.fn, self.shape, self.operation = fn, shape, operation
         self.key = shape.rule(key, "key")
         self.scope = None if scope is None else shape.rule(scope, "scope")
+        self.key_required = key_required
+        self.on_replay = on_replay
+        self.wait = wait
 
     def wrapper(self, engine: Engine) -> Callable[..., Any]:
         @functools.wraps(self.fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             call, run = self.request(args, kwargs)
+            if run is None:
+                return self.fn(*args, **kwargs)
             with self.calling(call):
                 outcome = engine.run(self.operation, **run)
             return self.returned(outcome)
@@ -234,23 +270,41 @@ class _Calls:
         @functools.wraps(self.fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
             call, run = self.request(args, kwargs)
+            if run is None:
+                return await self.fn(*args, **kwargs)
             with self.calling(call):
                 outcome = await engine.run(self.operation, **run)
             return self.returned(outcome)
 
         return call
 
-    def request(self, args: Any, kwargs: Any) -> tuple[_Call, dict[str, Any]]:
-        """The call, and what :meth:`Engine.run` is given for it."""
+    def request(self, args: Any, kwargs: Any) -> tuple[_Call, dict[str, Any] | None]:
+        """The call, and what :meth:`Engine.run` is given for it: ``None`` for a call
+        without a key where the key is optional, which runs unprotected (logged here)."""
         arguments = self.shape.bind(args, kwargs)
         qualname = self.shape.qualname
-        scope = "" if self.scope is None else self.scope(arguments)
+        call = _Call(self.operation, args, kwargs)
+        key = self.key(arguments)
+        if key is None and not self.key_required:
+            logger.info(
+                "%s",
+                logfmt(event="unprotected", function=qualname),
+                extra={"idempotency": "unprotected"},
+            )
+            return call, None
+        scope = ""
+        if self.scope is not None:
+            scope = chosen_scope(
+                as_key_text(self.scope(arguments), "scope", qualname),
+                f"the scope rule of {qualname}",
+            )
         run = {
-            "key": as_key_text(self.key(arguments), "key", qualname),
-            "scope": as_key_text(scope, "scope", qualname),
+            "key": as_key_text(key, "key", qualname),
+            "scope": scope,
             "params": self.shape.params_of(arguments),
+            "wait": self.wait,
         }
-        return _Call(self.operation, args, kwargs), run
+        return call, run
 
     @contextmanager
     def calling(self, call: _Call) -> Iterator[None]:
@@ -269,6 +323,8 @@ class _Calls:
             _CALL.reset(reset)
 
     def returned(self, outcome: Outcome) -> Any:
+        if outcome.replayed and self.on_replay is not None:
+            self.on_replay(outcome)
         if outcome.status != _RETURNED:
             body = outcome.body if isinstance(outcome.body, Mapping) else {}
             if _NOT_STORED in body:

@@ -46,14 +46,16 @@ import base64
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from ..engine import Engine
 from ..engine.context import AtomicContext, StepContext
+from ..engine.waits import wait_seconds
 from ..errors import (
     ConfigurationError,
     IdempotencyError,
@@ -61,10 +63,20 @@ from ..errors import (
     RequestTooLarge,
     Retryable,
 )
-from ..keys import MAX_JSON_DEPTH, safe_headers
+from ..keys import MAX_JSON_DEPTH, UNSCOPED, Unscoped, chosen_scope, safe_headers
+from ..logfmt import logfmt
 from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response, Withdrawn
 from ..operation import Request as KeyRequest
-from ._problem import IDEMPOTENT_REPLAYED, Reply, outcome_reply, problem_reply, read_key
+from ._problem import (
+    IDEMPOTENCY_KEY,
+    IDEMPOTENT_REPLAYED,
+    IDEMPOTENT_UNPROTECTED,
+    Reply,
+    header_name,
+    outcome_reply,
+    problem_reply,
+    read_key,
+)
 
 logger = logging.getLogger("recoverypoint.http")
 
@@ -83,13 +95,15 @@ class Captured:
     """A response as the endpoint produced it, every header included.
 
     ``endpoint_ran`` is false for an answer the framework gave before calling the endpoint
-    (a dependency's 401, a validation 422): the request is then withdrawn, not stored.
+    (a dependency's 401, a validation 422); ``kept`` is false for an answer of a status
+    class the integration does not store. Either way the request is withdrawn, not stored.
     """
 
     status: int
     headers: list[tuple[str, str]]
     body: bytes
     endpoint_ran: bool = True
+    kept: bool = True
 
     def reply(self) -> Reply:
         """The response as it is, for the request that produced it."""
@@ -134,16 +148,16 @@ def _unkept(stored: Any) -> bytes | None:
     return None
 
 
-def stored_reply(outcome: Outcome) -> Reply:
+def stored_reply(outcome: Outcome, replayed_header: str = IDEMPOTENT_REPLAYED) -> Reply:
     """A single-step key's stored answer: the body's bytes as first sent, the stored headers;
     any other stored response (the completer's for an abandoned key) as
     :func:`~recoverypoint.integrations._problem.outcome_reply` makes it."""
     body = _unkept(outcome.body)
     if body is None:
-        return outcome_reply(outcome)
+        return outcome_reply(outcome, replayed_header)
     headers = list(outcome.headers.items())
     if outcome.replayed:
-        headers.append((IDEMPOTENT_REPLAYED, "true"))
+        headers.append((replayed_header, "true"))
     return Reply(outcome.status, headers, body)
 
 
@@ -164,8 +178,8 @@ def _responder() -> Callable[[], Any]:
 
 
 def _responded(captured: Captured) -> dict[str, Any]:
-    if not captured.endpoint_ran:
-        raise Withdrawn(captured)  # nothing was done: forget the key, send this answer
+    if not (captured.endpoint_ran and captured.kept):
+        raise Withdrawn(captured)  # forget the key, send this answer
     return {"response": captured.stored()}
 
 
@@ -204,6 +218,25 @@ def target(path: str, query: bytes) -> str:
     return f"{path}?{query.decode('latin-1')}" if query else path
 
 
+UNPROTECTED = (IDEMPOTENT_UNPROTECTED, "true")
+"""The header of an answer to a request that sent no key where the key is optional."""
+
+
+def log_unprotected(method: str, target: str, status: int) -> None:
+    """Say that a request ran without a key (where its route made the key optional): a
+    line, and the record's ``idempotency`` field, for a log pipeline to count them."""
+    logger.info(
+        "%s",
+        logfmt(event="unprotected", method=method, target=target, status=status),
+        extra={"idempotency": "unprotected"},
+    )
+
+
+STORED_CLASSES = (2, 3, 4, 5)
+"""The status classes of the single-step answers stored by default: all of them (see
+:class:`BaseIdempotency`'s ``stored_classes``)."""
+
+
 class BaseIdempotency(Generic[RequestT]):
     """Serves idempotent requests through an :class:`~recoverypoint.Engine`.
 
@@ -214,49 +247,97 @@ class BaseIdempotency(Generic[RequestT]):
     scope:
         Called with each request; returns who owns its key (the authenticated user's or
         tenant's id). Keys never collide across scopes. Raise the framework's own HTTP
-        error (401...) to refuse the request before any key is looked at.
+        error (401...) to refuse the request before any key is looked at. A scope function
+        that returns ``""`` is the service's mistake (a 500 that says so): pass
+        :data:`~recoverypoint.integrations.UNSCOPED` instead to put every key in one
+        scope shared by all clients, on purpose.
     retry_after:
         Seconds sent in ``Retry-After`` with 409 and 503 answers.
     async_engine:
         An ``rp.AsyncEngine`` on the same database, for frameworks with async endpoints:
         operations of async phases and async single-step endpoints run on it, on the event
         loop; everything else runs on ``engine`` as before.
+    key_header, replayed_header:
+        The names of the header the key is read from (``Idempotency-Key``) and of the one
+        that marks a replay (``Idempotent-Replayed``), for clients that use others.
+    wait:
+        How long a request that finds its key in use waits for the request that holds it
+        (at most a minute, see :mod:`recoverypoint.engine.waits`), to answer with that
+        request's answer (a replay), instead of 409 at once. A sync server's worker waits
+        with it; 409 when the wait runs out.
+    stored_classes:
+        The status classes (2 for 2xx...) of the single-step answers stored as the key's and
+        replayed; by default all. An answer of another class is sent as it is and the key
+        forgotten, so that a retry with the key runs the endpoint again. (A phased
+        operation decides in its phases: a returned ``Response`` is stored, an
+        ``rp.Retryable`` is not.)
     """
 
     def __init__(
         self,
         engine: Engine,
         *,
-        scope: Callable[[RequestT], str],
+        scope: Callable[[RequestT], str] | Unscoped,
         retry_after: int = 1,
         async_engine: AsyncRunner | None = None,
+        key_header: str = IDEMPOTENCY_KEY,
+        replayed_header: str = IDEMPOTENT_REPLAYED,
+        stored_classes: Collection[int] = STORED_CLASSES,
+        wait: timedelta | float | None = None,
     ) -> None:
         if retry_after < 1:
             raise ValueError("retry_after must be at least 1 second")
+        wait_seconds(wait)  # refused now rather than at every request
+        if scope is not UNSCOPED and not callable(scope):
+            raise ValueError(
+                "scope must be a function of the request that returns who owns its key "
+                "(the user's or tenant's id), or UNSCOPED to share one scope among all "
+                f"clients on purpose; got {scope!r:.80}"
+            )
         self.engine = engine
         self.async_engine = async_engine
         self.scope = scope
         self.retry_after = retry_after
+        self.key_header = header_name(key_header, "key_header")
+        self.replayed_header = header_name(replayed_header, "replayed_header")
+        if self.key_header.lower() == self.replayed_header.lower():
+            raise ValueError(f"key_header and replayed_header are both {key_header!r}")
+        self.stored_classes = _status_classes(stored_classes)
+        self.wait = wait
 
     def _scope_of(
         self, request: RequestT, when: str, refusals: tuple[type[Exception], ...]
     ) -> str | Reply:
         """The scope of ``request``, or the answer when the scope function fails: the
         framework's own refusals (a 401) propagate, as the application meant them; any
-        other failure is the service's (a :class:`~recoverypoint.ConfigurationError`,
-        logged naming the function and ``when`` it runs), which no retry mends."""
+        other failure, an empty scope included, is the service's (a
+        :class:`~recoverypoint.ConfigurationError`, logged naming the function and ``when``
+        it runs), which no retry mends."""
+        if self.scope is UNSCOPED:
+            return ""
+        name = getattr(self.scope, "__qualname__", None) or repr(self.scope)
         try:
-            return self.scope(request)
+            return chosen_scope(self.scope(request), f"the scope function {name}")
         except refusals:
             raise
         except Exception as exc:
-            name = getattr(self.scope, "__qualname__", None) or repr(self.scope)
             error = ConfigurationError(
                 f"the scope function {name} failed ({type(exc).__name__}: {exc}); it runs "
                 f"{when}"
             )
             logger.error("%s", error, exc_info=exc)
             return problem_reply(error, retry_after=self.retry_after)
+
+    def _key_headers(self, lines: Sequence[str], key_required: bool) -> Sequence[str] | None:
+        """The lines of the key header, or ``None`` when the route's key is optional and
+        the request sent none: it then runs unprotected (:meth:`_unprotected`). A header
+        sent empty is still a mistake (400), not a choice."""
+        return None if not lines and not key_required else lines
+
+    def _unprotected(self, reply: Reply, method: str, target: str) -> Reply:
+        """``reply``, for a request that ran without a key, marked as unprotected; logged."""
+        log_unprotected(method, target, reply.status)
+        return replace(reply, headers=[*reply.headers, UNPROTECTED])
 
     def _declare_single_step(
         self, name: str, lock_timeout: timedelta, *, on_loop: bool = False
@@ -280,29 +361,44 @@ class BaseIdempotency(Generic[RequestT]):
         operation: Operation[Any],
         *,
         scope: str,
-        key_headers: Sequence[str],
+        key_headers: Sequence[str] | None,
         method: str,
         target: str,
         params: Callable[[], Any],
     ) -> Reply:
         """Serve a phased request; ``params`` is called once the key header was read, and
-        may refuse the request with an :class:`~recoverypoint.IdempotencyError`."""
+        may refuse the request with an :class:`~recoverypoint.IdempotencyError`. Without
+        key headers (``None``: an optional key not sent) it runs under a key of its own,
+        which no retry can name: its phases and their recovery as ever, no protection from
+        a duplicate."""
         result = self._execute(operation, scope, key_headers, method, target, params)
-        return outcome_reply(result) if isinstance(result, Outcome) else result
+        return self._phased_reply(result, key_headers, method, target)
 
     async def _serve_async(
         self,
         operation: Operation[Any],
         *,
         scope: str,
-        key_headers: Sequence[str],
+        key_headers: Sequence[str] | None,
         method: str,
         target: str,
         params: Callable[[], Any],
     ) -> Reply:
         """:meth:`_serve` on the async engine, for an operation of async phases."""
         result = await self._execute_async(operation, scope, key_headers, method, target, params)
-        return outcome_reply(result) if isinstance(result, Outcome) else result
+        return self._phased_reply(result, key_headers, method, target)
+
+    def _phased_reply(
+        self,
+        result: Outcome | Reply,
+        key_headers: Sequence[str] | None,
+        method: str,
+        target: str,
+    ) -> Reply:
+        reply = (
+            outcome_reply(result, self.replayed_header) if isinstance(result, Outcome) else result
+        )
+        return reply if key_headers is not None else self._unprotected(reply, method, target)
 
     def _serve_single_step(
         self,
@@ -324,7 +420,7 @@ class BaseIdempotency(Generic[RequestT]):
         produced: list[Captured] = []
 
         def respond_and_keep() -> Captured:
-            produced.append(respond())
+            produced.append(self._judged(respond()))
             return produced[-1]
 
         reset = _RESPONDER.set(respond_and_keep)
@@ -334,7 +430,7 @@ class BaseIdempotency(Generic[RequestT]):
             )
         finally:
             _RESPONDER.reset(reset)
-        return _single_step_reply(result, produced)
+        return self._single_step_reply(result, produced)
 
     async def _serve_single_step_async(
         self,
@@ -351,7 +447,7 @@ class BaseIdempotency(Generic[RequestT]):
         produced: list[Captured] = []
 
         async def respond_and_keep() -> Captured:
-            produced.append(await respond())
+            produced.append(self._judged(await respond()))
             return produced[-1]
 
         reset = _RESPONDER.set(respond_and_keep)
@@ -361,30 +457,47 @@ class BaseIdempotency(Generic[RequestT]):
             )
         finally:
             _RESPONDER.reset(reset)
-        return _single_step_reply(result, produced)
+        return self._single_step_reply(result, produced)
+
+    def _judged(self, captured: Captured) -> Captured:
+        """``captured``, not to be kept when its status class is not stored."""
+        if captured.status // 100 in self.stored_classes:
+            return captured
+        logger.info(
+            "%s",
+            logfmt(event="answer_not_stored", status=captured.status),
+            extra={"idempotency": "not_stored"},
+        )
+        return replace(captured, kept=False)
 
     def _single_step_params(self, body: Callable[[], bytes]) -> Callable[[], Any]:
         # The body is read inside the engine call, so that a refusal while reading it (too
         # large) is answered as every other refusal is.
         return lambda: single_step_params(body(), self.engine.max_params_bytes)
 
+    def _key(self, key_headers: Sequence[str] | None) -> str:
+        if key_headers is None:
+            return f"unprotected-{uuid.uuid4()}"  # a key no other request can send
+        return read_key(key_headers, self.key_header)
+
     def _execute(
         self,
         operation: Operation[Any],
         scope: str,
-        key_headers: Sequence[str],
+        key_headers: Sequence[str] | None,
         method: str,
         target: str,
         params: Callable[[], Any],
     ) -> Outcome | Reply:
         try:
-            key = read_key(key_headers)
+            key = self._key(key_headers)
             return self.engine.run(
                 operation,
                 key=key,
                 scope=scope,
                 params=params(),
                 request=KeyRequest(method, target),
+                wait=self.wait,
             )
         except Exception as exc:
             return self._refusal(exc, method, target)
@@ -393,7 +506,7 @@ class BaseIdempotency(Generic[RequestT]):
         self,
         operation: Operation[Any],
         scope: str,
-        key_headers: Sequence[str],
+        key_headers: Sequence[str] | None,
         method: str,
         target: str,
         params: Callable[[], Any],
@@ -401,13 +514,14 @@ class BaseIdempotency(Generic[RequestT]):
         """:meth:`_execute` on the async engine, for an operation of async phases."""
         assert self.async_engine is not None
         try:
-            key = read_key(key_headers)
+            key = self._key(key_headers)
             return await self.async_engine.run(
                 operation,
                 key=key,
                 scope=scope,
                 params=params(),
                 request=KeyRequest(method, target),
+                wait=self.wait,
             )
         except Exception as exc:
             return self._refusal(exc, method, target)
@@ -420,13 +534,26 @@ class BaseIdempotency(Generic[RequestT]):
             logger.error("%s %s failed; answered 500", method, target, exc_info=exc)
         return problem_reply(exc, retry_after=self.retry_after)
 
+    def _single_step_reply(
+        self, result: Outcome | Reply, produced: list[Captured]
+    ) -> tuple[Reply, bool]:
+        if not isinstance(result, Outcome):
+            return result, False
+        if produced and not result.replayed:
+            return produced[-1].reply(), True  # this request ran the endpoint, finished the key
+        return stored_reply(result, self.replayed_header), False
 
-def _single_step_reply(result: Outcome | Reply, produced: list[Captured]) -> tuple[Reply, bool]:
-    if not isinstance(result, Outcome):
-        return result, False
-    if produced and not result.replayed:
-        return produced[-1].reply(), True  # this request ran the endpoint, finished the key
-    return stored_reply(result), False
+
+def _status_classes(classes: object) -> frozenset[int]:
+    """``classes`` as a set of status classes: some of 2, 3, 4 and 5, at least one."""
+    unfit = isinstance(classes, str | bytes) or not isinstance(classes, Collection)
+    items: list[Any] = [] if unfit else list(cast(Collection[Any], classes))
+    if not items or not all(type(c) is int and c in STORED_CLASSES for c in items):
+        raise ValueError(
+            "stored_classes must name some of the status classes 2, 3, 4 and 5 (2 for "
+            f"2xx...), at least one; got {classes!r:.80}"
+        )
+    return frozenset(items)
 
 
 def body_params(body: bytes, limit: int) -> Any:

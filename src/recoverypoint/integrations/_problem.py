@@ -27,6 +27,7 @@ from ._sfv import ParseError, Token, parse_item
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
+IDEMPOTENT_UNPROTECTED = "Idempotent-Unprotected"
 RETRY_AFTER = "Retry-After"
 CONTENT_TYPE = "Content-Type"
 PROBLEM_JSON = "application/problem+json"
@@ -60,8 +61,41 @@ class Reply:
     body: bytes
 
 
-def read_key(values: Sequence[str]) -> str:
-    """The idempotency key from the lines of the ``Idempotency-Key`` header.
+def header_name(name: object, what: str) -> str:
+    """``name`` if it can name an HTTP header field (a token, RFC 9110 §5.1), else
+    :class:`ValueError` naming ``what`` it was meant for."""
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        raise ValueError(
+            f"{what} must be an HTTP header name: 1 to {_MAX_NAME} letters, digits or "
+            f"!#$%&'*+-.^_`|~ (RFC 9110), got {name!r:.80}"
+        )
+    if name.lower() in _NOT_OURS:
+        raise ValueError(f"{what} may not be {name!r}: the server or the framework owns it")
+    return name
+
+
+_MAX_NAME = 64
+_TOKEN = re.compile(rf"[!#$%&'*+.^_`|~0-9A-Za-z-]{{1,{_MAX_NAME}}}")
+# Headers whose meaning is fixed elsewhere: framing, the body's type, cookies, Retry-After.
+_NOT_OURS = frozenset(
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "host",
+        "content-type",
+        "set-cookie",
+        "cookie",
+        "retry-after",
+    }
+)
+
+
+def read_key(values: Sequence[str], header: str = IDEMPOTENCY_KEY) -> str:
+    """The idempotency key from the lines of the ``Idempotency-Key`` header (or of
+    ``header``, as the integration is configured).
 
     The IETF draft makes the header an Item Structured Field whose value is a String
     (RFC 8941): ``"8e03978e-40d5"``, parameters allowed (``"8e03978e-40d5";p=1``) and
@@ -86,20 +120,18 @@ def read_key(values: Sequence[str]) -> str:
     text = ", ".join(values)
     if not text.strip(" "):
         raise InvalidKey(
-            f"this request needs an {IDEMPOTENCY_KEY} header: send a unique key, "
+            f"this request needs an {header} header: send a unique key, "
             "for example a UUID4, and the same key when you retry"
         )
     try:
         value, params = parse_item(text)
     except ParseError as exc:
-        value, params = Token(_bare_key(text, values, exc)), {}
+        value, params = Token(_bare_key(text, values, exc, header)), {}
     if isinstance(value, Token) and params:
-        raise InvalidKey(f'quote an {IDEMPOTENCY_KEY} sent with parameters: "key";param=1')
+        raise InvalidKey(f'quote an {header} sent with parameters: "key";param=1')
     if not isinstance(value, str):
         kind = _ITEM_TYPES[type(value)]
-        raise InvalidKey(
-            f'the {IDEMPOTENCY_KEY} must be a string, such as "8e03978e-40d5", not {kind}'
-        )
+        raise InvalidKey(f'the {header} must be a string, such as "8e03978e-40d5", not {kind}')
     return validate_key(str(value))
 
 
@@ -107,24 +139,25 @@ _ITEM_TYPES = {int: "an integer", Decimal: "a decimal", bool: "a boolean", bytes
 _NOT_BARE = re.compile(r'[ \t,;"]')
 
 
-def _bare_key(text: str, values: Sequence[str], error: ParseError) -> str:
+def _bare_key(text: str, values: Sequence[str], error: ParseError, header: str) -> str:
     """``text`` as a bare key, or :class:`~recoverypoint.InvalidKey` (see :func:`read_key`)."""
     if len(values) > 1:
-        raise InvalidKey(f"send one {IDEMPOTENCY_KEY} header, not {len(values)}")
+        raise InvalidKey(f"send one {header} header, not {len(values)}")
     key = text.strip(" ")
     if _NOT_BARE.search(key):
         raise InvalidKey(
-            f"the {IDEMPOTENCY_KEY} is not a valid string ({error}); send one key, in double "
+            f"the {header} is not a valid string ({error}); send one key, in double "
             'quotes if it has spaces, commas or semicolons: "key"'
         )
     return key
 
 
-def outcome_reply(outcome: Outcome) -> Reply:
-    """The stored (or just produced) response; a replay says so in ``Idempotent-Replayed``."""
+def outcome_reply(outcome: Outcome, replayed_header: str = IDEMPOTENT_REPLAYED) -> Reply:
+    """The stored (or just produced) response; a replay says so in ``Idempotent-Replayed``
+    (or in ``replayed_header``, as the integration is configured)."""
     headers = list(outcome.headers.items())
     if outcome.replayed:
-        headers.append((IDEMPOTENT_REPLAYED, "true"))
+        headers.append((replayed_header, "true"))
     return Reply(outcome.status, *_body(outcome.status, outcome.body, headers))
 
 

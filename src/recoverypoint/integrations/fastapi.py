@@ -61,8 +61,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import InvalidKey, RequestTooLarge
 from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..operation import Operation
-from ._base import BaseIdempotency, Captured, body_over, is_async, logger, target
-from ._problem import IDEMPOTENCY_KEY, Reply, http_problem, problem, problem_reply, read_key
+from ._base import (
+    UNPROTECTED,
+    BaseIdempotency,
+    Captured,
+    body_over,
+    is_async,
+    log_unprotected,
+    logger,
+    target,
+)
+from ._problem import Reply, http_problem, problem, problem_reply, read_key
 
 __all__ = ["Idempotency", "SingleStepMiddleware"]
 
@@ -79,11 +88,20 @@ class Idempotency(BaseIdempotency[Request]):
     mistake: a 500 ``problem+json`` that says so, logged naming the function.
     """
 
-    def run(self, operation: Operation[Any], request: Request, params: Any) -> Response:
+    def run(
+        self,
+        operation: Operation[Any],
+        request: Request,
+        params: Any,
+        *,
+        key_required: bool = True,
+    ) -> Response:
         """Run ``operation`` for ``request`` with ``params``; for sync routes.
 
         Errors become ``application/problem+json`` answers; a replay carries
-        ``Idempotent-Replayed: true``.
+        ``Idempotent-Replayed: true``. With ``key_required=False`` a request that sends no
+        key runs unprotected (under a key of its own, which no retry can name), its answer
+        marked ``Idempotent-Unprotected: true``.
         """
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
@@ -91,25 +109,33 @@ class Idempotency(BaseIdempotency[Request]):
         reply = self._serve(
             operation,
             scope=scope,
-            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            key_headers=self._key_headers(request.headers.getlist(self.key_header), key_required),
             method=request.method,
             target=_target(request),
             params=lambda: params,
         )
         return _response(reply)
 
-    async def run_async(self, operation: Operation[Any], request: Request, params: Any) -> Response:
+    async def run_async(
+        self,
+        operation: Operation[Any],
+        request: Request,
+        params: Any,
+        *,
+        key_required: bool = True,
+    ) -> Response:
         """Async version of :meth:`run`: an operation of async phases runs on the async
         engine, on the event loop; any other on the sync engine, in a worker thread."""
         if self.async_engine is None or not is_async(operation):
-            return await run_in_threadpool(self.run, operation, request, params)
+            run = functools.partial(self.run, key_required=key_required)
+            return await run_in_threadpool(run, operation, request, params)
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
             return _response(scope)
         reply = await self._serve_async(
             operation,
             scope=scope,
-            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            key_headers=self._key_headers(request.headers.getlist(self.key_header), key_required),
             method=request.method,
             target=_target(request),
             params=lambda: params,
@@ -117,14 +143,20 @@ class Idempotency(BaseIdempotency[Request]):
         return _response(reply)
 
     def single_step(
-        self, name: str, *, lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT
+        self,
+        name: str,
+        *,
+        lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
+        key_required: bool = True,
     ) -> Callable[[E], E]:
         """Make an endpoint single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.
 
         Put it below the route decorator. It needs :class:`SingleStepMiddleware`; without
         it the endpoint refuses to run (500) rather than run unprotected. An ``async def``
-        endpoint runs on the event loop when there is an async engine.
+        endpoint runs on the event loop when there is an async engine. With
+        ``key_required=False`` a request that sends no key runs the endpoint unprotected
+        (nothing stored), its answer marked ``Idempotent-Unprotected: true``.
         """
 
         def decorate(endpoint: E) -> E:
@@ -133,7 +165,7 @@ class Idempotency(BaseIdempotency[Request]):
             guarded = _guarded(endpoint)
             # Both: should this decorator be put above the route's, the route has the
             # endpoint itself, which the middleware must recognise all the same.
-            _SINGLE_STEPS[guarded] = _SINGLE_STEPS[endpoint] = (self, operation)
+            _SINGLE_STEPS[guarded] = _SINGLE_STEPS[endpoint] = (self, operation, key_required)
             return guarded
 
         return decorate
@@ -149,7 +181,7 @@ _IN_MIDDLEWARE = (
 
 # Endpoints made single-step, as their routes will find them; endpoints live as long as
 # the process, so a plain dict is enough.
-_SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any]]] = {}
+_SINGLE_STEPS: dict[Callable[..., Any], tuple[Idempotency, Operation[Any], bool]] = {}
 
 
 class _Entry:
@@ -187,7 +219,7 @@ class SingleStepMiddleware:
         if found is None:
             await self.app(scope, receive, send)
             return
-        idempotency, operation = found
+        idempotency, operation, key_required = found
         request = Request(scope)
         try:
             tenant = idempotency._scope_of(request, _IN_MIDDLEWARE, (HTTPException,))
@@ -197,10 +229,16 @@ class SingleStepMiddleware:
         if isinstance(tenant, Reply):
             await _response(tenant)(scope, receive, send)
             return
+        lines = idempotency._key_headers(
+            request.headers.getlist(idempotency.key_header), key_required
+        )
+        if lines is None:
+            await _unprotected(self.app, scope, receive, send)
+            return
         try:
             # The key first, from the headers: a request without a valid one is refused
             # (400) whatever its body, none of which is read, as the Flask integration does.
-            read_key(request.headers.getlist(IDEMPOTENCY_KEY))
+            read_key(lines, idempotency.key_header)
             body = await _read_body(request, receive, idempotency.engine.max_params_bytes)
         except (InvalidKey, RequestTooLarge) as exc:
             reply = problem_reply(exc, retry_after=idempotency.retry_after)
@@ -218,7 +256,7 @@ class SingleStepMiddleware:
 
             request_of: dict[str, Any] = {
                 "scope": tenant,
-                "key_headers": request.headers.getlist(IDEMPOTENCY_KEY),
+                "key_headers": lines,
                 "method": request.method,
                 "target": _target(request),
                 "body": lambda: body,
@@ -240,6 +278,22 @@ class SingleStepMiddleware:
                 await _response(reply)(scope, receive, send)
             finally:
                 app.go_on(committed)
+
+
+async def _unprotected(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve a single-step endpoint's request that sent no key where its key is optional:
+    the application as it is, its answer marked and logged as unprotected."""
+
+    async def marked(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            name, value = UNPROTECTED
+            headers = [*message.get("headers", []), (name.lower().encode(), value.encode())]
+            message = {**message, "headers": headers}
+            log_unprotected(scope["method"], _target(Request(scope)), message["status"])
+        await send(message)
+
+    _ENTRY.set(_Entry())
+    await app(scope, receive, marked)
 
 
 class _AppRun:
@@ -393,7 +447,7 @@ def _guarded(endpoint: E) -> E:
     return guarded  # type: ignore[return-value]
 
 
-def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any]] | None:
+def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any], bool] | None:
     endpoint = _endpoint(getattr(scope.get("app"), "routes", ()), scope)
     return _SINGLE_STEPS.get(endpoint) if endpoint is not None else None
 

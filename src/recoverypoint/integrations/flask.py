@@ -35,7 +35,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..operation import Operation
 from ._base import BaseIdempotency, Captured, body_over, body_params, target
-from ._problem import IDEMPOTENCY_KEY, Reply
+from ._problem import Reply
 
 __all__ = ["Idempotency"]
 
@@ -55,13 +55,17 @@ class Idempotency(BaseIdempotency[flask.Request]):
     there too); ``abort(401)`` in it refuses the request before any key is looked at.
     """
 
-    def run(self, operation: Operation[Any], params: Any = _BODY) -> flask.Response:
+    def run(
+        self, operation: Operation[Any], params: Any = _BODY, *, key_required: bool = True
+    ) -> flask.Response:
         """Run ``operation`` for the current request with ``params``; without them, with the
         request's body, read as JSON (or else text) so that a body too large (413), nested
         too deep or undecodable (422) is refused rather than a 500 from ``get_json()``.
 
         Errors become ``application/problem+json`` answers; a replay carries
-        ``Idempotent-Replayed: true``.
+        ``Idempotent-Replayed: true``. With ``key_required=False`` a request that sends no
+        key runs unprotected (under a key of its own, which no retry can name), its answer
+        marked ``Idempotent-Unprotected: true``.
         """
         request = flask.request
         limit = self.engine.max_params_bytes
@@ -71,7 +75,7 @@ class Idempotency(BaseIdempotency[flask.Request]):
         reply = self._serve(
             operation,
             scope=scope,
-            key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+            key_headers=self._key_headers(request.headers.getlist(self.key_header), key_required),
             method=request.method,
             target=_target(request),
             params=lambda: body_params(_body(request, limit), limit) if params is _BODY else params,
@@ -79,11 +83,18 @@ class Idempotency(BaseIdempotency[flask.Request]):
         return _response(reply)
 
     def single_step(
-        self, name: str, *, lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT
+        self,
+        name: str,
+        *,
+        lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
+        key_required: bool = True,
     ) -> Callable[[V], V]:
         """Make a view single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.
-        Put it below ``@app.post(...)``, so that the route gets the decorated view."""
+        Put it below ``@app.post(...)``, so that the route gets the decorated view.
+
+        With ``key_required=False`` a request that sends no key runs the view unprotected
+        (nothing stored), its answer marked ``Idempotent-Unprotected: true``."""
         operation = self._declare_single_step(name, lock_timeout)
 
         def decorate(view: V) -> V:
@@ -109,10 +120,14 @@ class Idempotency(BaseIdempotency[flask.Request]):
                 scope = self._scope_of(request, _IN_VIEW, (HTTPException,))
                 if isinstance(scope, Reply):
                     return _response(scope)
+                lines = self._key_headers(request.headers.getlist(self.key_header), key_required)
+                if lines is None:
+                    answer = respond().reply()
+                    return _response(self._unprotected(answer, request.method, _target(request)))
                 reply, _ = self._serve_single_step(
                     operation,
                     scope=scope,
-                    key_headers=request.headers.getlist(IDEMPOTENCY_KEY),
+                    key_headers=lines,
                     method=request.method,
                     target=_target(request),
                     body=lambda: _body(request, limit),
