@@ -122,7 +122,9 @@ SURFACE = {
     "recoverypoint.integrations": [
         "IDEMPOTENCY_KEY",
         "IDEMPOTENT_REPLAYED",
+        "IDEMPOTENT_UNPROTECTED",
         "RETRY_AFTER",
+        "UNSCOPED",
     ],
 }
 
