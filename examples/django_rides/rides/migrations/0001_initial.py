@@ -1,0 +1,36 @@
+from django.conf import settings
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    initial = True
+    dependencies = [migrations.swappable_dependency(settings.AUTH_USER_MODEL)]
+
+    operations = [
+        migrations.CreateModel(
+            name="Ride",
+            fields=[
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("origin", models.CharField(max_length=200)),
+                ("target", models.CharField(max_length=200)),
+                ("key_id", models.BigIntegerField(unique=True)),
+                ("charge_id", models.CharField(max_length=100, null=True)),
+                (
+                    "user",
+                    models.ForeignKey(on_delete=models.PROTECT, to=settings.AUTH_USER_MODEL),
+                ),
+            ],
+        ),
+        migrations.CreateModel(
+            name="AuditRecord",
+            fields=[
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("action", models.CharField(max_length=50)),
+                ("key_id", models.BigIntegerField()),
+                (
+                    "user",
+                    models.ForeignKey(on_delete=models.PROTECT, to=settings.AUTH_USER_MODEL),
+                ),
+            ],
+        ),
+    ]

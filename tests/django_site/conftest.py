@@ -1,0 +1,41 @@
+"""pytest-django on a database of its own, made fresh on the test server for the session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import django
+import pytest
+
+# Here rather than in pytest's options: the rest of the suite runs without Django.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_site.settings")
+django.setup()
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(server_url: str, django_test_environment: None, django_db_blocker: Any) -> Iterator[None]:
+    from django.conf import settings
+    from django.test.utils import setup_databases, teardown_databases
+    from sqlalchemy.engine import make_url
+
+    from recoverypoint import migrate
+    from recoverypoint.integrations.django.management.commands.recoverypoint import (
+        database_url,
+    )
+
+    url = make_url(server_url)
+    settings.DATABASES["default"].update(
+        NAME=f"rp_django_{os.getpid()}",
+        USER=url.username or "",
+        PASSWORD=url.password or "",
+        HOST=url.host or "",
+        PORT=str(url.port or ""),
+    )
+    with django_db_blocker.unblock():
+        old = setup_databases(verbosity=0, interactive=False)  # test_rp_django_<pid>
+        migrate.upgrade(database_url())
+    yield
+    with django_db_blocker.unblock():
+        teardown_databases(old, verbosity=0)

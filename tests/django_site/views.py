@@ -1,0 +1,65 @@
+"""Views of every kind Django has, made single-step; each counts its runs in ``RUNS``."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.views import View
+from rest_framework import viewsets
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from examples.django_rides.rides.operations import idempotency
+
+RUNS: Counter[str] = Counter()
+
+
+def _answer(kind: str, request: Any) -> HttpResponse:
+    RUNS[kind] += 1
+    # A body no two runs share, with bytes no text encoding keeps: a replay must carry these.
+    body = f"{kind} {uuid.uuid4()} ".encode() + bytes([0, 0xFF, 0xFE]) + request.body
+    return HttpResponse(body, status=201, content_type="application/octet-stream")
+
+
+@idempotency.single_step("django_function_view")
+def function_view(request: HttpRequest) -> HttpResponse:
+    return _answer("function", request)
+
+
+@idempotency.single_step("django_async_view")
+async def async_view(request: HttpRequest) -> HttpResponse:
+    return _answer("async", request)
+
+
+@idempotency.single_step("django_not_found")
+def not_found(request: HttpRequest) -> HttpResponse:
+    RUNS["not_found"] += 1
+    raise Http404("no such order")
+
+
+class ClassView(View):
+    @idempotency.single_step("django_class_view")
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _answer("class", request)
+
+
+class DRFView(APIView):
+    @idempotency.single_step("django_drf_view")
+    def post(self, request: Request) -> Response:
+        RUNS["drf"] += 1
+        return Response({"order": str(uuid.uuid4()), "got": request.data}, status=201)
+
+
+class OrderViewSet(viewsets.ViewSet):
+    @idempotency.single_step("django_drf_viewset")
+    def create(self, request: Request) -> Response:
+        RUNS["viewset"] += 1
+        return Response({"order": str(uuid.uuid4())}, status=201)
+
+
+def runs(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(dict(RUNS))
