@@ -6,7 +6,9 @@ import os
 
 from sqlalchemy.engine import make_url
 
-_url = make_url(os.environ.get("RECOVERYPOINT_DATABASE_URL", "postgresql://postgres@127.0.0.1/rides"))
+_url = make_url(
+    os.environ.get("RECOVERYPOINT_DATABASE_URL", "postgresql://postgres@127.0.0.1/rides")
+)
 
 SECRET_KEY = "rocket-rides-example-only"
 DEBUG = False

@@ -15,7 +15,9 @@ django.setup()
 
 
 @pytest.fixture(scope="session")
-def django_db_setup(server_url: str, django_test_environment: None, django_db_blocker: Any) -> Iterator[None]:
+def django_db_setup(
+    server_url: str, django_test_environment: None, django_db_blocker: Any
+) -> Iterator[None]:
     from django.conf import settings
     from django.test.utils import setup_databases, teardown_databases
     from sqlalchemy.engine import make_url

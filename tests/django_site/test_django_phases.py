@@ -46,14 +46,17 @@ def failing_after_orm_writes(name: str, fail: list[bool]) -> rp.Operation[Any]:
 
     @op.atomic_phase("written")
     def write(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
-        ride = Ride.objects.create(user_id=params["user_id"], origin="a", target="b",
-                                   key_id=tx.key_id)
-        AuditRecord.objects.get_or_create(user_id=params["user_id"], action="ride.created",
-                                          key_id=tx.key_id)
+        ride = Ride.objects.create(
+            user_id=params["user_id"], origin="a", target="b", key_id=tx.key_id
+        )
+        AuditRecord.objects.get_or_create(
+            user_id=params["user_id"], action="ride.created", key_id=tx.key_id
+        )
         try:
             with transaction.atomic():  # a savepoint inside the phase's transaction
-                AuditRecord.objects.create(user_id=params["user_id"], action="undone",
-                                           key_id=tx.key_id)
+                AuditRecord.objects.create(
+                    user_id=params["user_id"], action="undone", key_id=tx.key_id
+                )
                 raise Boom("rolled back to the savepoint")
         except Boom:
             pass
@@ -118,17 +121,23 @@ def rides_client(user: User) -> Client:
 def test_rocket_rides_through_drf_books_once_and_replays(user: User) -> None:
     client, key = rides_client(user), str(uuid.uuid4())
     body = {"origin": "Montreal", "target": "Quebec"}
-    first = client.post("/rides", body, content_type="application/json",
-                        headers={"Idempotency-Key": key})
-    again = client.post("/rides", body, content_type="application/json",
-                        headers={"Idempotency-Key": key})
+    first = client.post(
+        "/rides", body, content_type="application/json", headers={"Idempotency-Key": key}
+    )
+    again = client.post(
+        "/rides", body, content_type="application/json", headers={"Idempotency-Key": key}
+    )
     assert first.status_code == again.status_code == 201, first.content
     assert again.json() == first.json() and again["Idempotent-Replayed"] == "true"
     ride = Ride.objects.get(user=user)
     assert ride.charge_id == first.json()["charge_id"]
     # DRF's own validation answers before any key is claimed
-    bad = client.post("/rides", {"origin": "x"}, content_type="application/json",
-                      headers={"Idempotency-Key": str(uuid.uuid4())})
+    bad = client.post(
+        "/rides",
+        {"origin": "x"},
+        content_type="application/json",
+        headers={"Idempotency-Key": str(uuid.uuid4())},
+    )
     assert bad.status_code == 400 and Ride.objects.filter(user=user).count() == 1
 
 
@@ -144,8 +153,12 @@ def crash_a_ride(user: User, monkeypatch: pytest.MonkeyPatch) -> tuple[Client, s
 
     monkeypatch.setattr(operations.provider, "charge", charge_then_crash)
     client, key = rides_client(user), str(uuid.uuid4())
-    crashed = client.post("/rides", {"origin": "a", "target": "b"},
-                          content_type="application/json", headers={"Idempotency-Key": key})
+    crashed = client.post(
+        "/rides",
+        {"origin": "a", "target": "b"},
+        content_type="application/json",
+        headers={"Idempotency-Key": key},
+    )
     assert crashed.status_code == 500
     assert recovery_point(key) == "ride_created"
     assert Ride.objects.get(user=user).charge_id is None
@@ -168,8 +181,12 @@ def test_a_crash_between_phases_is_resumed_by_the_completer(
     ride = Ride.objects.get(user=user)  # one ride, charged once, with the first charge
     assert ride.charge_id == charges[0]
     assert len(operations.provider.charges) == len(set(operations.provider.charges.values()))
-    replay = client.post("/rides", {"origin": "a", "target": "b"},
-                         content_type="application/json", headers={"Idempotency-Key": key})
+    replay = client.post(
+        "/rides",
+        {"origin": "a", "target": "b"},
+        content_type="application/json",
+        headers={"Idempotency-Key": key},
+    )
     assert replay.status_code == 201 and replay.json()["charge_id"] == charges[0]
 
 
@@ -179,7 +196,15 @@ def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
     call_command("recoverypoint", "migrate")  # Django's database, already at the newest
     assert "(head)" in capsys.readouterr().out
     _, key, charges = crash_a_ride(user, monkeypatch)
-    call_command("recoverypoint", "worker", "completer", "--once", "--min-age", "0",
-                 "--app", "examples.django_rides.rides.operations:engine")
+    call_command(
+        "recoverypoint",
+        "worker",
+        "completer",
+        "--once",
+        "--min-age",
+        "0",
+        "--app",
+        "examples.django_rides.rides.operations:engine",
+    )
     assert recovery_point(key) == "finished"
     assert Ride.objects.get(user=user).charge_id == charges[0]

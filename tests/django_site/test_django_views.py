@@ -15,8 +15,13 @@ from . import views
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-KINDS = {"function": "/function", "async": "/async", "class": "/class", "drf": "/drf",
-         "viewset": "/viewset"}
+KINDS = {
+    "function": "/function",
+    "async": "/async",
+    "class": "/class",
+    "drf": "/drf",
+    "viewset": "/viewset",
+}
 
 
 @pytest.fixture

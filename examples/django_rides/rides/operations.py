@@ -36,7 +36,9 @@ rides: rp.Operation[Any] = rp.Operation("django_create_ride")
 @rides.atomic_phase("ride_created")
 def create_ride(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
     ride = Ride.objects.create(
-        user_id=params["user_id"], origin=params["origin"], target=params["target"],
+        user_id=params["user_id"],
+        origin=params["origin"],
+        target=params["target"],
         key_id=tx.key_id,
     )
     AuditRecord.objects.create(user_id=params["user_id"], action="ride.created", key_id=tx.key_id)

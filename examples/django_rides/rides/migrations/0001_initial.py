@@ -4,9 +4,10 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     initial = True
-    dependencies = [migrations.swappable_dependency(settings.AUTH_USER_MODEL)]
+    # Django's migration format: class attributes it reads.
+    dependencies = [migrations.swappable_dependency(settings.AUTH_USER_MODEL)]  # noqa: RUF012
 
-    operations = [
+    operations = [  # noqa: RUF012
         migrations.CreateModel(
             name="Ride",
             fields=[

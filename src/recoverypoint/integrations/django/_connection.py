@@ -95,7 +95,7 @@ class _DjangoConnections(Pool):
             weakref.WeakKeyDictionary()
         )
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _connect(self) -> Any:  # a psycopg.Connection, which SQLAlchemy's types do not name
         wrapper = connections[self.using]
         wrapper.ensure_connection()
         raw = wrapper.connection

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from asgiref.sync import async_to_sync, sync_to_async  # type: ignore[import-untyped]
+from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import (  # type: ignore[import-untyped]
     BadRequest,
     PermissionDenied,
@@ -76,8 +76,9 @@ class Idempotency(BaseIdempotency[Any]):
     in it refuses the request before any key is looked at.
     """
 
-    def __init__(self, engine: Any, *, scope: Callable[[Any], str] = authenticated_user,
-                 **options: Any) -> None:
+    def __init__(
+        self, engine: Any, *, scope: Callable[[Any], str] = authenticated_user, **options: Any
+    ) -> None:
         super().__init__(engine, scope=scope, **options)
 
     def run(self, operation: Operation[Any], request: Any, params: Any = _BODY) -> HttpResponse:
@@ -104,7 +105,7 @@ class Idempotency(BaseIdempotency[Any]):
         self, operation: Operation[Any], request: Any, params: Any = _BODY
     ) -> HttpResponse:
         """:meth:`run` for an async view: on the thread of Django's connection."""
-        return await sync_to_async(self.run)(operation, request, params)  # type: ignore[no-any-return]
+        return await sync_to_async(self.run)(operation, request, params)
 
     def single_step(
         self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
@@ -153,7 +154,7 @@ class Idempotency(BaseIdempotency[Any]):
 
                 @functools.wraps(view)
                 async def single_step_async(*args: Any, **kwargs: Any) -> HttpResponse:
-                    return await serve_in_thread(async_to_sync(view), args, kwargs)  # type: ignore[no-any-return]
+                    return await serve_in_thread(async_to_sync(view), args, kwargs)
 
                 wrapped = single_step_async
             else:
@@ -188,8 +189,9 @@ def _refusals() -> tuple[type[Exception], ...]:
 
 
 def _is_request(value: Any) -> bool:
-    return isinstance(value, HttpRequest) or isinstance(getattr(value, "_request", None),
-                                                        HttpRequest)
+    return isinstance(value, HttpRequest) or isinstance(
+        getattr(value, "_request", None), HttpRequest
+    )
 
 
 def _split(view: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -228,18 +230,16 @@ def _finished(instance: Any, request: Any, response: Any) -> HttpResponse:
         response = finalize(request, response)
     if callable(getattr(response, "render", None)) and not response.is_rendered:
         response.render()
-    return response  # type: ignore[no-any-return]
+    return response
 
 
 def _captured(response: HttpResponse) -> Captured:
     headers = list(response.items())
     # Django keeps cookies apart from the headers; the first answer carries them.
-    headers += [("Set-Cookie", morsel.output(header="").strip())
-                for morsel in response.cookies.values()]
-    if response.streaming:
-        body = b"".join(response.streaming_content)
-    else:
-        body = response.content
+    headers += [
+        ("Set-Cookie", morsel.output(header="").strip()) for morsel in response.cookies.values()
+    ]
+    body = b"".join(response.streaming_content) if response.streaming else response.content
     return Captured(response.status_code, headers, body)
 
 
