@@ -41,3 +41,5 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Django 6.1's way to name the mail backend (the tests swap in locmem's).
+MAILERS = {"default": {"BACKEND": "django.core.mail.backends.locmem.EmailBackend"}}

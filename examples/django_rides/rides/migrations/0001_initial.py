@@ -11,7 +11,12 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="Ride",
             fields=[
-                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
                 ("origin", models.CharField(max_length=200)),
                 ("target", models.CharField(max_length=200)),
                 ("key_id", models.BigIntegerField(unique=True)),
@@ -25,7 +30,12 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="AuditRecord",
             fields=[
-                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
                 ("action", models.CharField(max_length=50)),
                 ("key_id", models.BigIntegerField()),
                 (

@@ -46,6 +46,8 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 from django.db import connections  # type: ignore[import-untyped]
+from psycopg.types.json import JsonbLoader
+from psycopg.types.string import TextLoader
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
 from ... import phase_guard
@@ -130,6 +132,10 @@ class _DjangoConnections(Pool):
         wrapper.__dict__[_HELD] = wrapper.autocommit
         raw.autocommit = False
         wrapper.autocommit = False
+        # Django reads jsonb as text and decodes it itself; the engine's own queries, the
+        # workers' and phase code's expect psycopg's JSON. Django's cursors get its loader
+        # back as they execute (_guard_statement).
+        raw.adapters.register_loader("jsonb", JsonbLoader)
         wrapper.execute_wrappers.append(_guard_statement)
         return record
 
@@ -144,6 +150,7 @@ class _DjangoConnections(Pool):
             wrapper.close()
         else:
             raw.autocommit = wrapper.autocommit  # idle: the engine's work is over
+            raw.adapters.register_loader("jsonb", TextLoader)
 
     def status(self) -> str:
         return f"Django's connection {self.using!r} of each thread"
@@ -158,6 +165,8 @@ class _DjangoConnections(Pool):
 def _guard_statement(
     execute: Any, sql: Any, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
-    """Django's statements in a phase, checked as SQLAlchemy's are (see phase_guard)."""
+    """Django's statements while the engine holds its connection: jsonb read as Django
+    reads it, and in a phase, checked as SQLAlchemy's are (see phase_guard)."""
+    context["cursor"].cursor.adapters.register_loader("jsonb", TextLoader)
     phase_guard.check_phase_statement(sql)
     return execute(sql, params, many, context)
