@@ -3,6 +3,7 @@ at all; a crash between phases is resumed by the completer; the workers under ma
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
@@ -208,3 +209,96 @@ def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
     )
     assert recovery_point(key) == "finished"
     assert Ride.objects.get(user=user).charge_id == charges[0]
+
+
+def test_json_reads_as_each_side_expects_in_a_phase(user: User) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"orm_jsonb_{uuid.uuid4().hex}")
+    seen: dict[str, Any] = {}
+
+    @op.atomic_phase("finished")
+    def read(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        seen["engine"] = tx.scalar("""SELECT '{"a": 1}'::jsonb""")
+        with connection.cursor() as cursor:  # Django decodes jsonb itself
+            cursor.execute("""SELECT '{"a": 1}'::jsonb""")
+            seen["django"] = cursor.fetchone()[0]
+        return rp.Response(200, {"a": 1})
+
+    operations.engine.register(op)
+    outcome = operations.engine.run(op, key=str(uuid.uuid4()), scope="s", params={})
+    assert outcome.body == {"a": 1}
+    assert seen == {"engine": {"a": 1}, "django": '{"a": 1}'}
+    with connection.cursor() as cursor:  # and so it does once the engine gave it back
+        cursor.execute("""SELECT '{"a": 1}'::jsonb""")
+        assert cursor.fetchone()[0] == '{"a": 1}'
+
+
+def test_an_async_view_runs_phases_on_the_orm(user: User) -> None:
+    client = Client()
+    client.force_login(user)
+    key = str(uuid.uuid4())
+    answers = [
+        client.post(
+            "/async-rides",
+            {"origin": "a", "target": "b"},
+            content_type="application/json",
+            headers={"Idempotency-Key": key},
+        )
+        for _ in range(2)
+    ]
+    assert [a.status_code for a in answers] == [201, 201], answers[0].content
+    assert answers[1].json() == answers[0].json()
+    assert Ride.objects.get(user=user).charge_id == answers[0].json()["charge_id"]
+
+
+def test_an_async_single_step_view_uses_the_async_orm(user: User) -> None:
+    from . import views
+
+    client = Client()
+    client.force_login(user)
+    key, before = str(uuid.uuid4()), views.RUNS["async_orm"]
+    first = client.post(
+        "/async-orm", b"", content_type="application/json", headers={"Idempotency-Key": key}
+    )
+    again = client.post(
+        "/async-orm", b"", content_type="application/json", headers={"Idempotency-Key": key}
+    )
+    assert first.status_code == again.status_code == 201, first.content
+    assert again.content == first.content and views.RUNS["async_orm"] == before + 1
+    assert AuditRecord.objects.filter(user=user, action="async.view").count() == 1
+
+
+def test_a_key_in_flight_is_409_with_retry_after(user: User) -> None:
+    from . import views
+
+    answers: list[Any] = []
+    key = str(uuid.uuid4())
+
+    def first() -> None:
+        try:
+            client = Client()
+            client.force_login(user)
+            answers.append(
+                client.post(
+                    "/held", b"", content_type="application/json", headers={"Idempotency-Key": key}
+                )
+            )
+        finally:
+            connection.close()  # this thread's own
+
+    views.ENTERED.clear()
+    views.RELEASE.clear()
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert views.ENTERED.wait(timeout=60)
+        client = Client()
+        client.force_login(user)
+        busy = client.post(
+            "/held", b"", content_type="application/json", headers={"Idempotency-Key": key}
+        )
+        assert busy.status_code == 409
+        assert busy["Content-Type"] == "application/problem+json" and busy["Retry-After"]
+    finally:
+        views.RELEASE.set()
+        thread.join()
+    assert answers[0].status_code == 201 and views.RUNS["held"] == 1

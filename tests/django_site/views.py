@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -13,7 +15,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from examples.django_rides.rides.operations import idempotency
+from examples.django_rides.rides.models import AuditRecord
+from examples.django_rides.rides.operations import idempotency, rides
 
 RUNS: Counter[str] = Counter()
 
@@ -63,3 +66,28 @@ class OrderViewSet(viewsets.ViewSet):
 
 def runs(request: HttpRequest) -> JsonResponse:
     return JsonResponse(dict(RUNS))
+
+
+# Held open by the test of a key in flight: ENTERED once the view runs, until RELEASE.
+ENTERED, RELEASE = threading.Event(), threading.Event()
+
+
+@idempotency.single_step("django_held_view")
+def held_view(request: HttpRequest) -> HttpResponse:
+    ENTERED.set()
+    RELEASE.wait(timeout=60)
+    return _answer("held", request)
+
+
+@idempotency.single_step("django_async_orm_view")
+async def async_orm_view(request: HttpRequest) -> HttpResponse:
+    user = await request.auser()
+    record = await AuditRecord.objects.acreate(user=user, action="async.view", key_id=0)
+    RUNS["async_orm"] += 1
+    return JsonResponse({"record": record.pk}, status=201)
+
+
+async def async_ride(request: HttpRequest) -> HttpResponse:
+    user = await request.auser()
+    params = {**json.loads(request.body), "user_id": user.pk}
+    return await idempotency.arun(rides, request, params)
