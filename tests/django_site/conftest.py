@@ -41,3 +41,13 @@ def django_db_setup(
     yield
     with django_db_blocker.unblock():
         teardown_databases(old, verbosity=0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Keep the order pytest collected: pytest-django, once Django is set up, would move
+    every test with a fixture named ``db`` (the suite's SQLAlchemy engine) to the front.
+    These tests all use transactional databases, so Django needs no order of its own."""
+    collected = {id(item): index for index, item in enumerate(items)}
+    yield
+    items.sort(key=lambda item: collected[id(item)])
