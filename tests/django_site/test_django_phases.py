@@ -11,6 +11,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
 from django.test import Client
 from rest_framework.authtoken.models import Token
 
@@ -302,3 +303,17 @@ def test_a_key_in_flight_is_409_with_retry_after(user: User) -> None:
         views.RELEASE.set()
         thread.join()
     assert answers[0].status_code == 201 and views.RUNS["held"] == 1
+
+
+def test_on_commit_in_a_phase_raises(user: User) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"orm_on_commit_{uuid.uuid4().hex}")
+
+    @op.atomic_phase("finished")
+    def later(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
+        Ride.objects.create(user_id=user.pk, origin="a", target="b", key_id=tx.key_id)
+        transaction.on_commit(lambda: None)  # a staged job is the phase's way
+
+    operations.engine.register(op)
+    with pytest.raises(TransactionManagementError):
+        operations.engine.run(op, key=str(uuid.uuid4()), scope="s", params={})
+    assert Ride.objects.filter(user=user).count() == 0

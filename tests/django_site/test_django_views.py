@@ -119,3 +119,11 @@ def test_a_body_over_the_limit_is_413_and_unread(client: Client) -> None:
     answer = post(client, "/function", huge, **{"Idempotency-Key": str(uuid.uuid4())})
     assert answer.status_code == 413
     assert keys_stored() == stored
+
+
+def test_a_view_left_in_atomic_requests_is_refused_as_misconfigured(client: Client) -> None:
+    before, stored = views.RUNS["drf"], keys_stored()
+    answer = post(client, "/drf-in-atomic", **{"Idempotency-Key": str(uuid.uuid4())})
+    assert answer.status_code == 500
+    assert json.loads(answer.content)["type"].endswith("configuration-error")
+    assert views.RUNS["drf"] == before and keys_stored() == stored

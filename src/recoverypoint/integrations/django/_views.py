@@ -33,8 +33,15 @@ from django.core.exceptions import (  # type: ignore[import-untyped]
 )
 from django.core.handlers.exception import response_for_exception  # type: ignore[import-untyped]
 from django.db import transaction  # type: ignore[import-untyped]
-from django.http import Http404, HttpRequest, HttpResponse  # type: ignore[import-untyped]
+from django.http import (  # type: ignore[import-untyped]
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    RawPostDataException,
+)
 
+from ...engine import Engine
+from ...errors import ConfigurationError
 from ...operation import Operation
 from .._base import BaseIdempotency, Captured, body_over, body_params, target
 from .._problem import Reply
@@ -77,7 +84,7 @@ class Idempotency(BaseIdempotency[Any]):
     """
 
     def __init__(
-        self, engine: Any, *, scope: Callable[[Any], str] = authenticated_user, **options: Any
+        self, engine: Engine, *, scope: Callable[[Any], str] = authenticated_user, **options: Any
     ) -> None:
         super().__init__(engine, scope=scope, **options)
 
@@ -258,6 +265,12 @@ def _body(request: HttpRequest, limit: int) -> bytes:
         body: bytes = request.body
     except RequestDataTooBig:  # past Django's own DATA_UPLOAD_MAX_MEMORY_SIZE
         raise body_over(limit) from None
+    except RawPostDataException:
+        raise ConfigurationError(
+            "the request's multipart body was parsed before the view (request.POST read by "
+            "a middleware), so its bytes are gone and cannot be fingerprinted: keep "
+            "multipart forms out of idempotent views, or read request.POST after them"
+        ) from None
     if len(body) > limit:
         raise body_over(limit)
     return body
