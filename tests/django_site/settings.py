@@ -14,6 +14,7 @@ SECRET_KEY = "tests-only"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
+STATIC_URL = "static/"  # the live server serves static files under it
 ROOT_URLCONF = "django_site.urls"
 INSTALLED_APPS = [
     "django.contrib.auth",

@@ -127,3 +127,35 @@ def test_a_view_left_in_atomic_requests_is_refused_as_misconfigured(client: Clie
     assert answer.status_code == 500
     assert json.loads(answer.content)["type"].endswith("configuration-error")
     assert views.RUNS["drf"] == before and keys_stored() == stored
+
+
+def test_through_a_real_server_a_key_sent_twice_is_refused(live_server: Any, user: User) -> None:
+    """On the wire: two Idempotency-Key lines reach Django joined by its WSGI server."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    token = Token.objects.create(user=user).key
+    address = urlsplit(live_server.url)
+
+    def send(*keys: str) -> tuple[int, dict[str, str], bytes]:
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        try:
+            connection.putrequest("POST", "/drf")
+            connection.putheader("Authorization", f"Token {token}")
+            connection.putheader("Content-Type", "application/json")
+            connection.putheader("Content-Length", "8")
+            for key in keys:
+                connection.putheader("Idempotency-Key", key)
+            connection.endheaders(b'{"a": 1}')
+            answer = connection.getresponse()
+            return answer.status, dict(answer.getheaders()), answer.read()
+        finally:
+            connection.close()
+
+    before, key = views.RUNS["drf"], str(uuid.uuid4())
+    status, headers, _ = send(key, key)
+    assert status == 400 and headers["Content-Type"] == "application/problem+json"
+    first, again = send(key), send(key)
+    assert first[0] == again[0] == 201 and again[2] == first[2]
+    assert again[1]["Idempotent-Replayed"] == "true"
+    assert views.RUNS["drf"] == before + 1
