@@ -41,13 +41,15 @@ engine through ``sync_to_async``, on the thread that holds its connection.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 from django.db import connections  # type: ignore[import-untyped]
+from psycopg.adapt import Loader
+from psycopg.pq import Format
 from psycopg.types.json import JsonbLoader
-from psycopg.types.string import TextLoader
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
 from ... import phase_guard
@@ -80,8 +82,14 @@ def django_engine(using: str = "default", **options: Any) -> Engine:
     return Engine(db, **options)
 
 
-# Set on a Django connection while the engine holds it: what Django thought before.
-_HELD = "_recoverypoint_autocommit"
+# Kept on a Django connection while the engine holds it: how Django had it set up.
+_HELD = "_recoverypoint_held"
+
+
+@dataclass(frozen=True)
+class _Held:
+    autocommit: bool
+    jsonb_loader: type[Loader]  # Django's: jsonb as text, which its JSONField decodes
 
 
 class _DjangoConnections(Pool):
@@ -126,31 +134,33 @@ class _DjangoConnections(Pool):
         if record is None or record.dbapi_connection is not raw:
             record = self._create_connection()  # calls _connect: the same connection
             self._records[wrapper] = record
+        jsonb = raw.adapters.types["jsonb"].oid
+        held = _Held(wrapper.autocommit, raw.adapters.get_loader(jsonb, Format.TEXT))
         # While the engine holds it: out of autocommit, as a connection of a pool of its own
         # would be (the workers' queries through SQLAlchemy run in transactions), and for
         # Django a transaction it does not manage.
-        wrapper.__dict__[_HELD] = wrapper.autocommit
         raw.autocommit = False
+        wrapper.__dict__[_HELD] = held
         wrapper.autocommit = False
-        # Django reads jsonb as text and decodes it itself; the engine's own queries, the
-        # workers' and phase code's expect psycopg's JSON. Django's cursors get its loader
-        # back as they execute (_guard_statement).
-        raw.adapters.register_loader("jsonb", JsonbLoader)
+        # The engine's queries, the workers' and phase code's read jsonb as psycopg does;
+        # Django's cursors get Django's loader back as they execute (_guard_statement).
+        raw.adapters.register_loader(jsonb, JsonbLoader)
         wrapper.execute_wrappers.append(_guard_statement)
         return record
 
     def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
         wrapper = connections[self.using]
+        held: _Held = wrapper.__dict__.pop(_HELD)
         wrapper.execute_wrappers.remove(_guard_statement)
-        wrapper.autocommit = wrapper.__dict__.pop(_HELD)
+        wrapper.autocommit = held.autocommit
         wrapper.needs_rollback = False
         raw = wrapper.connection
         if record.dbapi_connection is None or raw.closed:
             # The engine found it broken and dropped it: Django connects anew next time.
             wrapper.close()
         else:
-            raw.autocommit = wrapper.autocommit  # idle: the engine's work is over
-            raw.adapters.register_loader("jsonb", TextLoader)
+            raw.autocommit = held.autocommit  # idle: the engine's work is over
+            raw.adapters.register_loader(raw.adapters.types["jsonb"].oid, held.jsonb_loader)
 
     def status(self) -> str:
         return f"Django's connection {self.using!r} of each thread"
@@ -167,6 +177,8 @@ def _guard_statement(
 ) -> Any:
     """Django's statements while the engine holds its connection: jsonb read as Django
     reads it, and in a phase, checked as SQLAlchemy's are (see phase_guard)."""
-    context["cursor"].cursor.adapters.register_loader("jsonb", TextLoader)
+    wrapper = context["connection"]
+    adapters = context["cursor"].cursor.adapters
+    adapters.register_loader(adapters.types["jsonb"].oid, wrapper.__dict__[_HELD].jsonb_loader)
     phase_guard.check_phase_statement(sql)
     return execute(sql, params, many, context)
