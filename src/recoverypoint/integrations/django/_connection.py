@@ -52,8 +52,7 @@ from psycopg.pq import Format
 from psycopg.types.json import JsonbLoader
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
-from ... import phase_guard
-from ...engine import Engine
+from ...engine import Engine, phase_guard
 from ...errors import ConfigurationError
 
 __all__ = ["django_engine"]
