@@ -21,6 +21,7 @@ KINDS = {
     "class": "/class",
     "drf": "/drf",
     "viewset": "/viewset",
+    "method_decorator": "/method-decorator",
 }
 
 
@@ -159,3 +160,13 @@ def test_through_a_real_server_a_key_sent_twice_is_refused(live_server: Any, use
     assert first[0] == again[0] == 201 and again[2] == first[2]
     assert again[1]["Idempotent-Replayed"] == "true"
     assert views.RUNS["drf"] == before + 1
+
+
+def test_the_first_answer_sets_its_cookies_and_replays_do_not(client: Client) -> None:
+    key = str(uuid.uuid4())
+    first = post(client, "/cookie", **{"Idempotency-Key": key})
+    again = post(client, "/cookie", **{"Idempotency-Key": key})
+    assert first.cookies["cart"].value == "emptied"
+    assert "cart" not in again.cookies and again["Idempotent-Replayed"] == "true"
+    assert first["X-Order-Cost"] == again["X-Order-Cost"] == "3"
+    assert again.content == first.content

@@ -19,6 +19,8 @@ urlpatterns = [
     path("async-rides", non_atomic_requests(views.async_ride)),
     path("class", non_atomic_requests(views.ClassView.as_view())),
     path("drf", non_atomic_requests(views.DRFView.as_view())),
+    path("method-decorator", non_atomic_requests(views.MethodDecoratedView.as_view())),
+    path("cookie", views.cookie_view),
     path("drf-in-atomic", views.DRFView.as_view()),  # forgotten: ATOMIC_REQUESTS wraps it
     path("rides", non_atomic_requests(RideView.as_view())),
     *(re_path(url.pattern.regex.pattern, non_atomic_requests(url.callback)) for url in router.urls),

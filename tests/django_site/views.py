@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework import viewsets
 from rest_framework.request import Request
@@ -55,6 +56,21 @@ class DRFView(APIView):
     def post(self, request: Request) -> Response:
         RUNS["drf"] += 1
         return Response({"order": str(uuid.uuid4()), "got": request.data}, status=201)
+
+
+@method_decorator(idempotency.single_step("django_drf_method_decorator"), name="post")
+class MethodDecoratedView(APIView):
+    def post(self, request: Request) -> Response:
+        RUNS["method_decorator"] += 1
+        return Response({"order": str(uuid.uuid4()), "got": request.data}, status=201)
+
+
+@idempotency.single_step("django_cookie_view")
+def cookie_view(request: HttpRequest) -> HttpResponse:
+    response = _answer("cookie", request)
+    response.set_cookie("cart", "emptied")
+    response["X-Order-Cost"] = "3"
+    return response
 
 
 class OrderViewSet(viewsets.ViewSet):

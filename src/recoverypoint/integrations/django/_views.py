@@ -121,8 +121,9 @@ class Idempotency(BaseIdempotency[Any]):
         ``name`` is the operation's stable name; renaming the function keeps it.
 
         Decorate a function view, ``async def`` included, or a method of a class-based view
-        or of a DRF ``APIView``/``ViewSet`` (``post``, ``create``, an ``@action``); put
-        access checks (``login_required``...) above it, so that their refusals leave no key.
+        or of a DRF ``APIView``/``ViewSet`` (``post``, ``create``, an ``@action``), directly
+        or through ``method_decorator``; put access checks (``login_required``...) above it,
+        so that their refusals leave no key.
         """
         operation = self._declare_single_step(name, lock_timeout)
 
@@ -204,7 +205,8 @@ def _is_request(value: Any) -> bool:
 def _split(view: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
     """The view's instance (``None`` for a function view) and its request."""
     if args and _is_request(args[0]):
-        return None, args[0]
+        # A function view; or a method that Django's method_decorator hands over bound.
+        return getattr(getattr(view, "func", None), "__self__", None), args[0]
     if len(args) > 1 and _is_request(args[1]):
         return args[0], args[1]
     raise TypeError(
