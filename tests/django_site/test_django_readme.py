@@ -1,7 +1,7 @@
 """README, "Django and DRF", run word for word: its blocks are the modules their first
-lines name (``myproject.idempotency``, and one module for the views, the operation and the
-URLs), ``rides.models`` is Rocket Rides' (examples/django_rides), and ``payments`` a fake
-provider that counts its calls. Its shell lines run as ``manage.py`` would run them."""
+lines name (``myproject.idempotency``, ``orders.views``...), ``rides.models`` is Rocket
+Rides' (examples/django_rides), and ``myproject.payments`` a fake provider that counts its
+calls. Its shell lines run as ``manage.py`` would run them."""
 
 from __future__ import annotations
 
@@ -58,29 +58,34 @@ class Payments:
 
 @pytest.fixture
 def readme(monkeypatch: pytest.MonkeyPatch, settings: Any) -> dict[str, Any]:
-    python = blocks("python")
-    assert [block.splitlines()[0] for block in python[:4]] == [
-        "# myproject/idempotency.py",
-        "# orders/views.py",
-        "# rides/operations.py",
-        "# myproject/urls.py",
-    ]
-    project = types.ModuleType("myproject")
-    project.__path__ = []
-    idempotency = types.ModuleType("myproject.idempotency")
-    urls = types.ModuleType("myproject.urls")
-    for module in (project, idempotency, urls):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
+    """The section's blocks, each run as the module its first line names; ``rides`` is
+    Rocket Rides' app (its models), ``myproject.payments`` a fake provider."""
+    payments = types.ModuleType("myproject.payments")
+    payments.payments = Payments()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "rides", examples.django_rides.rides)
     monkeypatch.setitem(sys.modules, "rides.models", examples.django_rides.rides.models)
-    exec(compile(python[0], "README.md", "exec"), idempotency.__dict__)
-    # The views, the operation, the URLs and the rest: one module, as they refer to each other.
-    namespace = urls.__dict__
-    namespace["payments"] = Payments()
-    for block in python[1:]:
-        exec(compile(block, "README.md", "exec"), namespace)
+    for name in ("myproject", "orders"):
+        package = types.ModuleType(name)
+        package.__path__ = []
+        monkeypatch.setitem(sys.modules, name, package)
+    monkeypatch.setitem(sys.modules, payments.__name__, payments)
+    modules: dict[str, Any] = {}
+    for block in blocks("python"):
+        path = re.fullmatch(r"# (\w+)/(\w+)\.py", block.splitlines()[0])
+        assert path, f"a block names its file first: {block.splitlines()[0]!r}"
+        module = types.ModuleType(f"{path[1]}.{path[2]}")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(block, "README.md", "exec"), module.__dict__)
+        modules[module.__name__] = module
+    assert list(modules) == [
+        "myproject.idempotency",
+        "orders.views",
+        "rides.operations",
+        "myproject.urls",
+        "rides.refunds",
+    ]
     settings.ROOT_URLCONF = "myproject.urls"
-    return namespace
+    return {"payments": payments.payments, "refund": modules["rides.refunds"].refund}
 
 
 @pytest.fixture

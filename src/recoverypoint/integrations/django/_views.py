@@ -84,9 +84,15 @@ class Idempotency(BaseIdempotency[Any]):
     """
 
     def __init__(
-        self, engine: Engine, *, scope: Callable[[Any], str] = authenticated_user, **options: Any
+        self,
+        engine: Engine,
+        *,
+        scope: Callable[[Any], str] = authenticated_user,
+        retry_after: int = 1,
     ) -> None:
-        super().__init__(engine, scope=scope, **options)
+        # No async engine: an async view reaches the engine on the thread of Django's
+        # connection, which the ORM in its phases needs.
+        super().__init__(engine, scope=scope, retry_after=retry_after)
 
     def run(self, operation: Operation[Any], request: Any, params: Any = _BODY) -> HttpResponse:
         """Run ``operation`` for ``request`` with ``params``; without them, with the
