@@ -8,17 +8,22 @@ from typing import Any
 
 import django
 import pytest
+from django.conf import settings
 
-# Here rather than in pytest's options: the rest of the suite runs without Django.
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_site.settings")
-django.setup()
+from django_site import settings as site
+
+# Here rather than in pytest's options, and without DJANGO_SETTINGS_MODULE: the rest of the
+# suite, and the processes it starts (a Celery worker sets Django up when it sees that
+# variable), run without Django.
+if not settings.configured:
+    settings.configure(**{name: getattr(site, name) for name in dir(site) if name.isupper()})
+    django.setup()
 
 
 @pytest.fixture(scope="session")
 def django_db_setup(
     server_url: str, django_test_environment: None, django_db_blocker: Any
 ) -> Iterator[None]:
-    from django.conf import settings
     from django.test.utils import setup_databases, teardown_databases
     from sqlalchemy.engine import make_url
 

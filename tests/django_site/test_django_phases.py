@@ -317,3 +317,24 @@ def test_on_commit_in_a_phase_raises(user: User) -> None:
     with pytest.raises(TransactionManagementError):
         operations.engine.run(op, key=str(uuid.uuid4()), scope="s", params={})
     assert Ride.objects.filter(user=user).count() == 0
+
+
+def test_a_foreign_step_runs_outside_any_transaction(user: User) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"orm_foreign_{uuid.uuid4().hex}")
+    seen: dict[str, Any] = {}
+
+    @op.foreign_step("noted")
+    def note(step: rp.StepContext, params: dict[str, Any]) -> None:
+        seen["in_atomic_block"] = connection.in_atomic_block
+        seen["status"] = connection.connection.info.transaction_status.name
+        AuditRecord.objects.create(user=user, action="noted", key_id=0)  # commits on its own
+
+    @op.atomic_phase("finished")
+    def fail(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
+        raise Boom("after the step")
+
+    operations.engine.register(op)
+    with pytest.raises(Boom):
+        operations.engine.run(op, key=str(uuid.uuid4()), scope="s", params={})
+    assert seen == {"in_atomic_block": False, "status": "IDLE"}
+    assert AuditRecord.objects.filter(user=user, action="noted").count() == 1
