@@ -3,17 +3,21 @@ at all; a crash between phases is resumed by the completer; the workers under ma
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import Client
 from rest_framework.authtoken.models import Token
+from sqlalchemy.engine import make_url
 
 import recoverypoint as rp
 from examples.django_rides.rides import operations
@@ -338,3 +342,36 @@ def test_a_foreign_step_runs_outside_any_transaction(user: User) -> None:
         operations.engine.run(op, key=str(uuid.uuid4()), scope="s", params={})
     assert seen == {"in_atomic_block": False, "status": "IDLE"}
     assert AuditRecord.objects.filter(user=user, action="noted").count() == 1
+
+
+@pytest.mark.parametrize("lost", ["under the engine", "under Django", "on another thread"])
+def test_a_lost_connection_is_made_anew(user: User, server_url: str, lost: str) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"orm_outage_{uuid.uuid4().hex}")
+
+    @op.atomic_phase("finished")
+    def book(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        Ride.objects.create(user=user, origin="a", target="b", key_id=tx.key_id)
+        assert tx.scalar("SELECT '{}'::jsonb") == {}  # on the connection the engine set up
+        return rp.Response(201, {})
+
+    operations.engine.register(op)
+    run = functools.partial(operations.engine.run, op, scope="s", params={})
+    assert run(key=str(uuid.uuid4())).status == 201  # the engine holds a record of it
+    connection.ensure_connection()
+    backend = connection.connection.info.backend_pid
+    with psycopg.connect(
+        make_url(server_url).set(drivername="postgresql").render_as_string(hide_password=False),
+        autocommit=True,
+    ) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [backend])
+    if lost == "under the engine":
+        with pytest.raises(rp.DatabaseUnavailable):
+            run(key=str(uuid.uuid4()))
+    elif lost == "under Django":  # which keeps the closed connection until a request ends
+        with pytest.raises(OperationalError):
+            Ride.objects.count()
+    else:  # an outage another thread met: every connection made before it is made anew
+        operations.engine.db.pool._invalidate_time = time.time()
+    assert run(key=str(uuid.uuid4())).status == 201
+    assert connection.connection.info.backend_pid != backend
+    assert Ride.objects.filter(user=user).count() == 2

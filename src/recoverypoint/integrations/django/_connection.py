@@ -106,6 +106,10 @@ class _DjangoConnections(Pool):
 
     def _connect(self) -> Any:  # a psycopg.Connection, which SQLAlchemy's types do not name
         wrapper = connections[self.using]
+        if wrapper.connection is not None and wrapper.connection.closed:
+            # Lost (a restart, a failover) under the engine or under Django, which keeps a
+            # closed connection until a request ends: a worker's thread has no request.
+            wrapper.close()
         wrapper.ensure_connection()
         raw = wrapper.connection
         if not isinstance(raw, psycopg.Connection):
@@ -130,6 +134,15 @@ class _DjangoConnections(Pool):
             )
         raw = self._connect()
         record = self._records.get(wrapper)
+        if (
+            record is not None
+            and record.dbapi_connection is raw
+            and getattr(record, "starttime", 0.0) < self._invalidate_time
+        ):
+            # An outage met on another thread's connection: this one, as old, is made anew
+            # too (SQLAlchemy would, on checkout; here Django makes it).
+            wrapper.close()
+            raw = self._connect()
         if record is None or record.dbapi_connection is not raw:
             record = self._create_connection()  # calls _connect: the same connection
             self._records[wrapper] = record
