@@ -22,6 +22,7 @@ KINDS = {
     "drf": "/drf",
     "viewset": "/viewset",
     "method_decorator": "/method-decorator",
+    "action": "/viewset/refund",
 }
 
 

@@ -12,6 +12,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework import viewsets
+from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -78,6 +79,12 @@ class OrderViewSet(viewsets.ViewSet):
     def create(self, request: Request) -> Response:
         RUNS["viewset"] += 1
         return Response({"order": str(uuid.uuid4())}, status=201)
+
+    @action(detail=False, methods=["post"])
+    @idempotency.single_step("django_drf_action")
+    def refund(self, request: Request) -> Response:
+        RUNS["action"] += 1
+        return Response({"refund": str(uuid.uuid4())}, status=201)
 
 
 def runs(request: HttpRequest) -> JsonResponse:
