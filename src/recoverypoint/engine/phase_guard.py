@@ -119,12 +119,23 @@ def ended(point: str) -> TransactionEnded:
 def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     phase = _PHASE.get()
     if phase is not None and conn is phase[0].sqlalchemy_made:
-        phase[0].note(statement)
-        if not phase[0].open:
-            # Ended already (a Session's rollback): this statement would commit on its own
-            # (in autocommit) or begin a transaction nothing commits.
-            raise TransactionEnded(_message(phase[1]))
-        check_statement(statement, phase[1])
+        check_phase_statement(statement)
+
+
+def check_phase_statement(statement: object) -> None:
+    """Check a statement that phase code sends on the phase's connection another way than
+    ``tx.execute`` (SQLAlchemy's ``tx.connection``, Django's ORM): raise
+    :class:`TransactionEnded` for one that would end the transaction, or that comes after
+    it ended; nothing outside an atomic phase."""
+    phase = _PHASE.get()
+    if phase is None:
+        return
+    phase[0].note(statement)
+    if not phase[0].open:
+        # Ended already (a Session's rollback): this statement would commit on its own
+        # (in autocommit) or begin a transaction nothing commits.
+        raise TransactionEnded(_message(phase[1]))
+    check_statement(statement, phase[1])
 
 
 def _message(point: str) -> str:

@@ -1,7 +1,8 @@
 """Integrations with other libraries, each imported on its own and the only module to import
 its library (this package imports none of them).
 
-- web frameworks: FastAPI/Starlette (:mod:`.fastapi`) and Flask (:mod:`.flask`);
+- web frameworks: FastAPI/Starlette (:mod:`.fastapi`), Flask (:mod:`.flask`), and Django
+  with Django REST framework (:mod:`.django`, whose engine runs on Django's own connection);
 - job backends: Celery (:mod:`.celery`).
 
 What the web integrations share, and what a client can rely on:
@@ -23,7 +24,8 @@ anything unexpected                            500
 =============================================  ======  =================================
 
 (*) FastAPI's own answers given before it calls the endpoint: an auth dependency's 401, a
-422 for a body that fails validation. They are sent as they are and leave no key behind.
+422 for a body that fails validation; Django's middleware and DRF's authentication and
+permission checks. They are sent as they are and leave no key behind.
 
 The key is read as the IETF draft writes it, a Structured Field String (``"8e03978e-…"``,
 parameters allowed), or bare as Stripe's clients send it (``8e03978e-…``); see

@@ -1,0 +1,196 @@
+"""The engine on Django's own connection: a phase's ORM writes commit with its recovery point.
+
+:func:`django_engine` makes an :class:`~recoverypoint.Engine` whose SQLAlchemy pool owns no
+connection: each checkout is the calling thread's Django connection (``connections[using]``,
+the psycopg 3 connection Django made, its settings, adapters and time zone included), and
+each checkin hands it back to Django open. The engine borrows a connection for exactly one
+of its transactions, so while a phase runs its ``BEGIN ISOLATION LEVEL SERIALIZABLE`` is
+open on the very connection the ORM uses: ``Ride.objects.create(...)`` in an atomic phase
+is a statement of the phase's transaction, and commits with the recovery point and the
+staged jobs, or not at all.
+
+Why this, and not the ORM on the engine's connection: Django configures each connection it
+makes (its cursor class, its loaders for ``jsonb`` and ``timestamptz``, the time zone, the
+role); a connection of another pool handed to the ORM would read rows differently. Django's
+own connection keeps every model reading and writing as it does anywhere else; the engine
+needs nothing of a connection but psycopg 3, and sends its own BEGIN and COMMIT through libpq.
+
+While the engine holds the connection, Django is told it is in a transaction it does not
+manage (``autocommit`` off, as after ``transaction.set_autocommit(False)``; psycopg's too, as on a
+connection of a pool of the engine's own), so that what
+the ORM does in a phase stays inside the phase's transaction:
+
+- ``transaction.atomic()`` (and what uses it: ``get_or_create``, multi-table ``save``,
+  cascading ``delete``) makes a savepoint, which rolls back part of the phase and never
+  commits it;
+- ``transaction.on_commit()`` raises ``TransactionManagementError``: work that follows a
+  commit is a staged job (``tx.stage_job``), committed with the phase;
+- a statement that would end the transaction (``COMMIT``, ``ROLLBACK``) run through the ORM's
+  cursor raises :class:`~recoverypoint.TransactionEnded` before it is sent, as through
+  ``tx.connection``; ``connection.commit()`` called on Django's wrapper slips past that,
+  and the engine then fails the phase rather than record its point.
+
+So the engine refuses to run inside ``transaction.atomic()`` (``ATOMIC_REQUESTS`` wraps every
+view in one): its COMMIT would commit the caller's block. The view decorators of
+:mod:`recoverypoint.integrations.django` mark their views ``non_atomic_requests``.
+
+Connections are per thread in Django, and so they are here: an async view reaches the
+engine through ``sync_to_async``, on the thread that holds its connection.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from django.db import connections  # type: ignore[import-untyped]
+from psycopg.adapt import Loader
+from psycopg.pq import Format
+from psycopg.types.json import JsonbLoader
+from sqlalchemy.pool import ConnectionPoolEntry, Pool
+
+from ...engine import Engine, phase_guard
+from ...errors import ConfigurationError
+
+__all__ = ["django_engine"]
+
+
+def django_engine(using: str = "default", **options: Any) -> Engine:
+    """An :class:`~recoverypoint.Engine` on Django's database ``using``, whose transactions
+    run on Django's own connection of the calling thread; ``options`` are the Engine's
+    (``jobs=``, ``observer=``, ``max_params_bytes=``...).
+
+    The database must be PostgreSQL through psycopg 3 (Django's ``postgresql`` backend with
+    ``psycopg`` installed). Make it once, at import time (``myproject/idempotency.py``):
+    Django's settings are read at its first transaction.
+    """
+    if using not in connections.settings:
+        raise ConfigurationError(
+            f"django_engine(using={using!r}): DATABASES has no such alias; "
+            f"it has {', '.join(sorted(connections.settings))}"
+        )
+    db = sa.create_engine(
+        "postgresql+psycopg://",
+        pool=_DjangoConnections(using),
+        # Django registers its own adapters on its connections; leave them as they are.
+        use_native_hstore=False,
+    )
+    return Engine(db, **options)
+
+
+# Kept on a Django connection while the engine holds it: how Django had it set up.
+_HELD = "_recoverypoint_held"
+
+
+@dataclass(frozen=True)
+class _Held:
+    autocommit: bool
+    jsonb_loader: type[Loader]  # Django's: jsonb as text, which its JSONField decodes
+
+
+class _DjangoConnections(Pool):
+    """A pool of no connections of its own: each checkout is the calling thread's Django
+    connection of ``using``, and a checkin leaves it open, Django's to close."""
+
+    def __init__(self, using: str, **kwargs: Any) -> None:
+        super().__init__(self._connect, **kwargs)
+        self.using = using
+        # One record per Django connection, kept as long as it: the engine keeps the names
+        # of the statements it prepared on a connection in its record.
+        self._records: weakref.WeakKeyDictionary[Any, ConnectionPoolEntry] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _connect(self) -> Any:  # a psycopg.Connection, which SQLAlchemy's types do not name
+        wrapper = connections[self.using]
+        if wrapper.connection is not None and wrapper.connection.closed:
+            # Lost (a restart, a failover) under the engine or under Django, which keeps a
+            # closed connection until a request ends: a worker's thread has no request.
+            wrapper.close()
+        wrapper.ensure_connection()
+        raw = wrapper.connection
+        if not isinstance(raw, psycopg.Connection):
+            raise ConfigurationError(
+                f"DATABASES[{self.using!r}] runs on {type(raw).__module__}; recoverypoint "
+                "needs PostgreSQL through psycopg 3: pip install 'psycopg[binary]'"
+            )
+        return raw
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        wrapper = connections[self.using]
+        if _HELD in wrapper.__dict__:
+            raise ConfigurationError(
+                "the engine already holds this thread's Django connection: an engine call "
+                "inside a phase (run it from the view, or stage a job)"
+            )
+        if wrapper.in_atomic_block or (wrapper.connection is not None and not wrapper.autocommit):
+            raise ConfigurationError(
+                "recoverypoint commits each phase with its recovery point, so it cannot run "
+                "inside transaction.atomic() or with autocommit off: with ATOMIC_REQUESTS, "
+                "mark the view @transaction.non_atomic_requests (recoverypoint's decorators do)"
+            )
+        raw = self._connect()
+        record = self._records.get(wrapper)
+        if (
+            record is not None
+            and record.dbapi_connection is raw
+            and getattr(record, "starttime", 0.0) < self._invalidate_time
+        ):
+            # An outage met on another thread's connection: this one, as old, is made anew
+            # too (SQLAlchemy would, on checkout; here Django makes it).
+            wrapper.close()
+            raw = self._connect()
+        if record is None or record.dbapi_connection is not raw:
+            record = self._create_connection()  # calls _connect: the same connection
+            self._records[wrapper] = record
+        jsonb = raw.adapters.types["jsonb"].oid
+        held = _Held(wrapper.autocommit, raw.adapters.get_loader(jsonb, Format.TEXT))
+        # While the engine holds it: out of autocommit, as a connection of a pool of its own
+        # would be (the workers' queries through SQLAlchemy run in transactions), and for
+        # Django a transaction it does not manage.
+        raw.autocommit = False
+        wrapper.__dict__[_HELD] = held
+        wrapper.autocommit = False
+        # The engine's queries, the workers' and phase code's read jsonb as psycopg does;
+        # Django's cursors get Django's loader back as they execute (_guard_statement).
+        raw.adapters.register_loader(jsonb, JsonbLoader)
+        wrapper.execute_wrappers.append(_guard_statement)
+        return record
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        wrapper = connections[self.using]
+        held: _Held = wrapper.__dict__.pop(_HELD)
+        wrapper.execute_wrappers.remove(_guard_statement)
+        wrapper.autocommit = held.autocommit
+        wrapper.needs_rollback = False
+        raw = wrapper.connection
+        if record.dbapi_connection is None or raw.closed:
+            # The engine found it broken and dropped it: Django connects anew next time.
+            wrapper.close()
+        else:
+            raw.autocommit = held.autocommit  # idle: the engine's work is over
+            raw.adapters.register_loader(raw.adapters.types["jsonb"].oid, held.jsonb_loader)
+
+    def status(self) -> str:
+        return f"Django's connection {self.using!r} of each thread"
+
+    def recreate(self) -> _DjangoConnections:
+        return _DjangoConnections(self.using, dialect=self._dialect, _dispatch=self.dispatch)
+
+    def dispose(self) -> None:
+        """Nothing to close: the connections are Django's."""
+
+
+def _guard_statement(
+    execute: Any, sql: Any, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """Django's statements while the engine holds its connection: jsonb read as Django
+    reads it, and in a phase, checked as SQLAlchemy's are (see phase_guard)."""
+    wrapper = context["connection"]
+    adapters = context["cursor"].cursor.adapters
+    adapters.register_loader(adapters.types["jsonb"].oid, wrapper.__dict__[_HELD].jsonb_loader)
+    phase_guard.check_phase_statement(sql)
+    return execute(sql, params, many, context)

@@ -1,0 +1,69 @@
+"""``manage.py recoverypoint ...``: the ``recoverypoint`` command, with Django set up.
+
+The same subcommands and options (``worker``, ``migrate``, ``keys``, ``jobs``, ``doctor``...),
+so that the workers resume phases that use the ORM and import the project's models.
+Without ``--database-url`` (or ``$RECOVERYPOINT_DATABASE_URL``) the database is Django's
+``DATABASES["default"]``; ``--using ALIAS``, first, names another::
+
+    python manage.py recoverypoint migrate
+    python manage.py recoverypoint worker --app myproject.idempotency:engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, NoReturn
+
+from django.core.management.base import BaseCommand  # type: ignore[import-untyped]
+from django.db import connections  # type: ignore[import-untyped]
+from sqlalchemy.engine import URL
+
+from ..... import cli
+from .....database import DATABASE_URL_ENV
+
+
+class Command(BaseCommand):  # type: ignore[misc]
+    help = "recoverypoint's command (worker, migrate, keys, jobs, doctor...) on Django's database"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("args", nargs=argparse.REMAINDER)
+
+    def run_from_argv(self, argv: list[str]) -> NoReturn:
+        # The arguments are the recoverypoint command's, Django's own options included.
+        sys.exit(run(argv[2:]))
+
+    def handle(self, *args: str, **options: Any) -> None:
+        status = run(list(args))
+        if status:
+            raise SystemExit(status)
+
+
+def run(argv: list[str]) -> int:
+    """The recoverypoint command with ``argv``, on Django's database unless told another."""
+    using = "default"
+    if argv[:1] == ["--using"] and len(argv) > 1:
+        using, argv = argv[1], argv[2:]
+    before = os.environ.get(DATABASE_URL_ENV)
+    if before is None:
+        os.environ[DATABASE_URL_ENV] = database_url(using)
+    try:
+        return cli.main(argv)
+    finally:
+        if before is None:
+            os.environ.pop(DATABASE_URL_ENV, None)
+
+
+def database_url(using: str = "default") -> str:
+    """Django's database ``using`` as a URL, password included."""
+    settings = connections[using].settings_dict
+    port = settings.get("PORT")
+    return URL.create(
+        "postgresql+psycopg",
+        username=settings.get("USER") or None,
+        password=settings.get("PASSWORD") or None,
+        host=settings.get("HOST") or None,
+        port=int(port) if port else None,
+        database=settings.get("NAME") or None,
+    ).render_as_string(hide_password=False)

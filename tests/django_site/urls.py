@@ -1,0 +1,27 @@
+from django.db.transaction import non_atomic_requests
+from django.urls import path, re_path
+from rest_framework.routers import SimpleRouter
+
+from examples.django_rides.rides.views import RideView
+
+from . import views
+
+router = SimpleRouter(trailing_slash=False)
+router.register("viewset", views.OrderViewSet, basename="orders")
+
+# ATOMIC_REQUESTS is on: a class-based view that runs operations is kept out of it.
+urlpatterns = [
+    path("function", views.function_view),
+    path("async", views.async_view),
+    path("not-found", views.not_found),
+    path("held", views.held_view),
+    path("async-orm", views.async_orm_view),
+    path("async-rides", non_atomic_requests(views.async_ride)),
+    path("class", non_atomic_requests(views.ClassView.as_view())),
+    path("drf", non_atomic_requests(views.DRFView.as_view())),
+    path("method-decorator", non_atomic_requests(views.MethodDecoratedView.as_view())),
+    path("cookie", views.cookie_view),
+    path("drf-in-atomic", views.DRFView.as_view()),  # forgotten: ATOMIC_REQUESTS wraps it
+    path("rides", non_atomic_requests(RideView.as_view())),
+    *(re_path(url.pattern.regex.pattern, non_atomic_requests(url.callback)) for url in router.urls),
+]
