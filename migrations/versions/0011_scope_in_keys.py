@@ -1,0 +1,127 @@
+"""scope in every key: the tables keyed by request can be distributed (or partitioned) by
+scope, and a phase's transaction is recognised by a token rather than its transaction id
+
+Revision ID: 0011
+Revises: 0010
+Create Date: 2026-11-25
+
+Citus distributes a table by one column and refuses a primary key or unique constraint
+that leaves it out; PostgreSQL's partitioned tables have the same rule. ``scope`` is that
+column (the tenant), so:
+
+- ``idempotency_keys``: primary key ``(scope, id)`` (was ``(id)``); the unique constraint
+  on ``(idempotency_key, scope, operation)`` has it already.
+- ``staged_jobs``: a ``scope`` column, the scope of the key that staged the job, filled in
+  from that key for the jobs already staged (a job whose key is gone, reaped or deleted by
+  an operator, gets ``''``), then ``NOT NULL``; primary key ``(scope, id)``. With it the
+  table is co-located with ``idempotency_keys``, and a phase's jobs are inserted on the
+  shard of its key.
+- ``recoverypoint_write_missed(began text)`` tells a phase that ended its own transaction
+  by the transaction's token (the local setting ``recoverypoint.tx`` the engine gives each
+  transaction it begins) instead of by transaction id: on Citus a transaction id is read on
+  the worker by one statement and on the coordinator by another, and never matches. The
+  engine of this release writes that token; a process of the previous release still
+  running passes its transaction id, which never equals the token, so its phase write that
+  misses its row reports RP002 rather than RP001: stop the previous release first, as
+  every upgrade should.
+
+How long it locks. Each primary key is rebuilt: ``ADD PRIMARY KEY`` builds a unique index
+under an ACCESS EXCLUSIVE lock on the table, reading every row (about a second per
+million keys on ordinary hardware); filling ``staged_jobs.scope`` rewrites each staged
+row, and ``SET NOT NULL`` reads the table once more. ``staged_jobs`` holds only what the
+enqueuer has not published yet, so that is short; on a large ``idempotency_keys`` the
+index build is the wait. The lock-free path, for a large table, is to build the index
+first without blocking writes, before running this revision::
+
+    CREATE UNIQUE INDEX CONCURRENTLY idempotency_keys_scope_id
+        ON idempotency_keys (scope, id);
+
+This revision then turns that index into the primary key (``ADD PRIMARY KEY USING
+INDEX``), which takes the lock only for a moment. Keys in flight are untouched: no value
+changes, and a request that holds a lease keeps it across the upgrade.
+
+Written out in full, like 0001: a revision must not change when the schema module does.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0011"
+down_revision: str | None = "0010"
+branch_labels: str | None = None
+depends_on: str | None = None
+
+_PREBUILT = "idempotency_keys_scope_id"
+
+
+def upgrade() -> None:
+    op.drop_constraint("idempotency_keys_pkey", "idempotency_keys", type_="primary")
+    # Built beforehand, CONCURRENTLY, on a large table (see above): made the key at once.
+    op.execute(
+        f"""
+        DO $$
+        BEGIN
+            IF to_regclass('{_PREBUILT}') IS NOT NULL THEN
+                ALTER TABLE idempotency_keys
+                    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY USING INDEX {_PREBUILT};
+            ELSE
+                ALTER TABLE idempotency_keys
+                    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (scope, id);
+            END IF;
+        END
+        $$
+        """
+    )
+
+    op.add_column("staged_jobs", sa.Column("scope", sa.Text))
+    op.execute(
+        """
+        UPDATE staged_jobs AS j
+        SET scope = coalesce(
+            (SELECT k.scope FROM idempotency_keys AS k WHERE k.id = j.idempotency_key_id), '')
+        """
+    )
+    op.alter_column("staged_jobs", "scope", nullable=False)
+    op.drop_constraint("staged_jobs_pkey", "staged_jobs", type_="primary")
+    op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["scope", "id"])
+
+    op.execute(
+        """
+        CREATE OR REPLACE FUNCTION recoverypoint_write_missed(began text) RETURNS boolean
+        LANGUAGE plpgsql VOLATILE AS $$
+        BEGIN
+            IF current_setting('recoverypoint.tx', true) IS DISTINCT FROM began THEN
+                RAISE EXCEPTION 'recoverypoint: the phase ended the transaction it began in'
+                    USING ERRCODE = 'RP002';
+            END IF;
+            RAISE EXCEPTION 'recoverypoint: the key row changed under the phase'
+                USING ERRCODE = 'RP001';
+        END
+        $$
+        """
+    )
+
+
+def downgrade() -> None:
+    op.execute(
+        """
+        CREATE OR REPLACE FUNCTION recoverypoint_write_missed(began text) RETURNS boolean
+        LANGUAGE plpgsql VOLATILE AS $$
+        BEGIN
+            IF pg_current_xact_id()::text IS DISTINCT FROM began THEN
+                RAISE EXCEPTION 'recoverypoint: the phase ended the transaction it began in'
+                    USING ERRCODE = 'RP002';
+            END IF;
+            RAISE EXCEPTION 'recoverypoint: the key row changed under the phase'
+                USING ERRCODE = 'RP001';
+        END
+        $$
+        """
+    )
+    op.drop_constraint("staged_jobs_pkey", "staged_jobs", type_="primary")
+    op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["id"])
+    op.drop_column("staged_jobs", "scope")
+    op.drop_constraint("idempotency_keys_pkey", "idempotency_keys", type_="primary")
+    op.create_primary_key("idempotency_keys_pkey", "idempotency_keys", ["id"])
