@@ -9,11 +9,13 @@ Citus distributes a table by one column and refuses a primary key or unique cons
 that leaves it out; PostgreSQL's partitioned tables have the same rule. ``scope`` is that
 column (the tenant), so:
 
-- ``idempotency_keys``: primary key ``(scope, id)`` (was ``(id)``); the unique constraint
-  on ``(idempotency_key, scope, operation)`` has it already.
+- ``idempotency_keys``: primary key ``(id, scope)`` (was ``(id)``); the unique constraint
+  on ``(idempotency_key, scope, operation)`` has it already. The id first: a lookup by id
+  alone (an operator's tools) still finds its row through the key, and new ids still
+  append at the right edge of the index as before.
 - ``staged_jobs``: a ``scope`` column, the scope of the key that staged the job, filled in
   from that key for the jobs already staged (a job whose key is gone, reaped or deleted by
-  an operator, gets ``''``), then ``NOT NULL``; primary key ``(scope, id)``. With it the
+  an operator, gets ``''``), then ``NOT NULL``; primary key ``(id, scope)``. With it the
   table is co-located with ``idempotency_keys``, and a phase's jobs are inserted on the
   shard of its key.
 - ``recoverypoint_write_missed(began text)`` tells a phase that ended its own transaction
@@ -34,7 +36,7 @@ index build is the wait. The lock-free path, for a large table, is to build the 
 first without blocking writes, before running this revision::
 
     CREATE UNIQUE INDEX CONCURRENTLY idempotency_keys_scope_id
-        ON idempotency_keys (scope, id);
+        ON idempotency_keys (id, scope);
 
 This revision then turns that index into the primary key (``ADD PRIMARY KEY USING
 INDEX``), which takes the lock only for a moment. Keys in flight are untouched: no value
@@ -68,7 +70,7 @@ def upgrade() -> None:
                     ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY USING INDEX {_PREBUILT};
             ELSE
                 ALTER TABLE idempotency_keys
-                    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (scope, id);
+                    ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (id, scope);
             END IF;
         END
         $$
@@ -85,7 +87,7 @@ def upgrade() -> None:
     )
     op.alter_column("staged_jobs", "scope", nullable=False)
     op.drop_constraint("staged_jobs_pkey", "staged_jobs", type_="primary")
-    op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["scope", "id"])
+    op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["id", "scope"])
 
     op.execute(
         """

@@ -69,7 +69,7 @@ idempotency_keys = Table(
     # failover is claimed again with the same one. NULL in rows claimed before migration
     # 0009, which derive from their id and creation time.
     Column("derivation_seed", Text),
-    PrimaryKeyConstraint("scope", "id", name="idempotency_keys_pkey"),
+    PrimaryKeyConstraint("id", "scope", name="idempotency_keys_pkey"),
     # The client's key first: the claim names all three columns, a search by the key alone
     # (the console's, a support ticket's) only the first.
     UniqueConstraint(
@@ -134,7 +134,7 @@ staged_jobs = Table(
     # The scope of the key that staged the job: co-located with it on Citus ('' for a job
     # staged before migration 0011 whose key was gone by then).
     Column("scope", Text, nullable=False),
-    PrimaryKeyConstraint("scope", "id", name="staged_jobs_pkey"),
+    PrimaryKeyConstraint("id", "scope", name="staged_jobs_pkey"),
     Index("staged_jobs_idempotency_key_id", "idempotency_key_id"),
     # The enqueuer's claim: due jobs, oldest first.
     Index("staged_jobs_next_attempt_at", "next_attempt_at"),

@@ -58,8 +58,22 @@ _DUE = """
     AND k.last_run_at <= now() - make_interval(secs => :min_age)
 """
 
-# Take the leases of a batch of due keys with a free or expired lease, under one token.
-# SKIP LOCKED: rows another completer (or a client's claim) holds are passed over.
+# The scopes with due keys of registered operations whose lease is free, longest due first.
+_DUE_SCOPES = text(
+    f"""
+    WITH {REGISTERED}
+    SELECT k.scope
+    FROM idempotency_keys AS k
+    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+    WHERE {_DUE}
+      AND {free("r.lock_timeout")}
+    GROUP BY k.scope ORDER BY min(k.next_attempt_at) LIMIT :scopes
+    """
+)
+
+# Take the leases of a batch of one scope's due keys with a free or expired lease, under
+# one token. SKIP LOCKED: rows another completer (or a client's claim) holds are passed
+# over.
 _CLAIM_DUE = text(
     f"""
     WITH {REGISTERED},
@@ -67,7 +81,8 @@ _CLAIM_DUE = text(
         SELECT k.id, r.lock_timeout
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-        WHERE {_DUE}
+        WHERE k.scope = :scope
+          AND {_DUE}
           AND {free("r.lock_timeout")}
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
@@ -76,8 +91,8 @@ _CLAIM_DUE = text(
     UPDATE idempotency_keys AS k
     SET locked_at = now(), lock_token = :token, lock_timeout = due.lock_timeout
     FROM due
-    WHERE k.id = due.id
-    RETURNING k.id, k.operation, k.operation_version, k.attempts
+    WHERE k.scope = :scope AND k.id = due.id
+    RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts
     """
 )
 
@@ -123,6 +138,7 @@ class CompleterResult(Result):
 @dataclass(frozen=True)
 class _Claimed:
     id: int
+    scope: str
     operation: str
     operation_version: int
     attempts: int
@@ -272,10 +288,17 @@ class Completer(Worker[CompleterResult]):
     def _claim_due(
         self, operations: list[Operation[Any]], token: uuid.UUID, limit: int
     ) -> list[_Claimed]:
-        """Take the leases of up to ``limit`` due keys of ``operations``, in one transaction."""
-        params = {**self._registered(operations), "batch_size": limit, "token": token}
-        with self.db.begin() as conn:
-            return [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, params)]
+        """Take the leases of up to ``limit`` due keys of ``operations``, one transaction
+        per scope."""
+        params = {**self._registered(operations), "token": token}
+        claimed: list[_Claimed] = []
+        for scope in self.scopes_due(_DUE_SCOPES, params):
+            if len(claimed) == limit or self.stopping:
+                break
+            room = {**params, "scope": scope, "batch_size": limit - len(claimed)}
+            with self.db.begin() as conn:
+                claimed += [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, room)]
+        return claimed
 
     def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
         """Resume one key of a sync operation; whatever goes wrong with it stays with it."""
@@ -284,7 +307,7 @@ class Completer(Worker[CompleterResult]):
             if self._exhausted(key, engine.observer, operation, token, result):
                 return
             try:
-                outcome = engine.resume(key.id, token=token)
+                outcome = engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
                 self._failed(exc, key.id, engine.observer, operation, token, result)
             else:
@@ -305,7 +328,7 @@ class Completer(Worker[CompleterResult]):
             if await asyncio.to_thread(self._exhausted, key, *args):
                 return
             try:
-                outcome = await engine.resume(key.id, token=token)
+                outcome = await engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
                 await asyncio.to_thread(self._failed, exc, key.id, *args)
             else:
