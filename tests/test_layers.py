@@ -1,17 +1,20 @@
-"""The import contract of DESIGN.md, read from the source with ``ast``: layers import only
-downward, nothing imports the CLI, and no module imports itself in a circle.
+"""The import contract (README: "How the code is laid out"), read from the source with
+``ast``: layers import only downward, nothing imports the CLI, and no module imports itself
+in a circle.
 
 Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
-   observe (the hooks every layer calls), leases (the lease rule, in SQL and Python), and
-   the request path's pure part (engine._decide)
-1. plumbing: database, outage, migrate, testing, embedded, jobs
+   observe (the hooks every layer calls), leases (the lease rule, in SQL and Python),
+   _faults (the fault points the engine consults), and the request path's pure part
+   (engine._decide)
+1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
+   _faults), embedded, jobs
 2. the connection and the request path's queries, in the engine package: engine._pg,
    engine._libpq, engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
    receives wraps the connection); _pooler; and context, the old name of engine.context
-3. the engine (engine.run, engine.run_async and the package's ``__init__``), and the
-   package's curated ``__init__``
+3. the engine (engine.run, engine.run_async and the package's ``__init__``), the
+   package's curated ``__init__``, and _moved (the request path's old module names)
 4. services on the engine: admin, workers, integrations, client, explore (which runs the
    workers) — and admin, which the workers and the console will use, imports none of them
 5. the demo
@@ -45,6 +48,7 @@ LAYERS = {
             "engine._decide",
             "observe",
             "leases",
+            "_faults",
         ],
         0,
     ),
@@ -64,7 +68,10 @@ LAYERS = {
         ],
         2,
     ),
-    **dict.fromkeys([PACKAGE, "engine", "engine.run", "engine.run_async", "idempotent"], 3),
+    # _moved imports the request path's modules by name, at run time, when an old name is.
+    **dict.fromkeys(
+        [PACKAGE, "engine", "engine.run", "engine.run_async", "idempotent", "_moved"], 3
+    ),
     **dict.fromkeys(["admin", "workers", "integrations", "client", "explore"], 4),
     "demo": 5,
     **dict.fromkeys(["cli", "console"], 6),
@@ -74,9 +81,11 @@ LAYERS = {
 SPLIT = {"engine"}
 # Same layer, yet one way only: the workers and the console build on admin. And the
 # admin layer's SQL fragments are its own: what the workers share with it is in leases.
+# The request path and the workers consult the fault points (_faults), never the test kit.
 FORBIDDEN = {
     "admin": {"workers", "integrations", "client", "demo", "cli", "console"},
-    "workers": {"admin._sql"},
+    "workers": {"admin._sql", "testing"},
+    **{f"engine.{name}": {"testing"} for name in ("run", "run_async", "store", "store_async")},
 }
 
 

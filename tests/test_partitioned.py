@@ -69,7 +69,7 @@ def _fenced() -> Iterator[tuple[str, str]]:
 
 
 REQUEST_PATH = [
-    ("FINISHED", sql.FINISHED.text),
+    ("FIND_FINISHED", sql.FIND_FINISHED.text),
     ("CLAIM", sql.CLAIM.text),
     ("CLAIM_BY_ID", sql.CLAIM_BY_ID.text),
     ("KEY_OPERATION", sql.KEY_OPERATION),

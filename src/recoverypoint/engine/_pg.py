@@ -52,6 +52,10 @@ T = TypeVar("T")
 P = ParamSpec("P")
 TextRow = tuple[str | None, ...]
 
+# Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
+# (libpq), and psycopg sends none of its own inside it.
+_AUTOCOMMIT = False
+
 # SQLSTATEs that mean "the same transaction may succeed if run again".
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
@@ -114,6 +118,12 @@ class Transaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
+    # -- the engine's own statements, on the wire -------------------------------------------
+    # The one place where the two engines differ in how they talk to the server: the async
+    # one runs its statements on psycopg's cursor (a round trip each; psycopg's pipeline
+    # costs more client CPU than it saves), the sync one on libpq (prepared once per
+    # connection, BEGIN and COMMIT in one pipeline with the statement beside them).
+
     def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
@@ -139,6 +149,45 @@ class Transaction:
         )
         self._committed = True
         return row
+
+    def begin_with(self, query: str) -> tuple[Any, ...] | None:
+        """BEGIN and one of the engine's statements, written out without parameters (see
+        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
+        assert not self._began, "begin_with opens the transaction"
+        self._began = True
+        # libpq answers with the last statement's result: the row, or the error.
+        result = self.connection.pgconn.exec_(self._begin_sql() + b"; " + query.encode())
+        if result.status != ExecStatus.TUPLES_OK:
+            raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+        return _libpq.first_row(result, "utf-8")  # an address
+
+    def _begin_sql(self) -> bytes:
+        """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""
+        return sql.BEGIN + b"; " + sql.mark(self.token)
+
+    def _begin(self) -> None:
+        if not self._began:
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            result = self.connection.pgconn.exec_(self._begin_sql())
+            if result.status != ExecStatus.TUPLES_OK:
+                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            self._began = True
+
+    # -- the same on both wires -------------------------------------------------------------
+
+    def literal(self, value: str) -> str:
+        """``value`` as an SQL string literal, quoted by libpq for this connection."""
+        encoding = self.connection.info.encoding
+        return (
+            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
+        )
+
+    def commit(self) -> None:
+        """COMMIT, if anything began and nothing committed it; read-only work costs no
+        round trip."""
+        if self._began and not self._committed:
+            self.connection.commit()
+            self._committed = True
 
     def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
@@ -167,42 +216,6 @@ class Transaction:
             self._begin()
         self._cursor.execute(query, params)
         return self._cursor.fetchone()
-
-    def begin_with(self, query: str) -> tuple[Any, ...] | None:
-        """BEGIN and one of the engine's statements, written out without parameters (see
-        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
-        assert not self._began, "begin_with opens the transaction"
-        self._began = True
-        # libpq answers with the last statement's result: the row, or the error.
-        result = self.connection.pgconn.exec_(self._begin_sql() + b"; " + query.encode())
-        if result.status != ExecStatus.TUPLES_OK:
-            raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
-
-    def commit(self) -> None:
-        """COMMIT, if anything began and nothing committed it; read-only work costs no
-        round trip."""
-        if self._began and not self._committed:
-            self.connection.commit()
-            self._committed = True
-
-    def literal(self, value: str) -> str:
-        """``value`` as an SQL string literal, quoted by libpq for this connection."""
-        encoding = self.connection.info.encoding
-        return (
-            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
-        )
-
-    def _begin_sql(self) -> bytes:
-        return sql.BEGIN + b"; " + sql.mark(self.token)
-
-    def _begin(self) -> None:
-        if not self._began:
-            # Through libpq: a cursor would cost as much client CPU as a statement.
-            result = self.connection.pgconn.exec_(self._begin_sql())
-            if result.status != ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-            self._began = True
 
     @property
     def sqlalchemy_made(self) -> sa.Connection | None:
@@ -251,11 +264,8 @@ def serializable(
     once): what it found that its caller needs even when the COMMIT is interrupted travels
     on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
     that records a phase carries the COMMIT); otherwise it is committed when it returns."""
-    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
-    # first (libpq), and psycopg sends none of its own inside it.
-    autocommit = False
     # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = _borrow(db, autocommit)
+    pooled, connection, switched = _borrow(db, _AUTOCOMMIT)
     try:
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
