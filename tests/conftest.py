@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from partitioned import partition_by_scope
+from rides import Faults, Provider
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
@@ -30,9 +32,6 @@ from recoverypoint import migrate
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.testing import temporary_database
-
-from partitioned import partition_by_scope  # noqa: E402  (tests/ is on sys.path)
-from rides import Faults, Provider  # noqa: E402
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 

@@ -27,7 +27,8 @@ def partition_by_scope(db: sa.Engine) -> None:
         for table in PARTITIONED:
             conn.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_single")
             conn.exec_driver_sql(
-                f"CREATE TABLE {table} (LIKE {table}_single INCLUDING ALL) PARTITION BY HASH (scope)"
+                f"CREATE TABLE {table} (LIKE {table}_single INCLUDING ALL) "
+                "PARTITION BY HASH (scope)"
             )
             conn.exec_driver_sql(f"DROP TABLE {table}_single")
             for n in range(PARTITIONS):

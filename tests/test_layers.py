@@ -46,6 +46,7 @@ LAYERS = {
             "backoff",
             "schema",
             "engine._decide",
+            "engine.conflicts",
             "observe",
             "leases",
             "_faults",

@@ -55,7 +55,12 @@ _PHASE = {
 _JOBS = {
     f"{column}_{i}": value
     for i in range(2)
-    for column, value in (("job_name", "j"), ("job_args", "{}"), ("job_key", "k"), ("job_trace", None))
+    for column, value in (
+        ("job_name", "j"),
+        ("job_args", "{}"),
+        ("job_key", "k"),
+        ("job_trace", None),
+    )
 }
 
 

@@ -47,6 +47,7 @@ from ..errors import ConcurrentUpdate
 from ..observe import Observer
 from ..outage import drop_older_connections
 from . import _libpq, sql
+from .conflicts import is_conflict, sqlstate
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -56,8 +57,6 @@ TextRow = tuple[str | None, ...]
 # (libpq), and psycopg sends none of its own inside it.
 _AUTOCOMMIT = False
 
-# SQLSTATEs that mean "the same transaction may succeed if run again".
-RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 
 # Each transaction's token (sql.mark): unique in the process, and a session only ever sees
 # its own process's.
@@ -277,9 +276,9 @@ def serializable(
                 if attempt == retries:
                     raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
-                state = sqlstate(exc)
-                if state not in RETRYABLE_SQLSTATES:
+                if not is_conflict(exc):
                     raise
+                state = sqlstate(exc)
                 if attempt == retries:
                     observer.serialization_exhausted(state)
                     raise ConcurrentUpdate() from exc
@@ -291,12 +290,6 @@ def serializable(
     finally:
         _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
-
-
-def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
-    """The SQLSTATE of a driver error, raised through SQLAlchemy (phase code) or not."""
-    error = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    return getattr(error, "sqlstate", None)
 
 
 def _roll_back_leftovers(tx: Transaction) -> None:
