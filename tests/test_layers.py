@@ -53,7 +53,9 @@ LAYERS = {
         ],
         0,
     ),
-    **dict.fromkeys(["database", "outage", "migrate", "testing", "embedded", "jobs"], 1),
+    **dict.fromkeys(
+        ["database", "outage", "migrate", "distribute", "testing", "embedded", "jobs"], 1
+    ),
     **dict.fromkeys(
         [
             "engine._pg",
