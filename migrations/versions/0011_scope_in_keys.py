@@ -42,6 +42,12 @@ This revision then turns that index into the primary key (``ADD PRIMARY KEY USIN
 INDEX``), which takes the lock only for a moment. Keys in flight are untouched: no value
 changes, and a request that holds a lease keeps it across the upgrade.
 
+An application's own foreign keys onto ``idempotency_keys (id)`` keep working: when there
+are any, a unique constraint on ``id`` alone (``idempotency_keys_id_key``) is kept for them,
+and each is re-created against it (``NOT VALID``, then validated, which reads the
+referencing table without blocking its writes). Such a key cannot be distributed on Citus
+(``recoverypoint migrate --citus`` says so): reference ``(id, scope)`` there, or nothing.
+
 Written out in full, like 0001: a revision must not change when the schema module does.
 """
 
@@ -58,7 +64,44 @@ depends_on: str | None = None
 _PREBUILT = "idempotency_keys_scope_id"
 
 
+# The foreign keys of other tables onto idempotency_keys (id), kept across the swap of the
+# primary key: each dropped, then made again against a unique constraint on id alone.
+_KEEP_FOREIGN_KEYS = """
+    CREATE TEMPORARY TABLE recoverypoint_foreign_keys ON COMMIT DROP AS
+    SELECT conrelid::regclass::text AS tab, conname AS name, pg_get_constraintdef(oid) AS def
+    FROM pg_constraint
+    WHERE contype = 'f' AND confrelid = 'idempotency_keys'::regclass;
+
+    DO $$
+    DECLARE fk record;
+    BEGIN
+        FOR fk IN SELECT * FROM recoverypoint_foreign_keys LOOP
+            EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', fk.tab, fk.name);
+        END LOOP;
+    END
+    $$;
+"""
+
+_RESTORE_FOREIGN_KEYS = """
+    DO $$
+    DECLARE fk record;
+    BEGIN
+        IF EXISTS (SELECT FROM recoverypoint_foreign_keys) THEN
+            ALTER TABLE idempotency_keys
+                ADD CONSTRAINT idempotency_keys_id_key UNIQUE (id);
+        END IF;
+        FOR fk IN SELECT * FROM recoverypoint_foreign_keys LOOP
+            EXECUTE format('ALTER TABLE %s ADD CONSTRAINT %I %s NOT VALID',
+                           fk.tab, fk.name, fk.def);
+            EXECUTE format('ALTER TABLE %s VALIDATE CONSTRAINT %I', fk.tab, fk.name);
+        END LOOP;
+    END
+    $$;
+"""
+
+
 def upgrade() -> None:
+    op.execute(_KEEP_FOREIGN_KEYS)
     op.drop_constraint("idempotency_keys_pkey", "idempotency_keys", type_="primary")
     # Built beforehand, CONCURRENTLY, on a large table (see above): made the key at once.
     op.execute(
@@ -76,6 +119,7 @@ def upgrade() -> None:
         $$
         """
     )
+    op.execute(_RESTORE_FOREIGN_KEYS)
 
     op.add_column("staged_jobs", sa.Column("scope", sa.Text))
     op.execute(
@@ -125,5 +169,6 @@ def downgrade() -> None:
     op.drop_constraint("staged_jobs_pkey", "staged_jobs", type_="primary")
     op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["id"])
     op.drop_column("staged_jobs", "scope")
+    op.execute("ALTER TABLE idempotency_keys DROP CONSTRAINT IF EXISTS idempotency_keys_id_key")
     op.drop_constraint("idempotency_keys_pkey", "idempotency_keys", type_="primary")
     op.create_primary_key("idempotency_keys_pkey", "idempotency_keys", ["id"])
