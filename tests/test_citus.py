@@ -236,3 +236,26 @@ def test_a_takeover_after_the_lease_expired(citus: sa.Engine, scope: str) -> Non
     outcome = engine.resume(key_id, scope=scope)
     assert outcome.status == 201
     assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 1
+
+
+def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scope: str) -> None:
+    # The write that records the phase misses its row and raises in the worker's statement,
+    # so nothing commits. On one server the error says which miss it was (RP001, the row
+    # changed); on Citus the worker cannot read the coordinator's transaction token, and
+    # every miss is reported as the transaction ended (RP002).
+    op: rp.Operation[Any] = rp.Operation(f"citus_row_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(
+            "UPDATE idempotency_keys SET lock_token = %(t)s WHERE scope = %(s)s AND id = %(k)s",
+            {"t": uuid.uuid4(), "s": scope, "k": tx.key_id},
+        )
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with pytest.raises(rp.TransactionEnded):
+        engine.run(op, key="k", params={}, scope=scope)
+    finished = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
+    assert _count(citus, finished, s=scope) == 0

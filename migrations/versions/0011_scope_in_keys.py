@@ -18,14 +18,14 @@ column (the tenant), so:
   an operator, gets ``''``), then ``NOT NULL``; primary key ``(id, scope)``. With it the
   table is co-located with ``idempotency_keys``, and a phase's jobs are inserted on the
   shard of its key.
-- ``recoverypoint_write_missed(began text)`` tells a phase that ended its own transaction
-  by the transaction's token (the local setting ``recoverypoint.tx`` the engine gives each
-  transaction it begins) instead of by transaction id: on Citus a transaction id is read on
-  the worker by one statement and on the coordinator by another, and never matches. The
-  engine of this release writes that token; a process of the previous release still
-  running passes its transaction id, which never equals the token, so its phase write that
-  misses its row reports RP002 rather than RP001: stop the previous release first, as
-  every upgrade should.
+- ``recoverypoint_write_missed(in_phase boolean)``: what the statement recording a phase
+  calls when it misses its row, as 0007's ``recoverypoint_write_missed(began text)`` was,
+  told whether the statement still runs in the phase's transaction. The engine now knows
+  that by the transaction's token (a setting local to the transaction, ``recoverypoint.tx``,
+  that the engine gives each transaction it begins), which the statement reads where it is
+  sent: on Citus the coordinator, whereas a transaction id is read on the worker by one
+  statement and on the coordinator by another, and never matches. 0007's function stays,
+  unchanged, for a process of the previous release still running during the upgrade.
 
 How long it locks. Each primary key is rebuilt: ``ADD PRIMARY KEY`` builds a unique index
 under an ACCESS EXCLUSIVE lock on the table, reading every row (about a second per
@@ -135,10 +135,10 @@ def upgrade() -> None:
 
     op.execute(
         """
-        CREATE OR REPLACE FUNCTION recoverypoint_write_missed(began text) RETURNS boolean
+        CREATE FUNCTION recoverypoint_write_missed(in_phase boolean) RETURNS boolean
         LANGUAGE plpgsql VOLATILE AS $$
         BEGIN
-            IF current_setting('recoverypoint.tx', true) IS DISTINCT FROM began THEN
+            IF in_phase IS NOT TRUE THEN
                 RAISE EXCEPTION 'recoverypoint: the phase ended the transaction it began in'
                     USING ERRCODE = 'RP002';
             END IF;
@@ -151,21 +151,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute(
-        """
-        CREATE OR REPLACE FUNCTION recoverypoint_write_missed(began text) RETURNS boolean
-        LANGUAGE plpgsql VOLATILE AS $$
-        BEGIN
-            IF pg_current_xact_id()::text IS DISTINCT FROM began THEN
-                RAISE EXCEPTION 'recoverypoint: the phase ended the transaction it began in'
-                    USING ERRCODE = 'RP002';
-            END IF;
-            RAISE EXCEPTION 'recoverypoint: the key row changed under the phase'
-                USING ERRCODE = 'RP001';
-        END
-        $$
-        """
-    )
+    op.execute("DROP FUNCTION recoverypoint_write_missed(boolean)")
     op.drop_constraint("staged_jobs_pkey", "staged_jobs", type_="primary")
     op.create_primary_key("staged_jobs_pkey", "staged_jobs", ["id"])
     op.drop_column("staged_jobs", "scope")

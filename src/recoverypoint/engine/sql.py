@@ -53,6 +53,7 @@ def mark(token: str) -> bytes:
         raise ValueError(f"not a transaction token: {token!r}")
     return f"SELECT set_config('{TOKEN}', '{token}', true)".encode()
 
+
 # What the write that records a phase raises when it missed its row (see _GUARDED): the
 # key row changed under the phase, or the phase ended the transaction it began in.
 KEY_ROW_CHANGED = "RP001"
@@ -189,9 +190,7 @@ KEY_OPERATION_ANY_SCOPE = """
 # address first, by id when the address is stale; always in the key's scope, which routes
 # each to the one shard (or partition) that holds the key. Each returns the row's new
 # address, then what the statement names in ``returning``.
-_BY_CTID = (
-    "scope = %(scope)s AND ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
-)
+_BY_CTID = "scope = %(scope)s AND ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
 _BY_ID = "scope = %(scope)s AND id = %(id)s AND lock_token = %(token)s"
 
 
@@ -239,14 +238,18 @@ def _guarded(sql: str, returning: str, staged: str) -> Statement:
     # coordinator, where the transaction's token was set.
     held = _written_out(sql, f"current_setting('{TOKEN}', true) = %(tx)s AND {_BY_CTID}", returning)
     nulls = ", ".join(["NULL"] * (1 + bool(returning)))
-    # CASE, not AND: the miss is decided before the function is called.
+    # CASE, not AND: the miss is decided before the function is called, and told whether
+    # the statement still runs in the phase's transaction. (On Citus, which evaluates the
+    # setting on the coordinator only inside the UPDATE, a miss is always reported as the
+    # transaction ended: both misses commit nothing.)
     return Statement(f"""
         WITH written AS ({held}){staged}
         SELECT * FROM written
         UNION ALL
         SELECT {nulls}
         WHERE CASE WHEN EXISTS (SELECT FROM written) THEN false
-                   ELSE recoverypoint_write_missed(%(tx)s) END
+                   ELSE recoverypoint_write_missed(
+                       current_setting('{TOKEN}', true) IS NOT DISTINCT FROM %(tx)s) END
     """)
 
 
