@@ -33,7 +33,7 @@ import itertools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 import sqlalchemy as sa
@@ -50,7 +50,10 @@ from . import _libpq, sql
 from .conflicts import is_conflict, sqlstate
 
 T = TypeVar("T")
-P = ParamSpec("P")
+if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 TextRow = tuple[str | None, ...]
 
 if True:  # ASYNC  # noqa: SIM108
@@ -283,12 +286,11 @@ async def serializable(
     db: sa_async.AsyncEngine,
     retries: int,
     observer: Observer,
-    work: Callable[Concatenate[AsyncTransaction, P], Awaitable[T]],
+    work: Callable[[AsyncTransaction, Unpack[Ts]], Awaitable[T]],
     /,
-    *args: P.args,
-    **kwargs: P.kwargs,
+    *args: Unpack[Ts],
 ) -> T:
-    """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction ``tx`` on a
+    """Run ``work(tx, *args)`` in one SERIALIZABLE transaction ``tx`` on a
     connection of ``db``'s pool, again on serialization failure or deadlock with capped,
     jittered backoff, up to ``retries`` times, then :class:`ConcurrentUpdate`. ``observer``
     hears of each retry and of running out.
@@ -303,7 +305,7 @@ async def serializable(
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
             try:
-                result = await work(tx, *args, **kwargs)
+                result = await work(tx, *args)
                 await tx.commit()
                 return result
             except _libpq.Deallocated:
@@ -419,16 +421,14 @@ async def run_alone(
 
 if True:  # ASYNC
 
-    async def shielded(
-        cleanup: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        """Run ``cleanup(*args, **kwargs)`` to its end even when the caller is cancelled
+    async def shielded(cleanup: Callable[[Unpack[Ts]], Awaitable[T]], /, *args: Unpack[Ts]) -> T:
+        """Run ``cleanup(*args)`` to its end even when the caller is cancelled
         meanwhile, once or again and again (as anyio's cancel scopes do); the cancellation
         is raised after it.
 
         A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
         and hands its connection back this way."""
-        task = asyncio.ensure_future(cleanup(*args, **kwargs))
+        task = asyncio.ensure_future(cleanup(*args))
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
@@ -444,6 +444,6 @@ if True:  # ASYNC
 
 else:
 
-    def shielded(cleanup: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``cleanup(*args, **kwargs)``: sync code is not cancelled midway."""
-        return cleanup(*args, **kwargs)
+    def shielded(cleanup: Callable[[Unpack[Ts]], T], /, *args: Unpack[Ts]) -> T:
+        """``cleanup(*args)``: sync code is not cancelled midway."""
+        return cleanup(*args)
