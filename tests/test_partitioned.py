@@ -19,6 +19,7 @@ from partitioned import PARTITIONS, partition_by_scope, partitions_read
 from sqlalchemy.pool import NullPool
 
 from recoverypoint import leases, migrate
+from recoverypoint.admin import key_actions
 from recoverypoint.database import create_engine
 from recoverypoint.engine import sql
 from recoverypoint.testing import temporary_database
@@ -83,10 +84,19 @@ REQUEST_PATH = [
     *_fenced(),
 ]
 
-# The workers' claims, in one scope each (SQLAlchemy's :name placeholders).
+# The workers' claims and their writes after the claim, in one scope each (SQLAlchemy's
+# :name placeholders).
 _REGISTERED = leases.registered([])
 WORKER_CLAIMS = [
     ("completer", completer._CLAIM_DUE, {**_REGISTERED, "min_age": 0, "batch_size": 10}),
+    ("completer's release", completer._RELEASE_UNSTARTED, {"ids": [1, 2]}),
+    (
+        "completer's abandonment",
+        key_actions._ABANDON_EXHAUSTED,
+        {"id": 1, "max_attempts": 3, "status": 500, "body": "{}"},
+    ),
+    ("enqueuer's delete", enqueuer._DELETE_PUBLISHED, {"ids": [1, 2]}),
+    ("enqueuer's postponement", enqueuer._POSTPONE, {"id": 1, "error": "e", "retry_in": 1.0}),
     ("enqueuer", enqueuer._CLAIM_JOBS, {"batch_size": 10}),
     (
         "reaper",

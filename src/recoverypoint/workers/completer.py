@@ -114,7 +114,7 @@ _UNREGISTERED = text(
 _RELEASE_UNSTARTED = text(
     """
     UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL
-    WHERE id = ANY(CAST(:ids AS bigint[])) AND lock_token = :token
+    WHERE scope = :scope AND id = ANY(CAST(:ids AS bigint[])) AND lock_token = :token
     """
 )
 
@@ -195,7 +195,7 @@ class Completer(Worker[CompleterResult]):
                 # Stopping, or an error out of the batch: keys not done go back at once
                 # instead of waiting out their leases.
                 if len(done) < len(batch):
-                    self._release([k.id for k in batch if k.id not in done], token)
+                    self._release([k for k in batch if k.id not in done], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
         self.engines.observer.worker_pass(self.name)
@@ -309,7 +309,7 @@ class Completer(Worker[CompleterResult]):
             try:
                 outcome = engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
-                self._failed(exc, key.id, engine.observer, operation, token, result)
+                self._failed(exc, key, engine.observer, operation, token, result)
             else:
                 self._resumed(outcome, result)
         except Exception as exc:
@@ -330,7 +330,7 @@ class Completer(Worker[CompleterResult]):
             try:
                 outcome = await engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
-                await asyncio.to_thread(self._failed, exc, key.id, *args)
+                await asyncio.to_thread(self._failed, exc, key, *args)
             else:
                 self._resumed(outcome, result)
         except Exception as exc:
@@ -347,13 +347,13 @@ class Completer(Worker[CompleterResult]):
         """Abandon a key out of attempts already (its client's) without another run."""
         if key.attempts < operation.max_attempts:
             return False
-        result.abandoned += self._abandon(key.id, observer, operation, token)
+        result.abandoned += self._abandon(key, observer, operation, token)
         return True
 
     def _failed(
         self,
         exc: Exception,
-        key_id: int,
+        key: _Claimed,
         observer: Observer,
         operation: Operation[Any],
         token: uuid.UUID,
@@ -367,7 +367,7 @@ class Completer(Worker[CompleterResult]):
             return
         # The engine released the lease, counted the attempt and logged the error.
         result.failed += 1
-        result.abandoned += self._abandon(key_id, observer, operation, token)
+        result.abandoned += self._abandon(key, observer, operation, token)
 
     @staticmethod
     def _resumed(outcome: Outcome, result: CompleterResult) -> None:
@@ -390,12 +390,13 @@ class Completer(Worker[CompleterResult]):
         )
 
     def _abandon(
-        self, key_id: int, observer: Observer, operation: Operation[Any], token: uuid.UUID
+        self, key: _Claimed, observer: Observer, operation: Operation[Any], token: uuid.UUID
     ) -> int:
         """Abandon the key if it is out of attempts; 1 if it was, else 0."""
         row = abandon_exhausted(
             self.db,
-            key_id,
+            key.scope,
+            key.id,
             token,
             operation.max_attempts,
             ABANDONED_RESPONSE.status,
@@ -407,7 +408,7 @@ class Completer(Worker[CompleterResult]):
         self.log(
             logging.ERROR,
             "abandoned",
-            key_id=key_id,
+            key_id=key.id,
             operation=operation.name,
             version=operation.version,
             idempotency_key=row.idempotency_key,
@@ -417,9 +418,14 @@ class Completer(Worker[CompleterResult]):
         )
         return 1
 
-    def _release(self, ids: list[int], token: uuid.UUID) -> None:
+    def _release(self, keys: list[_Claimed], token: uuid.UUID) -> None:
+        """Hand the leases of ``keys`` back, one statement per scope."""
+        by_scope: dict[str, list[int]] = {}
+        for key in keys:
+            by_scope.setdefault(key.scope, []).append(key.id)
         with self.db.begin() as conn:
-            conn.execute(_RELEASE_UNSTARTED, {"ids": ids, "token": token})
+            for scope, ids in by_scope.items():
+                conn.execute(_RELEASE_UNSTARTED, {"scope": scope, "ids": ids, "token": token})
 
     def _report_unregistered(self, conn: Connection, registered: dict[str, Any]) -> int:
         """Count due keys no registered operation can resume; log when the picture changes."""
