@@ -259,3 +259,20 @@ def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scop
         engine.run(op, key="k", params={}, scope=scope)
     finished = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
     assert _count(citus, finished, s=scope) == 0
+
+
+def test_the_completer_abandons_a_key_out_of_attempts(citus: sa.Engine, scope: str) -> None:
+    op = _notes(f"citus_abandon_{uuid.uuid4().hex[:8]}", fail_once=[True], max_attempts=1)
+    engine = rp.Engine(citus, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    with pytest.raises(RuntimeError):
+        engine.run(op, key="k", params=params, scope=scope)
+
+    assert Completer(engine, min_age=0).run_once().abandoned == 1
+    replayed = engine.run(op, key="k", params=params, scope=scope)
+    assert (replayed.status, replayed.replayed) == (500, True)
+    abandoned = (
+        "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND abandoned_at IS NOT NULL"
+    )
+    assert _count(citus, abandoned, s=scope) == 1
