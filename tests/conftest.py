@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from partitioned import partition_by_scope
+from rides import Faults, Provider
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
@@ -30,8 +32,6 @@ from recoverypoint import migrate
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.testing import temporary_database
-
-from rides import Faults, Provider  # noqa: E402  (tests/ is on sys.path)
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 
@@ -97,11 +97,49 @@ def server_url() -> Iterator[str]:
             yield url
 
 
+# The modules whose tests run on both layouts: a single server's tables, and tables
+# partitioned by scope as Citus distributes them (tests/partitioned.py). They hold the
+# request path's and the workers' invariants.
+BOTH_LAYOUTS = frozenset(
+    {
+        "test_engine",
+        "test_fencing",
+        "test_staged_jobs",
+        "test_completer",
+        "test_reaper",
+        "test_enqueuer",
+    }
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "layout" in metafunc.fixturenames and module in BOTH_LAYOUTS:
+        metafunc.parametrize("layout", ["single", "partitioned"], indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def database_url(server_url: str) -> Iterator[str]:
-    """A database of this session alone, at the newest schema (``postgresql+psycopg://``)."""
+def layout(request: pytest.FixtureRequest) -> str:
+    """``single`` (the tables as migrated) or ``partitioned`` (by scope); see BOTH_LAYOUTS."""
+    return str(getattr(request, "param", "single"))
+
+
+def _migrated(url: str, layout: str) -> None:
+    migrate.upgrade(url)
+    if layout == "partitioned":
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            partition_by_scope(engine)
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def database_url(server_url: str, layout: str) -> Iterator[str]:
+    """A database of this session alone, at the newest schema (``postgresql+psycopg://``),
+    in the :func:`layout` asked for."""
     with temporary_database(server_url) as url:
-        migrate.upgrade(url)
+        _migrated(url, layout)
         yield url
 
 
@@ -155,7 +193,7 @@ def faults() -> Faults:
 
 
 @pytest.fixture
-def worker_database_url(server_url: str) -> Iterator[str]:
+def worker_database_url(server_url: str, layout: str) -> Iterator[str]:
     """A migrated database of this test alone, with the tables of ``workload.py``.
 
     Workers act on every row they find, so a test that runs them must neither see other
@@ -164,7 +202,7 @@ def worker_database_url(server_url: str) -> Iterator[str]:
     from workload import SCHEMA
 
     with temporary_database(server_url) as url:
-        migrate.upgrade(url)
+        _migrated(url, layout)
         engine = create_engine(url, poolclass=NullPool)
         try:
             with engine.begin() as connection:

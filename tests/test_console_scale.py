@@ -84,9 +84,11 @@ def db(module_database_url: str) -> Iterator[sa.Engine]:
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         conn.exec_driver_sql(FILL)
         conn.exec_driver_sql(
-            "INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, created_at) "
-            "SELECT 'send_receipt', '{}', 'job-' || n, n * 50, now() - n * interval '1 second' "
-            "FROM generate_series(1, 20000) AS n"
+            "INSERT INTO staged_jobs "
+            "(scope, job_name, job_args, job_key, idempotency_key_id, created_at) "
+            "SELECT coalesce(k.scope, ''), 'send_receipt', '{}', 'job-' || n, n * 50, "
+            "now() - n * interval '1 second' "
+            "FROM generate_series(1, 20000) AS n LEFT JOIN idempotency_keys AS k ON k.id = n * 50"
         )
     ops = admin.Admin(engine, actor="scale@test")
     admin.retry(ops, admin.KeyFilter(operation="op0", states=("stuck",), limit=3))

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rides import Boom, Faults, Provider, count, ride_operation
 
 import recoverypoint as rp
@@ -554,3 +556,48 @@ def test_a_replay_hands_its_connection_back_to_the_pool_reset(
     # (so it sent no ROLLBACK of its own), as SQLAlchemy's own Connection does.
     assert db.pool.checkedout() == before
     assert resets == [True]
+
+
+_TWO_PHASES: rp.Operation[Any] = rp.Operation("two_phases_any_scope")
+
+
+@_TWO_PHASES.atomic_phase("first")
+def _first(tx: rp.AtomicContext, params: Any) -> None:
+    tx.stage_job("noted", {})
+
+
+@_TWO_PHASES.atomic_phase("finished")
+def _finished(tx: rp.AtomicContext, params: Any) -> rp.Response:
+    # Its transaction begins with the fence, which carries the scope as a quoted literal.
+    tx.stage_job("done", {})
+    return rp.Response(201, {"ok": True})
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.one_of(
+        st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=40),
+        st.sampled_from(["'", "\\", "\\'", "''; DROP TABLE x; --", "E'\\x41'", " E'", "$$", "é🚀"]),
+    )
+)
+def test_any_scope_the_engine_accepts_is_fenced_and_replayed_in_its_own_scope(
+    db: sa.Engine, scope: str
+) -> None:
+    """Quotes, backslashes, any script: the scope written into the fence's text (libpq's
+    quoting) finds the key's row, and the key's jobs carry the scope."""
+    engine = rp.Engine(db)
+    engine.register(_TWO_PHASES)
+    key = uuid.uuid4().hex
+    try:
+        first = engine.run(_TWO_PHASES, key=key, params={}, scope=scope)
+    except rp.InvalidParams:
+        return  # a scope the engine refuses stores nothing (tests/test_bad_input.py)
+    again = engine.run(_TWO_PHASES, key=key, params={}, scope=scope)
+    assert (first.status, again.replayed) == (201, True)
+    jobs = (
+        "SELECT count(*) FROM staged_jobs j JOIN idempotency_keys k ON k.id = j.idempotency_key_id"
+    )
+    jobs += " WHERE k.idempotency_key = :key AND j.scope = k.scope AND k.scope = :scope"
+    assert count(db, jobs, key=key, scope=scope) == 2

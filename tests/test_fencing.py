@@ -152,3 +152,27 @@ def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.E
     assert isinstance(outcome, rp.Outcome) and outcome.status == 201
     row = key_row(worker_db)
     assert (row.recovery_point, row.attempts, row.last_error) == ("finished", 0, None)
+
+
+def test_a_phase_that_changes_its_own_key_row_commits_nothing_and_is_told_so(
+    worker_db: sa.Engine,
+) -> None:
+    """The write that records the phase misses the row it locked (the phase rewrote the
+    lease): it raises in the same statement, the COMMIT behind it never runs, and the error
+    names the key row, not an ended transaction."""
+    op: rp.Operation[Any] = rp.Operation("rewrites_its_key")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(
+            "UPDATE idempotency_keys SET lock_token = gen_random_uuid() WHERE id = %(k)s",
+            {"k": tx.key_id},
+        )
+        return rp.Response(201, {})
+
+    engine = rp.Engine(worker_db)
+    engine.register(op)
+    with pytest.raises(rp.LockLost, match="the key row changed under the phase"):
+        engine.run(op, key="k", params={}, scope="s")
+    # The first phase of a new key commits with its claim: neither did.
+    assert rows(worker_db, "SELECT id FROM idempotency_keys") == []

@@ -47,6 +47,7 @@ LAYERS = {
             "backoff",
             "schema",
             "engine._decide",
+            "engine.conflicts",
             "engine.waits",
             "observe",
             "leases",
@@ -54,7 +55,9 @@ LAYERS = {
         ],
         0,
     ),
-    **dict.fromkeys(["database", "outage", "migrate", "testing", "embedded", "jobs"], 1),
+    **dict.fromkeys(
+        ["database", "outage", "migrate", "distribute", "testing", "embedded", "jobs"], 1
+    ),
     **dict.fromkeys(
         [
             "engine._pg",

@@ -73,7 +73,7 @@ def test_a_statement_someone_deallocated_is_prepared_again(pooled: Any) -> None:
     connection.execute("DEALLOCATE ALL")
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
     connection.execute("DISCARD ALL")
-    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin="1")
     connection.rollback()
 
 
@@ -142,7 +142,7 @@ def test_a_statement_forgotten_inside_a_transaction_keeps_it_going(pooled: Any) 
     connection = pooled.driver_connection
     assert _libpq.execute(pooled, connection, ECHO, _echo_params())
     _libpq.forget(pooled)
-    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+    assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin="1")
     _libpq.forget(pooled)
     assert _libpq.execute(pooled, connection, ECHO, _echo_params(), commit=True)
     assert connection.info.transaction_status == TransactionStatus.IDLE
@@ -162,7 +162,7 @@ def test_a_connection_on_a_high_file_descriptor_works(database_url: str) -> None
         try:
             connection = pooled.driver_connection
             assert connection.pgconn.socket > 1024
-            assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin=True)
+            assert _libpq.execute(pooled, connection, ECHO, _echo_params(), begin="1")
             connection.rollback()
         finally:
             pooled.close()
@@ -298,10 +298,11 @@ def count(db: sa.Engine, query: str, **params: Any) -> int:
         return int(conn.execute(sa.text(query), params).scalar_one())
 
 
-# A fresh key waits for libpq's results 15 times: in each of its three pipelines (BEGIN with
-# the claim, the first point with COMMIT, the last with COMMIT), for each command's result,
-# for the None that ends it, and for the sync. One past the last interrupts nothing.
-WAITS = range(1, 17)
+# A fresh key waits for libpq's results 17 times: in each of its three pipelines (BEGIN and
+# the transaction's token with the claim, the first point with COMMIT, the last with
+# COMMIT), for each command's result, for the None that ends it, and for the sync. One past
+# the last interrupts nothing.
+WAITS = range(1, 19)
 
 
 @pytest.mark.parametrize("interrupted_at", WAITS)
@@ -334,7 +335,7 @@ def test_an_interrupt_while_a_pipeline_waits_leaves_one_effect_after_a_retry(
     except KeyboardInterrupt:
         interrupted = True
     monkeypatch.setattr(_libpq, "_next_result", real_next_result)
-    assert interrupted == (interrupted_at <= 15)
+    assert interrupted == (interrupted_at <= 17)
 
     # No connection is left checked out, and none the pool hands out is broken.
     assert engine.db.pool.checkedout() == 0  # type: ignore[attr-defined]

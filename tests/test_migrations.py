@@ -25,7 +25,9 @@ from recoverypoint.schema import metadata
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # Every revision, oldest first; the last one is the head.
-REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
+REVISIONS = (
+    "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011"
+)
 HEAD = REVISIONS[-1]
 TABLES = {
     "idempotency_keys",
@@ -268,3 +270,73 @@ def test_migrate_on_an_unreachable_database_fails_in_one_line() -> None:
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "127.0.0.1" in result.stderr and "refused" in result.stderr
+
+
+def _alembic(url: str, *args: str) -> None:
+    env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": plain_postgresql(url)}
+    result = subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_scope_in_keys_keeps_keys_in_flight_and_the_applications_foreign_keys(
+    empty_database_url: str,
+) -> None:
+    # An installation at 0010 with a key in flight, a staged job, and a table of its own
+    # that references idempotency_keys (id), as Rocket Rides did.
+    _alembic(empty_database_url, "upgrade", "0010")
+    db = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with db.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE rides (id bigint PRIMARY KEY, "
+                "idempotency_key_id bigint REFERENCES idempotency_keys (id) ON DELETE SET NULL)"
+            )
+            key_id = conn.exec_driver_sql(
+                "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
+                "operation_version, request_method, request_path, request_params, fingerprint, "
+                "locked_at, lock_token) VALUES ('s', 'op', 'k', 1, 'POST', '/', '{}', 'f', "
+                "now(), gen_random_uuid()) RETURNING id"
+            ).scalar_one()
+            conn.exec_driver_sql(f"INSERT INTO rides VALUES (1, {key_id})")
+            conn.exec_driver_sql(
+                "INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id) "
+                f"VALUES ('j', '{{}}', 'jk', {key_id}), ('orphan', '{{}}', 'ok', 999)"
+            )
+
+        _alembic(empty_database_url, "upgrade", "head")
+
+        with db.connect() as conn:
+            lease = conn.exec_driver_sql(
+                "SELECT lock_token IS NOT NULL FROM idempotency_keys WHERE id = %s", (key_id,)
+            ).scalar_one()
+            scopes = conn.exec_driver_sql(
+                "SELECT job_key, scope FROM staged_jobs ORDER BY job_key"
+            ).all()
+            keys = conn.exec_driver_sql(
+                "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conrelid = 'idempotency_keys'::regclass AND contype IN ('p', 'u') "
+                "ORDER BY conname"
+            ).all()
+        assert lease  # the key in flight keeps its lease
+        assert [tuple(row) for row in scopes] == [("jk", "s"), ("ok", "")]
+        assert [tuple(row) for row in keys] == [
+            ("idempotency_keys_id_key", "UNIQUE (id)"),
+            ("idempotency_keys_pkey", "PRIMARY KEY (id, scope)"),
+            ("idempotency_keys_scope_operation_key", "UNIQUE (idempotency_key, scope, operation)"),
+        ]
+        # The application's foreign key still holds, and still sets NULL on delete.
+        with db.begin() as conn, pytest.raises(sa.exc.IntegrityError):
+            conn.exec_driver_sql("INSERT INTO rides VALUES (2, 12345)")
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DELETE FROM idempotency_keys WHERE id = {key_id}")
+            ride = conn.exec_driver_sql("SELECT idempotency_key_id FROM rides").scalar_one()
+        assert ride is None
+    finally:
+        db.dispose()

@@ -47,8 +47,9 @@ def test_deletes_exactly_the_eligible_keys_in_batches(worker_db: sa.Engine) -> N
         # A job of a key about to be reaped, and consume-once records old and new.
         conn.execute(
             sa.text(
-                "INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id) "
-                "VALUES ('notify', '{}', 'job-of-a-reaped-key', :k)"
+                "INSERT INTO staged_jobs (scope, job_name, job_args, job_key, idempotency_key_id) "
+                "SELECT scope, 'notify', '{}', 'job-of-a-reaped-key', id "
+                "FROM idempotency_keys WHERE id = :k"
             ),
             {"k": doomed[0]},
         )
@@ -124,7 +125,11 @@ def _dead_rows_and_manual_vacuums(db: sa.Engine) -> tuple[int, int]:
     return row.n_dead_tup, row.vacuum_count
 
 
-def test_a_big_pass_leaves_the_table_vacuumed_when_autovacuum_is_off(worker_db: sa.Engine) -> None:
+def test_a_big_pass_leaves_the_table_vacuumed_when_autovacuum_is_off(
+    worker_db: sa.Engine, layout: str
+) -> None:
+    if layout == "partitioned":
+        pytest.skip("a partitioned table has no storage parameters: its partitions have")
     # Off for this table (whatever the server's setting): the reaper must clean up itself.
     with worker_db.begin() as conn:
         conn.execute(sa.text("ALTER TABLE idempotency_keys SET (autovacuum_enabled = off)"))

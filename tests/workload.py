@@ -197,8 +197,8 @@ def stage_jobs(db: sa.Engine, count: int, name: str = JOB) -> list[str]:
         keys = conn.execute(
             sa.text(
                 """
-                INSERT INTO staged_jobs (job_name, job_args, job_key)
-                SELECT :name, jsonb_build_object('n', n), :prefix || n
+                INSERT INTO staged_jobs (scope, job_name, job_args, job_key)
+                SELECT 'jobs', :name, jsonb_build_object('n', n), :prefix || n
                 FROM generate_series(1, :count) AS n
                 RETURNING job_key
                 """

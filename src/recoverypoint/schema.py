@@ -17,6 +17,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     UniqueConstraint,
@@ -29,7 +30,9 @@ metadata = MetaData()
 idempotency_keys = Table(
     "idempotency_keys",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    # The tenant, and the column the table is distributed by on Citus (partitioned by, in
+    # tests): in every key and unique constraint (migration 0011).
     Column("scope", Text, nullable=False),
     Column("operation", Text, nullable=False),
     Column("idempotency_key", Text, nullable=False),
@@ -66,6 +69,7 @@ idempotency_keys = Table(
     # failover is claimed again with the same one. NULL in rows claimed before migration
     # 0009, which derive from their id and creation time.
     Column("derivation_seed", Text),
+    PrimaryKeyConstraint("id", "scope", name="idempotency_keys_pkey"),
     # The client's key first: the claim names all three columns, a search by the key alone
     # (the console's, a support ticket's) only the first.
     UniqueConstraint(
@@ -106,7 +110,7 @@ idempotency_keys = Table(
 staged_jobs = Table(
     "staged_jobs",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("id", BigInteger, Identity(always=True), nullable=False),
     Column("job_name", Text, nullable=False),
     Column("job_args", JSONB, nullable=False),
     # Derived from the key record and the job's position in it: stable across retries,
@@ -127,6 +131,10 @@ staged_jobs = Table(
     Column("last_error", Text),
     # The W3C traceparent of the phase that staged the job, when the engine traces.
     Column("trace_context", Text),
+    # The scope of the key that staged the job: co-located with it on Citus ('' for a job
+    # staged before migration 0011 whose key was gone by then).
+    Column("scope", Text, nullable=False),
+    PrimaryKeyConstraint("id", "scope", name="staged_jobs_pkey"),
     Index("staged_jobs_idempotency_key_id", "idempotency_key_id"),
     # The enqueuer's claim: due jobs, oldest first.
     Index("staged_jobs_next_attempt_at", "next_attempt_at"),

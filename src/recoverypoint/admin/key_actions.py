@@ -121,7 +121,7 @@ _ABANDON_EXHAUSTED = sa.text(
     SET finished_at = now(), abandoned_at = now(), response_status = :status,
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
-    WHERE id = :id AND finished_at IS NULL AND attempts >= :max_attempts
+    WHERE scope = :scope AND id = :id AND finished_at IS NULL AND attempts >= :max_attempts
       AND (lock_token IS NULL OR lock_token = :token)
     RETURNING idempotency_key, recovery_point, attempts, last_error
     """
@@ -318,12 +318,19 @@ def abandon(
 
 
 def abandon_exhausted(
-    db: sa.Engine, key_id: int, token: UUID, max_attempts: int, status: int, body: Any
+    db: sa.Engine,
+    scope: str,
+    key_id: int,
+    token: UUID,
+    max_attempts: int,
+    status: int,
+    body: Any,
 ) -> sa.Row[Any] | None:
-    """Abandon key ``key_id`` as the completer does, fenced by its lease ``token``: if it
-    is still unfinished and has failed ``max_attempts`` times. The key's row (its key,
-    point, attempts and last error), or ``None`` when it was not abandoned."""
+    """Abandon key ``key_id`` of ``scope`` as the completer does, fenced by its lease
+    ``token``: if it is still unfinished and has failed ``max_attempts`` times. The key's
+    row (its key, point, attempts and last error), or ``None`` when it was not abandoned."""
     params = {
+        "scope": scope,
         "id": key_id,
         "token": token,
         "max_attempts": max_attempts,

@@ -7,10 +7,13 @@ import os
 import sys
 
 from alembic.util import CommandError
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
-from .. import migrate
-from ..database import DATABASE_URL_ENV, normalize_url
+from .. import distribute, migrate
+from ..database import DATABASE_URL_ENV, create_engine, normalize_url
+from ..errors import ConfigurationError
 from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
 from ._common import Subparsers
 
@@ -36,12 +39,39 @@ def add_migrate(subparsers: Subparsers) -> None:
         action="store_true",
         help="print the SQL instead of running it; no database is contacted",
     )
+    parser.add_argument(
+        "--citus",
+        action="store_true",
+        help=(
+            "on a Citus coordinator, then distribute recoverypoint's tables by scope "
+            "(README: Scaling out on Citus)"
+        ),
+    )
+    parser.add_argument(
+        "--colocate",
+        metavar="TABLE[:COLUMN]",
+        action="append",
+        default=[],
+        help=(
+            "with --citus: one of your tables to distribute by its scope column (default "
+            "'scope') and co-locate with recoverypoint's; repeat for more"
+        ),
+    )
     parser.set_defaults(handler=_migrate)
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    if args.colocate and not args.citus:
+        return fail("migrate", EXIT_USAGE, "--colocate distributes tables: add --citus")
+    try:
+        distribution = distribute.statements(args.colocate)
+    except ValueError as exc:
+        return fail("migrate", EXIT_USAGE, str(exc))
     if args.sql:
         migrate.upgrade_sql(sys.stdout)
+        if args.citus:
+            print("-- Citus: distribute by scope (run on the coordinator)")
+            print("\n".join(distribution))
         return EXIT_OK
     if not args.database_url:
         return fail(
@@ -54,6 +84,16 @@ def _migrate(args: argparse.Namespace) -> int:
         url = normalize_url(args.database_url)
     except ValueError as exc:
         return fail("migrate", EXIT_USAGE, str(exc))
+    if args.citus:  # before anything is written: a server without Citus is left alone
+        try:
+            _on_citus(url)
+        except ConfigurationError as exc:
+            return fail("migrate", EXIT_FAILED, str(exc))
+        except DBAPIError as exc:
+            detail = " ".join(str(exc.orig or exc).split())
+            return fail(
+                "migrate", EXIT_FAILED, f"{url.render_as_string(hide_password=True)}: {detail}"
+            )
     try:
         result = migrate.upgrade(url)
     except DBAPIError as exc:
@@ -66,4 +106,23 @@ def _migrate(args: argparse.Namespace) -> int:
     if result.applied:
         print(f"applied {', '.join(result.applied)}; ", end="")
     print(f"recoverypoint schema is at revision {result.revision} (head)")
+    if args.citus:
+        db = create_engine(url, poolclass=NullPool)
+        try:
+            placed = distribute.distribute(db, args.colocate)
+        except ConfigurationError as exc:
+            return fail("migrate", EXIT_FAILED, str(exc))
+        except DBAPIError as exc:  # Citus refused a table (its key lacks the column, ...)
+            return fail("migrate", EXIT_FAILED, " ".join(str(exc.orig or exc).split()))
+        finally:
+            db.dispose()
+        print(f"distributed by scope: {', '.join(placed) if placed else 'nothing new'}")
     return EXIT_OK
+
+
+def _on_citus(url: URL) -> None:
+    db = create_engine(url, poolclass=NullPool)
+    try:
+        distribute.require_citus(db)
+    finally:
+        db.dispose()

@@ -63,6 +63,7 @@ class KeyRecord(NamedTuple):
     """The claim's view of a key record."""
 
     id: int
+    scope: str
     created_at: datetime
     operation_version: int
     fingerprint: str
@@ -77,8 +78,6 @@ class KeyRecord(NamedTuple):
     seed: str | None
     """The row's derivation seed; ``None`` for a row claimed before seeds existed."""
     ctid: str
-    xid: str | None
-    """The claim's transaction, once it wrote the row (a new key)."""
     claimed: bool
     inserted: bool
     held_for: float | None
@@ -89,13 +88,15 @@ class KeyRecord(NamedTuple):
         (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`, then ``claimed``, ``inserted``
         and ``held_for``)."""
         (
-            key_id, created_at, version, fingerprint, point, state, params, status, headers,
-            body, attempts, seed, ctid, xid, claimed, inserted, held_for,
+            key_id, scope, created_at, version, fingerprint, point, state, params, status,
+            headers, body, attempts, seed, ctid, claimed, inserted, held_for,
         ) = row  # fmt: skip
-        assert key_id and created_at and version and fingerprint and point and state
+        assert key_id and scope is not None and created_at and version and fingerprint
+        assert point and state
         assert params is not None and attempts and ctid
         return cls(
             int(key_id),
+            scope,
             datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
             int(version),
             fingerprint,
@@ -108,7 +109,6 @@ class KeyRecord(NamedTuple):
             int(attempts),
             seed,
             ctid,
-            xid,
             claimed == "t",
             inserted == "t",
             None if held_for is None else float(held_for),
@@ -153,19 +153,18 @@ class KeyRef:
     """Where a claimed key is, and the lease it is held under."""
 
     id: int
+    scope: str
     token: uuid.UUID
     ctid: str
-    xid: str | None = None
-    """The transaction of the last fenced write: a phase must commit in the one it began in."""
     locked_by: object = None
     """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
 
 
 def written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
-    """Record the row's new address and transaction, or raise :class:`LockLost`."""
+    """Record the row's new address, or raise :class:`LockLost`."""
     if row is None or row[0] is None:
         raise LockLost()
-    key.ctid, key.xid = row[0], row[1]
+    key.ctid = row[0]
     return row
 
 

@@ -39,11 +39,12 @@ def execute(
     statement: sql.Statement,
     params: Mapping[str, Any],
     *,
-    begin: bool = False,
+    begin: str | None = None,
     commit: bool = False,
 ) -> Row | None:
     """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
-    first row. Raises the error of the first command that failed.
+    first row. Raises the error of the first command that failed. ``begin``: the token of
+    the transaction to begin (:func:`recoverypoint.engine.sql.mark`), if one is to begin.
 
     psycopg deallocates every prepared statement of a connection, the engine's too, after a
     ROLLBACK or DDL it sends, for whatever code shares the connection (so do ``DISCARD ALL``
@@ -56,7 +57,7 @@ def execute(
         result = _run(pooled, connection, statement, values, begin, commit)
     except psycopg.errors.InvalidSqlStatementName:
         forget(pooled)
-        if begin:
+        if begin is not None:
             connection.pgconn.exec_(b"ROLLBACK")  # through libpq: psycopg's would deallocate
         elif connection.pgconn.transaction_status != TransactionStatus.IDLE:
             raise Deallocated() from None
@@ -89,11 +90,11 @@ def _run(
     connection: psycopg.Connection[Any],
     statement: sql.Statement,
     values: list[bytes],
-    begin: bool,
+    begin: str | None,
     commit: bool,
 ) -> Any:
     name = _prepared(pooled, connection, statement)
-    if begin or commit:
+    if begin is not None or commit:
         return _pipelined(connection, statement, name, values, begin, commit)
     pgconn = connection.pgconn
     if name is None:
@@ -106,14 +107,16 @@ def _pipelined(
     statement: sql.Statement,
     name: bytes | None,
     values: list[bytes],
-    begin: bool,
+    begin: str | None,
     commit: bool,
 ) -> Any:
     pgconn = connection.pgconn
     pgconn.enter_pipeline_mode()
+    began = 0 if begin is None else 2  # BEGIN and the transaction's token
     try:
-        if begin:
+        if begin is not None:
             pgconn.send_query_params(sql.BEGIN, None)
+            pgconn.send_query_params(sql.mark(begin), None)
         if name is None:  # unnamed: parsed with this execution, in the same round trip
             pgconn.send_query_params(statement.positional, values)
         else:
@@ -122,7 +125,7 @@ def _pipelined(
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
         _flush(pgconn)
-        commands = begin + 1 + commit
+        commands = began + 1 + commit
         results: list[Any] = []
         ended = 0  # each command's results end with a None
         while ended < commands:
@@ -148,7 +151,7 @@ def _pipelined(
         )
     if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
         raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
-    return results[begin]
+    return results[began]
 
 
 def _command_result(pgconn: Any) -> Any:

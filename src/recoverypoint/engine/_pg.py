@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import Escaping, ExecStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from ..backoff import backoff_delay
@@ -46,6 +47,7 @@ from ..errors import ConcurrentUpdate
 from ..observe import Observer
 from ..outage import drop_older_connections
 from . import _libpq, sql
+from .conflicts import is_conflict, sqlstate
 
 T = TypeVar("T")
 if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
@@ -58,8 +60,10 @@ TextRow = tuple[str | None, ...]
 # (libpq), and psycopg sends none of its own inside it.
 _AUTOCOMMIT = False
 
-# SQLSTATEs that mean "the same transaction may succeed if run again".
-RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+# Each transaction's token (sql.mark): unique in the process, and a session only ever sees
+# its own process's.
+_tokens = itertools.count(1)
 
 # What psycopg answers by deallocating every statement prepared on the connection (it
 # reads the command status; this reads the statement, and errs on the side of more).
@@ -97,6 +101,8 @@ class Transaction:
         self._deallocated = False
         self._sqlalchemy: sa.Connection | None = None
         self._engine_cursor: psycopg.Cursor[Any] | None = None
+        self.token = str(next(_tokens))
+        """The token the transaction holds from its BEGIN to its end (:func:`sql.mark`)."""
 
     @property
     def _cursor(self) -> psycopg.Cursor[Any]:
@@ -130,7 +136,8 @@ class Transaction:
         """One of the engine's statements in the transaction, BEGIN with it if it is the
         first; its first row, as text."""
         began, self._began = self._began, True
-        return _libpq.execute(self._pooled, self.connection, statement, params, begin=not began)
+        begin = None if began else self.token
+        return _libpq.execute(self._pooled, self.connection, statement, params, begin=begin)
 
     def fetch_and_commit(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
@@ -138,8 +145,9 @@ class Transaction:
         began, self._began = self._began, True
         if self._deallocated:
             _libpq.forget(self._pooled)
+        begin = None if began else self.token
         row = _libpq.execute(
-            self._pooled, self.connection, statement, params, begin=not began, commit=True
+            self._pooled, self.connection, statement, params, begin=begin, commit=True
         )
         self._committed = True
         return row
@@ -150,20 +158,31 @@ class Transaction:
         assert not self._began, "begin_with opens the transaction"
         self._began = True
         # libpq answers with the last statement's result: the row, or the error.
-        result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
+        result = self.connection.pgconn.exec_(self._begin_sql() + b"; " + query.encode())
         if result.status != ExecStatus.TUPLES_OK:
             raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
+        return _libpq.first_row(result, "utf-8")  # an address
+
+    def _begin_sql(self) -> bytes:
+        """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""
+        return sql.BEGIN + b"; " + sql.mark(self.token)
 
     def _begin(self) -> None:
         if not self._began:
             # Through libpq: a cursor would cost as much client CPU as a statement.
-            result = self.connection.pgconn.exec_(sql.BEGIN)
-            if result.status != ExecStatus.COMMAND_OK:
+            result = self.connection.pgconn.exec_(self._begin_sql())
+            if result.status != ExecStatus.TUPLES_OK:
                 raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
             self._began = True
 
     # -- the same on both wires -------------------------------------------------------------
+
+    def literal(self, value: str) -> str:
+        """``value`` as an SQL string literal, quoted by libpq for this connection."""
+        encoding = self.connection.info.encoding
+        return (
+            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
+        )
 
     def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no
@@ -259,9 +278,9 @@ def serializable(
                 if attempt == retries:
                     raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
-                state = sqlstate(exc)
-                if state not in RETRYABLE_SQLSTATES:
+                if not is_conflict(exc):
                     raise
+                state = sqlstate(exc)
                 if attempt == retries:
                     observer.serialization_exhausted(state)
                     raise ConcurrentUpdate() from exc
@@ -273,12 +292,6 @@ def serializable(
     finally:
         _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
-
-
-def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
-    """The SQLSTATE of a driver error, raised through SQLAlchemy (phase code) or not."""
-    error = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
-    return getattr(error, "sqlstate", None)
 
 
 def _roll_back_leftovers(tx: Transaction) -> None:

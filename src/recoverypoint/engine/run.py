@@ -317,7 +317,9 @@ class Engine(Registry):
         self.namespace = validate_namespace(row[0])
         return self.namespace
 
-    def resume(self, key_id: int, *, token: uuid.UUID | None = None) -> Outcome:
+    def resume(
+        self, key_id: int, *, scope: str | None = None, token: uuid.UUID | None = None
+    ) -> Outcome:
         """Resume the unfinished key record ``key_id`` from its recovery point, in-process,
         with the operation registered under its stored name and version; the completer
         does this for every key it claims.
@@ -327,27 +329,31 @@ class Engine(Registry):
         another request holds its lease, :class:`LookupError` when there is no such key,
         and what a phase raised, once the lease is released and the attempt counted.
         ``token`` is a lease the caller already holds on the key; without it the lease is
-        taken if it is free or expired. A database outage raises :class:`DatabaseUnavailable`.
+        taken if it is free or expired. ``scope``: the key's, when the caller knows it (the
+        completer does): every statement then reads the one shard that holds the key on a
+        distributed database; without it the key is first looked up by id on every shard.
+        A database outage raises :class:`DatabaseUnavailable`.
         """
         try:
-            return self._resume(key_id, token)
+            return self._resume(key_id, scope, token)
         except _DRIVER_ERRORS as exc:
             if not is_outage(exc):
                 raise
             raise unavailable(exc) from exc
 
-    def _resume(self, key_id: int, token: uuid.UUID | None) -> Outcome:
-        ident = store.key_operation(self.db, key_id)
+    def _resume(self, key_id: int, scope: str | None, token: uuid.UUID | None) -> Outcome:
+        ident = store.key_operation(self.db, key_id, scope)
         if ident is None:
             raise LookupError(f"there is no key record {key_id}")
-        operation = self.operation(*ident)
+        name, version, scope = ident
+        operation = self.operation(name, version)
         held = token or uuid.uuid4()
         lock_timeout = operation.lock_timeout.total_seconds()  # of the key's own version
         observing = self.observer.run(
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
         with observing as observed:
-            claim = _ClaimById(key_id, held, lock_timeout)
+            claim = _ClaimById(scope, key_id, held, lock_timeout)
             try:
                 record = self._transact(claim.take)
             except Exception:
@@ -399,7 +405,7 @@ class Engine(Registry):
             if lease_left > 0:
                 raise KeyInUse(key=request.key, retry_after=lease_left)
             # An unfinished key whose lease is free or expired: take it over.
-            taken = store.claim_by_id(tx, record.id, request.token, lock_timeout)
+            taken = store.claim_by_id(tx, record.scope, record.id, request.token, lock_timeout)
             if taken is None or not taken.claimed:
                 lease_left = 1 if taken is None else max(1, taken.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
@@ -528,9 +534,10 @@ class _ClaimById:
     """The claim of :meth:`Engine.resume`: an unfinished key taken by id, as a unit of
     work that a serialization failure runs again (:meth:`take`)."""
 
-    __slots__ = ("key_id", "lock_timeout", "taken", "token")
+    __slots__ = ("key_id", "lock_timeout", "scope", "taken", "token")
 
-    def __init__(self, key_id: int, token: uuid.UUID, lock_timeout: float) -> None:
+    def __init__(self, scope: str, key_id: int, token: uuid.UUID, lock_timeout: float) -> None:
+        self.scope = scope
         self.key_id = key_id
         self.token = token
         """The lease to take, or the one the caller already holds."""
@@ -542,7 +549,7 @@ class _ClaimById:
 
     def take(self, tx: Transaction) -> KeyRecord | None:
         """The key's record; it is :attr:`taken` when the claim took its lease."""
-        record = store.claim_by_id(tx, self.key_id, self.token, self.lock_timeout)
+        record = store.claim_by_id(tx, self.scope, self.key_id, self.token, self.lock_timeout)
         self.taken = record if record is not None and record.claimed else None
         return record
 
@@ -573,7 +580,7 @@ class _Run:
         observed.claimed(record.id, record.recovery_point, record.attempts + 1, record.inserted)
         self.operation = operation
         self.record = record
-        self.key = KeyRef(record.id, token, record.ctid)
+        self.key = KeyRef(record.id, record.scope, token, record.ctid)
         self.identity = KeyIdentity(operation.name, record.id, record.created_at, record.seed)
         self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 

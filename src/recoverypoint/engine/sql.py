@@ -26,6 +26,7 @@ cheap:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import NamedTuple
@@ -35,6 +36,23 @@ from .. import leases
 
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
+
+# The transaction's token, a setting local to it (see :func:`mark`): the write that records
+# a phase runs only where it still holds the token its transaction began with.
+TOKEN = "recoverypoint.tx"
+
+
+def mark(token: str) -> bytes:
+    """The statement that gives the transaction just begun its ``token`` (the engine's own
+    counter, never a client's input; checked here). Sent behind BEGIN, in the same round
+    trip. A setting ``SET LOCAL`` makes ends with its transaction, so phase code that ends
+    the engine's transaction and begins another leaves a transaction without it; unlike a
+    transaction id, it is read on the server that runs the statement, which on Citus is the
+    coordinator for BEGIN and for the write's condition alike."""
+    if not token.isdigit():
+        raise ValueError(f"not a transaction token: {token!r}")
+    return f"SELECT set_config('{TOKEN}', '{token}', true)".encode()
+
 
 # What the write that records a phase raises when it missed its row (see _GUARDED): the
 # key row changed under the phase, or the phase ended the transaction it began in.
@@ -72,12 +90,20 @@ NOTHING = "SELECT 1"
 # Every column as text, read one way whichever path it came by (a cursor, or libpq's own
 # text results): see KeyRecord.parse. JSON is parsed where it is used, once; the creation
 # time is the instant in UTC, so that no session's TimeZone or DateStyle changes it.
+#
+# Formatted outside the statement that writes the row: Citus refuses a function that is
+# not IMMUTABLE (to_char) in a RETURNING clause, so the claims return the row's columns
+# (_RETURNED) and format them in the query around it.
+_RETURNED = """
+    id, scope, created_at, operation_version, fingerprint, recovery_point, state,
+    request_params, response_status, response_headers, response_body, attempts,
+    derivation_seed, ctid
+"""
 _RECORD_COLUMNS = """
-    id::text, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
+    id::text, scope, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
-    response_body::text, attempts::text, derivation_seed,
-    ctid::text AS ctid, pg_current_xact_id_if_assigned()::text AS xid
+    response_body::text, attempts::text, derivation_seed, ctid::text AS ctid
 """
 
 
@@ -105,9 +131,9 @@ CLAIM = Statement(f"""
             %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s,
             %(lock_timeout)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
-        RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for
+        RETURNING {_RETURNED}
     )
-    SELECT * FROM claimed
+    SELECT {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for FROM claimed
     UNION ALL
     SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
@@ -124,15 +150,15 @@ CLAIM_BY_ID = Statement(f"""
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
             last_run_at = now()
-        WHERE k.id = %(id)s AND k.finished_at IS NULL
+        WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
           AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
-        RETURNING {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for
+        RETURNING {_RETURNED}
     )
-    SELECT * FROM claimed
+    SELECT {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for FROM claimed
     UNION ALL
     SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
-    WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
+    WHERE scope = %(scope)s AND id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
 """)
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
@@ -164,15 +190,23 @@ PAST_RETENTION = Statement("""
 # The database's namespace of derived keys (migration 0009), read once per engine.
 NAMESPACE = "SELECT namespace FROM recoverypoint_namespace"
 
-# Which operation and version a key record belongs to (Engine.resume looks it up by id).
-KEY_OPERATION = "SELECT operation, operation_version FROM idempotency_keys WHERE id = %(id)s"
+# Which operation and version a key record belongs to, and its scope (Engine.resume looks
+# it up by id): in its scope when the caller knows it (the completer), which reads one
+# shard; by id alone otherwise, which reads every shard of a distributed table.
+KEY_OPERATION = """
+    SELECT operation, operation_version, scope FROM idempotency_keys
+    WHERE scope = %(scope)s AND id = %(id)s
+"""
+KEY_OPERATION_ANY_SCOPE = """
+    SELECT operation, operation_version, scope FROM idempotency_keys WHERE id = %(id)s
+"""
 
 # The fenced statements below end with {where}, written out when the module loads: by
-# address first, by id when the address is stale. Each returns the row's new address and
-# the transaction it ran in (which must be the phase's own, see phase_guard), then what
-# the statement names in ``returning``.
-_BY_CTID = "ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
-_BY_ID = "id = %(id)s AND lock_token = %(token)s"
+# address first, by id when the address is stale; always in the key's scope, which routes
+# each to the one shard (or partition) that holds the key. Each returns the row's new
+# address, then what the statement names in ``returning``.
+_BY_CTID = "scope = %(scope)s AND ctid = %(ctid)s::tid AND id = %(id)s AND lock_token = %(token)s"
+_BY_ID = "scope = %(scope)s AND id = %(id)s AND lock_token = %(token)s"
 
 
 class Fenced(NamedTuple):
@@ -181,24 +215,32 @@ class Fenced(NamedTuple):
     by_ctid: str
     by_id: str
     held: Statement
-    """By ctid, in the transaction whose fence or claim locked the row (see ``xid``): the
-    write that records an atomic phase, COMMIT right behind it. It raises when it misses its
-    row (:data:`KEY_ROW_CHANGED`, :data:`TRANSACTION_ENDED`), so that COMMIT never runs."""
-    held_staging: Statement
-    """:attr:`held`, inserting the phase's staged jobs in the same statement."""
+    """By ctid, in the transaction whose fence or claim locked the row (see :func:`mark`):
+    the write that records an atomic phase, COMMIT right behind it. It raises when it misses
+    its row (:data:`KEY_ROW_CHANGED`, :data:`TRANSACTION_ENDED`), so that COMMIT never
+    runs."""
+    sql: str
+    """The UPDATE or DELETE, its ``{where}`` still to write (:meth:`staging`)."""
+    returning: str
+    wakes: bool
+    """Whether it wakes the duplicates waiting for the key (:data:`_WAKE`)."""
+
+    def staging(self, jobs: int) -> Statement:
+        """:attr:`held`, inserting a phase's ``jobs`` staged jobs in the same statement."""
+        return _staging(self, jobs)
 
 
-# The phase's staged jobs, as arrays in job order; inserted only when the write that records
-# the phase found its row.
-_STAGED = """
-    INSERT INTO staged_jobs (job_name, job_args, job_key, idempotency_key_id, trace_context)
-    SELECT job.name, job.args::jsonb, job.job_key, %(id)s, job.trace_context
-    FROM unnest(%(job_names)s::text[], %(job_args)s::text[], %(job_keys)s::text[],
-                %(job_traces)s::text[]) WITH ORDINALITY
-         AS job(name, args, job_key, trace_context, n)
-    WHERE EXISTS (SELECT FROM written)
-    ORDER BY job.n
-"""
+# The phase's staged jobs, one row of VALUES each, all in the key's scope: a single-shard
+# insert on Citus (an INSERT ... SELECT from unnest() is pulled to the coordinator and
+# COPYed, which commits on every worker by two-phase commit). Not conditional on the write
+# that records the phase: when that write misses its row the statement raises, and the
+# jobs are never committed.
+def _staged_values(n: int) -> str:
+    return ", ".join(
+        f"(%(scope)s, %(job_name_{i})s, %(job_args_{i})s::jsonb, %(job_key_{i})s, %(id)s, "
+        f"%(job_trace_{i})s)"
+        for i in range(n)
+    )
 
 
 # A NOTIFY on the key's channel (recoverypoint.engine.waits), for the duplicates that wait
@@ -207,40 +249,81 @@ _STAGED = """
 # waits: each holds the key's advisory lock shared while it does, so this write cannot take
 # it (and PostgreSQL, which commits the transactions that notify one at a time, is spared
 # the NOTIFY of every other key). A waiter that asks for the lock after this took it waits
-# for the commit, then reads the key again.
+# for the commit, then reads the key again. Computed in a SELECT over the write's rows, not
+# in its RETURNING, which Citus allows only immutable functions: the SELECT runs where the
+# client's transaction is (the coordinator), where the waiters listen.
 _IDENTITY = "md5(scope || chr(31) || operation || chr(31) || idempotency_key)"
 _WAKE = (
-    f"CASE WHEN pg_try_advisory_xact_lock(('x' || left({_IDENTITY}, 16))::bit(64)::bigint) "
-    f"THEN NULL ELSE pg_notify('recoverypoint_' || {_IDENTITY}, '')::text END"
+    "CASE WHEN pg_try_advisory_xact_lock(('x' || left(identity, 16))::bit(64)::bigint) "
+    "THEN NULL ELSE pg_notify('recoverypoint_' || identity, '')::text END"
 )
 
 
+def _write(sql: str, where: str, returning: str) -> str:
+    columns = "ctid::text" + (f", {returning} AS returned" if returning else "")
+    return f"{sql.format(where=where)} RETURNING {columns}"
+
+
+def _written_out(sql: str, where: str, returning: str, wakes: bool) -> tuple[str, str]:
+    """The write, found by ``where``, as the CTE ``written`` of its returned rows, and the
+    CTE that comes before it."""
+    write = _write(sql, where, returning)
+    if not wakes:
+        return "", f"written AS ({write})"
+    names = "ctid" + (", returned" if returning else "")
+    return (
+        f"woken AS ({write}, {_IDENTITY} AS identity), ",
+        f"written AS (SELECT {names}, {_WAKE} FROM woken)",
+    )
+
+
+def _alone(sql: str, where: str, returning: str, wakes: bool) -> str:
+    if not wakes:
+        return _write(sql, where, returning)
+    before, written = _written_out(sql, where, returning, wakes)
+    return f"WITH {before}{written} SELECT * FROM written"
+
+
+def _guarded(sql: str, returning: str, wakes: bool, staged: str) -> Statement:
+    # Only in the phase's own transaction: phase code that ended it cannot have the point
+    # recorded in another. current_setting() without a column: Citus evaluates it on the
+    # coordinator, where the transaction's token was set.
+    before, written = _written_out(
+        sql, f"current_setting('{TOKEN}', true) = %(tx)s AND {_BY_CTID}", returning, wakes
+    )
+    nulls = ", ".join(["NULL"] * (1 + bool(returning) + wakes))
+    # CASE, not AND: the miss is decided before the function is called, and told whether
+    # the statement still runs in the phase's transaction. (On Citus, which evaluates the
+    # setting on the coordinator only inside the UPDATE, a miss is always reported as the
+    # transaction ended: both misses commit nothing.)
+    return Statement(f"""
+        WITH {before}{written}{staged}
+        SELECT * FROM written
+        UNION ALL
+        SELECT {nulls}
+        WHERE CASE WHEN EXISTS (SELECT FROM written) THEN false
+                   ELSE recoverypoint_write_missed(
+                       current_setting('{TOKEN}', true) IS NOT DISTINCT FROM %(tx)s) END
+    """)
+
+
+@functools.lru_cache(maxsize=64)
+def _staging(fenced: Fenced, jobs: int) -> Statement:
+    insert = (
+        "INSERT INTO staged_jobs (scope, job_name, job_args, job_key, idempotency_key_id, "
+        f"trace_context) VALUES {_staged_values(jobs)}"
+    )
+    return _guarded(fenced.sql, fenced.returning, fenced.wakes, f", staged AS ({insert})")
+
+
 def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) -> Fenced:
-    extra = [column for column in (returning, _WAKE if wakes else "") if column]
-
-    def written_out(where: str) -> str:
-        return f"{sql.format(where=where)} RETURNING ctid::text, pg_current_xact_id()::text" + (
-            "".join(f", {column}" for column in extra)
-        )
-
-    # Also in the phase's own transaction: phase code that ended it cannot have the point
-    # recorded in another.
-    held = written_out(f"pg_current_xact_id()::text = %(xid)s AND {_BY_CTID}")
-    nulls = ", ".join(["NULL"] * (2 + len(extra)))
-
-    def guarded(staged: str) -> Statement:
-        # CASE, not AND: the miss is decided before the function is called.
-        return Statement(f"""
-            WITH written AS ({held}){staged}
-            SELECT * FROM written
-            UNION ALL
-            SELECT {nulls}
-            WHERE CASE WHEN EXISTS (SELECT FROM written) THEN false
-                       ELSE recoverypoint_write_missed(%(xid)s) END
-        """)
-
     return Fenced(
-        written_out(_BY_CTID), written_out(_BY_ID), guarded(""), guarded(f", staged AS ({_STAGED})")
+        _alone(sql, _BY_CTID, returning, wakes),
+        _alone(sql, _BY_ID, returning, wakes),
+        _guarded(sql, returning, wakes, ""),
+        sql,
+        returning,
+        wakes,
     )
 
 
@@ -248,27 +331,34 @@ def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) ->
 # renewed by the write that commits the phase: a renewal here would be seen by nobody
 # (no other transaction sees it before that write replaces it) and would cost a row version.
 _FENCE = """
-    SELECT ctid::text, pg_current_xact_id()::text FROM idempotency_keys WHERE {where}
+    SELECT ctid::text FROM idempotency_keys WHERE {where}
     FOR UPDATE
 """
 FENCE_BY_ID = _FENCE.format(where=_BY_ID)
 _CTID = re.compile(r"\(\d+,\d+\)")
 
 
-def fence_by_ctid(ctid: str, key_id: int, token: UUID) -> str:
+def fence_by_ctid(scope_literal: str, ctid: str, key_id: int, token: UUID) -> str:
     """The fence by address, its values written into the text, so that it travels with
     BEGIN in one message (:meth:`recoverypoint.engine._pg.Transaction.begin_with`): a round trip
-    less for every phase after the first. Only values whose form is checked here go in:
-    never a client's input."""
+    less for every phase after the first. Only values whose form is checked here go in, and
+    the scope as the connection's own quoting wrote it (``scope_literal``, libpq's
+    ``PQescapeLiteral``): a constant, which routes the fence to the scope's shard."""
     if _CTID.fullmatch(ctid) is None or type(key_id) is not int or type(token) is not UUID:
         raise ValueError(f"not a key row's address: {ctid!r}, {key_id!r}, {token!r}")
-    where = f"ctid = '{ctid}'::tid AND id = {key_id} AND lock_token = '{token}'"
+    if not (scope_literal.startswith(("'", " E'")) and scope_literal.endswith("'")):
+        raise ValueError(f"not a quoted literal: {scope_literal!r}")
+    where = (
+        f"scope = {scope_literal} AND ctid = '{ctid}'::tid AND id = {key_id} "
+        f"AND lock_token = '{token}'"
+    )
     return _FENCE.format(where=where)
 
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment
-# (clock_timestamp(), not now(): that is the transaction's start, and a phase that ran for
-# longer than the lock timeout would leave its successor no lease at all). Only from the
+# (statement_timestamp(), not now(): that is the transaction's start, and a phase that ran
+# for longer than the lock timeout would leave its successor no lease at all; not
+# clock_timestamp(), which Citus refuses in an UPDATE as VOLATILE). Only from the
 # point the run started the phase at: a recovery point never moves backwards, even when a
 # run records a step's result after the phase that followed it did commit (an ambiguous
 # COMMIT failure).
@@ -276,7 +366,7 @@ ADVANCE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
-        locked_at = clock_timestamp(), last_run_at = now()
+        locked_at = statement_timestamp(), last_run_at = now()
     WHERE recovery_point = %(from_point)s AND {where}
 """,
     returning="state::text",

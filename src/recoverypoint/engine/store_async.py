@@ -65,36 +65,42 @@ async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None
 
 
 async def claim_by_id(
-    tx: AsyncTransaction, key_id: int, token: UUID, lock_timeout: float
+    tx: AsyncTransaction, scope: str, key_id: int, token: UUID, lock_timeout: float
 ) -> KeyRecord | None:
-    """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone.
-    ``lock_timeout``: the operation's, of the version that started the key."""
-    params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
+    """Take key ``key_id`` of ``scope`` under ``token`` if it can be taken; ``None`` if it
+    is gone. ``lock_timeout``: the operation's, of the version that started the key."""
+    params = {"scope": scope, "id": key_id, "token": token, "lock_timeout": lock_timeout}
     return await _fetch_record(tx, sql.CLAIM_BY_ID, params)
 
 
-async def key_operation(db: sa_async.AsyncEngine, key_id: int) -> tuple[str, int] | None:
-    """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
+async def key_operation(
+    db: sa_async.AsyncEngine, key_id: int, scope: str | None
+) -> tuple[str, int, str] | None:
+    """The operation name and version stored with key ``key_id``, and its scope; ``None``
+    if it is gone (or not in ``scope``, when one is given)."""
+    statement = sql.KEY_OPERATION_ANY_SCOPE if scope is None else sql.KEY_OPERATION
     async with borrowed(db) as (_, connection):
-        cursor = await connection.execute(sql.KEY_OPERATION, {"id": key_id})
+        cursor = await connection.execute(statement, {"id": key_id, "scope": scope})
         row = await cursor.fetchone()
-    return None if row is None else (row[0], row[1])
+    return None if row is None else (row[0], row[1], row[2])
 
 
 async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
     with _waiting_for_key:
-        row = await tx.begin_with(sql.fence_by_ctid(key.ctid, key.id, key.token))
+        scope = tx.literal(key.scope)
+        row = await tx.begin_with(sql.fence_by_ctid(scope, key.ctid, key.id, key.token))
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = await tx.fetchone(sql.FENCE_BY_ID, {"id": key.id, "token": key.token})
+            params = {"scope": key.scope, "id": key.id, "token": key.token}
+            row = await tx.fetchone(sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
 
 
 def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
-    key.ctid, key.xid, key.locked_by = record.ctid, record.xid, tx
+    key.ctid, key.locked_by = record.ctid, tx
 
 
 async def advance(
@@ -181,16 +187,17 @@ async def _commit_fenced(
     """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
     jobs; else (a step's result committed on its own) by address, then by id."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
-    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid, "xid": key.xid}
+    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
     if key.locked_by is tx:
-        if jobs:
-            params["job_names"] = [job.name for job in jobs]
-            params["job_args"] = [job.args_json for job in jobs]
-            params["job_keys"] = [job.job_key for job in jobs]
-            params["job_traces"] = [job.trace_context for job in jobs]
+        params["tx"] = tx.token
+        for i, job in enumerate(jobs):
+            params[f"job_name_{i}"] = job.name
+            params[f"job_args_{i}"] = job.args_json
+            params[f"job_key_{i}"] = job.job_key
+            params[f"job_trace_{i}"] = job.trace_context
         try:  # the phase and its recovery point, committed together
             row = await tx.fetch_and_commit(
-                statement.held_staging if jobs else statement.held, params
+                statement.staging(len(jobs)) if jobs else statement.held, params
             )
         except psycopg.Error as exc:
             # The write missed the row its own transaction locked (it raises then, so that
@@ -204,7 +211,7 @@ async def _commit_fenced(
                     "idempotency_keys); nothing was committed: retry with the same key"
                 ) from None
             raise
-        return written(key, row)[2]
+        return written(key, row)[1]
     # A foreign step's result, committed on its own: it stages no jobs.
     with _waiting_for_key:
         row = await tx.fetchone(statement.by_ctid, params)
@@ -212,14 +219,14 @@ async def _commit_fenced(
             row = await tx.fetchone(statement.by_id, params)
     if row is not None:
         await tx.commit()
-    return written(key, row)[2]
+    return written(key, row)[1]
 
 
 async def _fenced_alone(
     db: sa_async.AsyncEngine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
 ) -> bool:
     """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
-    params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
+    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
     async with borrowed(db) as (_, connection):
         with _waiting_for_key:
             cursor = await connection.execute(statement.by_ctid, params)

@@ -58,8 +58,22 @@ _DUE = """
     AND k.last_run_at <= now() - make_interval(secs => :min_age)
 """
 
-# Take the leases of a batch of due keys with a free or expired lease, under one token.
-# SKIP LOCKED: rows another completer (or a client's claim) holds are passed over.
+# The scopes with due keys of registered operations whose lease is free, longest due first.
+_DUE_SCOPES = text(
+    f"""
+    WITH {REGISTERED}
+    SELECT k.scope
+    FROM idempotency_keys AS k
+    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+    WHERE {_DUE}
+      AND {free("r.lock_timeout")}
+    GROUP BY k.scope ORDER BY min(k.next_attempt_at) LIMIT :scopes
+    """
+)
+
+# Take the leases of a batch of one scope's due keys with a free or expired lease, under
+# one token. SKIP LOCKED: rows another completer (or a client's claim) holds are passed
+# over.
 _CLAIM_DUE = text(
     f"""
     WITH {REGISTERED},
@@ -67,7 +81,8 @@ _CLAIM_DUE = text(
         SELECT k.id, r.lock_timeout
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-        WHERE {_DUE}
+        WHERE k.scope = :scope
+          AND {_DUE}
           AND {free("r.lock_timeout")}
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
@@ -76,8 +91,8 @@ _CLAIM_DUE = text(
     UPDATE idempotency_keys AS k
     SET locked_at = now(), lock_token = :token, lock_timeout = due.lock_timeout
     FROM due
-    WHERE k.id = due.id
-    RETURNING k.id, k.operation, k.operation_version, k.attempts
+    WHERE k.scope = :scope AND k.id = due.id
+    RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts
     """
 )
 
@@ -99,7 +114,7 @@ _UNREGISTERED = text(
 _RELEASE_UNSTARTED = text(
     """
     UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL
-    WHERE id = ANY(CAST(:ids AS bigint[])) AND lock_token = :token
+    WHERE scope = :scope AND id = ANY(CAST(:ids AS bigint[])) AND lock_token = :token
     """
 )
 
@@ -123,6 +138,7 @@ class CompleterResult(Result):
 @dataclass(frozen=True)
 class _Claimed:
     id: int
+    scope: str
     operation: str
     operation_version: int
     attempts: int
@@ -179,7 +195,7 @@ class Completer(Worker[CompleterResult]):
                 # Stopping, or an error out of the batch: keys not done go back at once
                 # instead of waiting out their leases.
                 if len(done) < len(batch):
-                    self._release([k.id for k in batch if k.id not in done], token)
+                    self._release([k for k in batch if k.id not in done], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
         self.engines.observer.worker_pass(self.name)
@@ -272,10 +288,17 @@ class Completer(Worker[CompleterResult]):
     def _claim_due(
         self, operations: list[Operation[Any]], token: uuid.UUID, limit: int
     ) -> list[_Claimed]:
-        """Take the leases of up to ``limit`` due keys of ``operations``, in one transaction."""
-        params = {**self._registered(operations), "batch_size": limit, "token": token}
-        with self.db.begin() as conn:
-            return [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, params)]
+        """Take the leases of up to ``limit`` due keys of ``operations``, one transaction
+        per scope."""
+        params = {**self._registered(operations), "token": token}
+        claimed: list[_Claimed] = []
+        for scope in self.scopes_due(_DUE_SCOPES, params):
+            if len(claimed) == limit or self.stopping:
+                break
+            room = {**params, "scope": scope, "batch_size": limit - len(claimed)}
+            with self.db.begin() as conn:
+                claimed += [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, room)]
+        return claimed
 
     def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:
         """Resume one key of a sync operation; whatever goes wrong with it stays with it."""
@@ -284,9 +307,9 @@ class Completer(Worker[CompleterResult]):
             if self._exhausted(key, engine.observer, operation, token, result):
                 return
             try:
-                outcome = engine.resume(key.id, token=token)
+                outcome = engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
-                self._failed(exc, key.id, engine.observer, operation, token, result)
+                self._failed(exc, key, engine.observer, operation, token, result)
             else:
                 self._resumed(outcome, result)
         except Exception as exc:
@@ -305,9 +328,9 @@ class Completer(Worker[CompleterResult]):
             if await asyncio.to_thread(self._exhausted, key, *args):
                 return
             try:
-                outcome = await engine.resume(key.id, token=token)
+                outcome = await engine.resume(key.id, scope=key.scope, token=token)
             except Exception as exc:
-                await asyncio.to_thread(self._failed, exc, key.id, *args)
+                await asyncio.to_thread(self._failed, exc, key, *args)
             else:
                 self._resumed(outcome, result)
         except Exception as exc:
@@ -324,13 +347,13 @@ class Completer(Worker[CompleterResult]):
         """Abandon a key out of attempts already (its client's) without another run."""
         if key.attempts < operation.max_attempts:
             return False
-        result.abandoned += self._abandon(key.id, observer, operation, token)
+        result.abandoned += self._abandon(key, observer, operation, token)
         return True
 
     def _failed(
         self,
         exc: Exception,
-        key_id: int,
+        key: _Claimed,
         observer: Observer,
         operation: Operation[Any],
         token: uuid.UUID,
@@ -344,7 +367,7 @@ class Completer(Worker[CompleterResult]):
             return
         # The engine released the lease, counted the attempt and logged the error.
         result.failed += 1
-        result.abandoned += self._abandon(key_id, observer, operation, token)
+        result.abandoned += self._abandon(key, observer, operation, token)
 
     @staticmethod
     def _resumed(outcome: Outcome, result: CompleterResult) -> None:
@@ -367,12 +390,13 @@ class Completer(Worker[CompleterResult]):
         )
 
     def _abandon(
-        self, key_id: int, observer: Observer, operation: Operation[Any], token: uuid.UUID
+        self, key: _Claimed, observer: Observer, operation: Operation[Any], token: uuid.UUID
     ) -> int:
         """Abandon the key if it is out of attempts; 1 if it was, else 0."""
         row = abandon_exhausted(
             self.db,
-            key_id,
+            key.scope,
+            key.id,
             token,
             operation.max_attempts,
             ABANDONED_RESPONSE.status,
@@ -384,7 +408,7 @@ class Completer(Worker[CompleterResult]):
         self.log(
             logging.ERROR,
             "abandoned",
-            key_id=key_id,
+            key_id=key.id,
             operation=operation.name,
             version=operation.version,
             idempotency_key=row.idempotency_key,
@@ -394,9 +418,14 @@ class Completer(Worker[CompleterResult]):
         )
         return 1
 
-    def _release(self, ids: list[int], token: uuid.UUID) -> None:
+    def _release(self, keys: list[_Claimed], token: uuid.UUID) -> None:
+        """Hand the leases of ``keys`` back, one statement per scope."""
+        by_scope: dict[str, list[int]] = {}
+        for key in keys:
+            by_scope.setdefault(key.scope, []).append(key.id)
         with self.db.begin() as conn:
-            conn.execute(_RELEASE_UNSTARTED, {"ids": ids, "token": token})
+            for scope, ids in by_scope.items():
+                conn.execute(_RELEASE_UNSTARTED, {"scope": scope, "ids": ids, "token": token})
 
     def _report_unregistered(self, conn: Connection, registered: dict[str, Any]) -> int:
         """Count due keys no registered operation can resume; log when the picture changes."""

@@ -31,13 +31,22 @@ from ..jobs import Job, JobBackend
 from .engines import AnyEngine
 from .loop import Result, Worker, describe
 
-# Due jobs, oldest first; jobs another enqueuer holds are skipped, not waited for.
+# The scopes with jobs due, those waiting longest first.
+_DUE_SCOPES = text(
+    """
+    SELECT scope FROM staged_jobs WHERE next_attempt_at <= now()
+    GROUP BY scope ORDER BY min(next_attempt_at) LIMIT :scopes
+    """
+)
+
+# Due jobs of one scope, oldest first; jobs another enqueuer holds are skipped, not waited
+# for.
 _CLAIM_JOBS = text(
     """
     SELECT id, job_name, job_args, job_key, attempts, trace_context,
            extract(epoch FROM clock_timestamp() - created_at)::float8 AS age
     FROM staged_jobs
-    WHERE next_attempt_at <= now()
+    WHERE scope = :scope AND next_attempt_at <= now()
     ORDER BY next_attempt_at, id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -45,7 +54,9 @@ _CLAIM_JOBS = text(
 )
 
 # Exactly the jobs this batch published, all of them locked by this transaction.
-_DELETE_PUBLISHED = text("DELETE FROM staged_jobs WHERE id = ANY(CAST(:ids AS bigint[]))")
+_DELETE_PUBLISHED = text(
+    "DELETE FROM staged_jobs WHERE scope = :scope AND id = ANY(CAST(:ids AS bigint[]))"
+)
 
 # A job whose publish failed stays staged and waits before it is tried again.
 _POSTPONE = text(
@@ -53,7 +64,7 @@ _POSTPONE = text(
     UPDATE staged_jobs
     SET attempts = attempts + 1, last_error = :error,
         next_attempt_at = now() + make_interval(secs => :retry_in)
-    WHERE id = :id
+    WHERE scope = :scope AND id = :id
     """
 )
 
@@ -103,17 +114,16 @@ class Enqueuer(Worker[EnqueuerResult]):
 
     def run_once(self) -> EnqueuerResult:
         result = EnqueuerResult()
-        while not self.stopping:
-            claimed = self._batch(result)
-            if claimed < self.batch_size:
-                break
+        self.by_scope(_DUE_SCOPES, {}, lambda scope: self._batch(scope, result))
         self.engines.observer.worker_pass(self.name)
         return result
 
-    def _batch(self, result: EnqueuerResult) -> int:
-        """Publish one batch in one transaction; returns how many jobs it claimed."""
+    def _batch(self, scope: str, result: EnqueuerResult) -> int:
+        """Publish one batch of ``scope``'s jobs in one transaction; returns how many jobs
+        it claimed."""
         with self.db.begin() as conn:
-            rows = conn.execute(_CLAIM_JOBS, {"batch_size": self.batch_size}).all()
+            params = {"scope": scope, "batch_size": self.batch_size}
+            rows = conn.execute(_CLAIM_JOBS, params).all()
             claimed_at = time.monotonic()  # a job's lag: its age at the claim, plus since
             observer = self.engines.observer
             published: list[int] = []
@@ -128,7 +138,9 @@ class Enqueuer(Worker[EnqueuerResult]):
                     observer.job_publish_failed(job.name)
                     error = describe(exc)
                     delay = backoff_delay(row.attempts, base=self.retry_base, cap=self.retry_cap)
-                    failures.append({"id": row.id, "error": error[:2000], "retry_in": delay})
+                    failures.append(
+                        {"scope": scope, "id": row.id, "error": error[:2000], "retry_in": delay}
+                    )
                     first_failure = first_failure or {
                         "job_id": row.id,
                         "job_name": row.job_name,
@@ -144,7 +156,7 @@ class Enqueuer(Worker[EnqueuerResult]):
                         # Published, not yet deleted: a crash here re-publishes the batch.
                         faults.hit("after_publish", row.job_name)
             if published:
-                conn.execute(_DELETE_PUBLISHED, {"ids": published})
+                conn.execute(_DELETE_PUBLISHED, {"scope": scope, "ids": published})
             if failures:
                 conn.execute(_POSTPONE, failures)
                 # One line per batch, not per job: a broker outage fails them all alike.

@@ -4,6 +4,13 @@ until stopped, and SIGTERM/SIGINT become a stop in one place (:func:`on_stop`).
 A pass (``run_once``) works in batches, one transaction each, until a batch comes back
 short or a stop is requested; a stop is only looked at between batches, so a batch always
 commits or rolls back whole. Log lines are ``key=value`` pairs (logfmt), one event each.
+
+Every claim a worker makes is in one scope (:meth:`Worker.scopes_due` lists the scopes with
+work due, reading without locks; then each scope is claimed with ``FOR UPDATE SKIP
+LOCKED`` in a statement that names it). On a single server that costs one cheap listing per
+pass; on a database distributed by scope (Citus) each claim runs on the one shard that
+holds the scope, where ``SKIP LOCKED`` works, and the listing is a read, which Citus runs
+on every shard.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from .engines import AnyEngine, Engines
 logger = logging.getLogger("recoverypoint.workers")
 
 _HOST = socket.gethostname()
+
+SCOPES_PER_PASS = 1000
+"""The scopes a pass works through at most; the next pass takes the rest."""
 _RECORD_PASS = sa.text(
     """
     INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error)
@@ -113,6 +123,23 @@ class Worker(ABC, Generic[R]):
     @abstractmethod
     def run_once(self) -> R:
         """One pass: batches until a short one or a stop; returns what it did."""
+
+    def scopes_due(self, listing: sa.TextClause, params: Mapping[str, object]) -> list[str]:
+        """The scopes ``listing`` names (those with work waiting longest first, up to
+        :data:`SCOPES_PER_PASS`), read without locks."""
+        with self.db.connect() as conn:
+            return list(conn.execute(listing, {**params, "scopes": SCOPES_PER_PASS}).scalars())
+
+    def by_scope(
+        self, listing: sa.TextClause, params: Mapping[str, object], batch: Callable[[str], int]
+    ) -> None:
+        """Run ``batch(scope)`` (one transaction, returning how many rows it claimed) for
+        each scope the listing names, again while a batch comes back full, until a stop."""
+        for scope in self.scopes_due(listing, params):
+            while not self.stopping and batch(scope) >= self.batch_size:
+                pass
+            if self.stopping:
+                return
 
     def stop(self) -> None:
         self.stop_event.set()

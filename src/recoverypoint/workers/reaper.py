@@ -46,7 +46,16 @@ _AUTOVACUUM_OFF = text(
     """
 )
 
-# One batch of finished keys past their retention: their operation's own (``Operation(
+# The scopes with finished keys past the shortest retention, the oldest first.
+_DUE_SCOPES = text(
+    """
+    SELECT scope FROM idempotency_keys
+    WHERE finished_at < now() - make_interval(secs => :shortest)
+    GROUP BY scope ORDER BY min(finished_at) LIMIT :scopes
+    """
+)
+
+# One batch of one scope's finished keys past their retention: their operation's own (``Operation(
 # retention=...)``, a table from three arrays) or the reaper's. The partial index on
 # finished_at finds them by the shortest retention; each row is then held to its own. Rows
 # locked elsewhere are skipped, so reapers never wait for each other.
@@ -60,7 +69,8 @@ _REAP_KEYS = text(
     ), doomed AS (
         SELECT k.id FROM idempotency_keys AS k
         LEFT JOIN own ON own.operation = k.operation AND own.version = k.operation_version
-        WHERE k.finished_at < now() - make_interval(secs => :shortest)
+        WHERE k.scope = :scope
+          AND k.finished_at < now() - make_interval(secs => :shortest)
           AND k.finished_at < now() - make_interval(secs => coalesce(own.retention, :retention))
           AND (k.abandoned_at IS NULL
                OR k.abandoned_at < now() - make_interval(secs => :abandoned_retention))
@@ -68,16 +78,16 @@ _REAP_KEYS = text(
         FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
-        WHERE k.id = doomed.id
+        WHERE k.scope = :scope AND k.id = doomed.id
         RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned
     ), unlinked AS (
         -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
         -- NULL. A job an enqueuer is publishing right now is skipped, not waited for: it is
         -- about to be deleted, and a stale id there harms nobody.
         UPDATE staged_jobs SET idempotency_key_id = NULL
-        WHERE id IN (
+        WHERE scope = :scope AND id IN (
             SELECT id FROM staged_jobs
-            WHERE idempotency_key_id IN (SELECT id FROM deleted)
+            WHERE scope = :scope AND idempotency_key_id IN (SELECT id FROM deleted)
             FOR UPDATE SKIP LOCKED
         )
     )
@@ -163,12 +173,14 @@ class Reaper(Worker[ReaperResult]):
             "shortest": min([self.retention.total_seconds(), *retentions]),
             "abandoned_retention": self.abandoned_retention.total_seconds(),
         }
-        while not self.stopping:
-            abandoned = self._batch(_REAP_KEYS, keys, result)
+
+        def reap(scope: str) -> int:
+            abandoned = self._batch(_REAP_KEYS, {**keys, "scope": scope}, result)
             result.abandoned += sum(abandoned)
             result.finished += len(abandoned) - sum(abandoned)
-            if len(abandoned) < self.batch_size:
-                break
+            return len(abandoned)
+
+        self.by_scope(_DUE_SCOPES, keys, reap)
         messages = {"retention": self.processed_retention.total_seconds()}
         while not self.stopping:
             deleted = len(self._batch(_REAP_MESSAGES, messages, result))

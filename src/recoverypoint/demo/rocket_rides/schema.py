@@ -25,8 +25,10 @@ CREATE TABLE IF NOT EXISTS users (
 CREATE TABLE IF NOT EXISTS rides (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     created_at timestamptz NOT NULL DEFAULT now(),
-    -- SET NULL: the reaper deletes old keys, the rides stay.
-    idempotency_key_id bigint UNIQUE REFERENCES idempotency_keys (id) ON DELETE SET NULL,
+    -- The key that created the ride. No foreign key: idempotency_keys is keyed by
+    -- (id, scope), so that it can be distributed by scope; the reaper deletes old keys
+    -- and the rides stay.
+    idempotency_key_id bigint UNIQUE,
     origin_lat numeric(13, 10) NOT NULL,
     origin_lon numeric(13, 10) NOT NULL,
     target_lat numeric(13, 10) NOT NULL,

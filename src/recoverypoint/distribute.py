@@ -1,0 +1,113 @@
+"""Distribute recoverypoint's tables on Citus, by scope, and co-locate an application's own.
+
+On a Citus coordinator, after ``recoverypoint migrate``:
+
+- ``idempotency_keys`` is distributed by ``scope``, and ``staged_jobs`` with it
+  (co-located: a key's staged jobs live on its shard, so a phase that stages them commits
+  on one worker, without two-phase commit);
+- the small tables every process reads or writes by their own keys (``processed_messages``,
+  ``worker_passes``, ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``)
+  become reference tables, copied to every worker;
+- each of the application's tables named in ``colocate`` is distributed by its scope
+  column (``table`` or ``table:column``; ``scope`` by default) and co-located with
+  ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
+
+A table already distributed is left alone, so running it again is harmless. The SQL is
+:func:`statements`: a team that runs DDL itself applies that instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from .errors import ConfigurationError
+
+DISTRIBUTED = "idempotency_keys"
+CO_LOCATED = ("staged_jobs",)
+REFERENCE = (
+    "processed_messages",
+    "worker_passes",
+    "recoverypoint_namespace",
+    "audit_log",
+    "installation_secrets",
+)
+
+# A table name as a user writes it on the command line, optionally schema-qualified, and
+# its column: plain identifiers only (quoted names are passed to Citus as regclass text).
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*(?:\.[A-Za-z_][A-Za-z0-9_$]*)?")
+_COLUMN = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+
+
+def parse_colocated(spec: str) -> tuple[str, str]:
+    """``table`` or ``table:column`` as (table, column); :class:`ValueError` otherwise."""
+    table, _, column = spec.partition(":")
+    column = column or "scope"
+    if _NAME.fullmatch(table) is None or _COLUMN.fullmatch(column) is None:
+        raise ValueError(
+            f"not a table to co-locate: {spec!r}; write TABLE or TABLE:COLUMN "
+            "(e.g. rides or billing.charges:tenant_id)"
+        )
+    return table, column
+
+
+def statements(colocate: Sequence[str] = ()) -> list[str]:
+    """The SQL that distributes recoverypoint's tables and ``colocate``, in order."""
+    out = [f"SELECT create_distributed_table('{DISTRIBUTED}', 'scope');"]
+    out += [
+        f"SELECT create_distributed_table('{t}', 'scope', colocate_with => '{DISTRIBUTED}');"
+        for t in CO_LOCATED
+    ]
+    out += [f"SELECT create_reference_table('{t}');" for t in REFERENCE]
+    for spec in colocate:
+        table, column = parse_colocated(spec)
+        out.append(
+            f"SELECT create_distributed_table('{table}', '{column}', "
+            f"colocate_with => '{DISTRIBUTED}');"
+        )
+    return out
+
+
+_HAS_CITUS = sa.text("SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')")
+_PLACED = sa.text(
+    "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = CAST(:t AS regclass))"
+)
+_DISTRIBUTE = sa.text(
+    "SELECT create_distributed_table(CAST(:t AS regclass), :column, colocate_with => :with)"
+)
+_REFERENCE = sa.text("SELECT create_reference_table(CAST(:t AS regclass))")
+
+
+def require_citus(db: sa.Engine) -> None:
+    """Raise :class:`ConfigurationError` unless ``db`` has the citus extension."""
+    with db.connect() as conn:
+        if not conn.execute(_HAS_CITUS).scalar():
+            raise ConfigurationError(
+                "this database has no citus extension: run `CREATE EXTENSION citus` on the "
+                "coordinator (and add its workers) before distributing; a single server "
+                "needs no distribution"
+            )
+
+
+def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
+    """Distribute the tables (see the module's docstring) on the Citus coordinator ``db``;
+    returns the tables it placed this time. Raises :class:`ConfigurationError` on a
+    database without Citus, :class:`ValueError` for a bad ``colocate`` entry."""
+    wanted = [parse_colocated(spec) for spec in colocate]
+    require_citus(db)
+    placed: list[str] = []
+    with db.begin() as conn:
+        plan = [(DISTRIBUTED, "scope", "default")]
+        plan += [(t, "scope", DISTRIBUTED) for t in CO_LOCATED]
+        plan += [(t, c, DISTRIBUTED) for t, c in wanted]
+        for table, column, with_ in plan:
+            if not conn.execute(_PLACED, {"t": table}).scalar():
+                conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
+                placed.append(table)
+        for table in REFERENCE:
+            if not conn.execute(_PLACED, {"t": table}).scalar():
+                conn.execute(_REFERENCE, {"t": table})
+                placed.append(table)
+    return placed

@@ -1,0 +1,278 @@
+"""The request path and the workers on Citus: a coordinator named by
+``RECOVERYPOINT_CITUS_URL`` (its workers added), migrated and distributed here with
+``recoverypoint migrate --citus`` (idempotent, so a cluster can be reused).
+
+Citus is in no package registry this project installs from, so these tests are skipped,
+saying so, when the variable is not set; CI proves the shape on partitioned tables instead
+(tests/test_partitioned.py and the layouts of tests/conftest.py). Every test works in
+scopes of its own: Citus does not propagate CREATE DATABASE, so they share the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import recoverypoint as rp
+from recoverypoint.database import create_engine, normalize_url
+from recoverypoint.jobs import InProcessBackend, Job
+from recoverypoint.workers import Completer, Enqueuer, Reaper
+
+CITUS_URL_ENV = "RECOVERYPOINT_CITUS_URL"
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get(CITUS_URL_ENV),
+    reason=(
+        f"not run: no Citus coordinator ({CITUS_URL_ENV} is not set; Citus is in no "
+        "registry this project installs from)"
+    ),
+)
+
+NOTES = """
+CREATE TABLE IF NOT EXISTS citus_notes (
+    scope text NOT NULL,
+    key_id bigint NOT NULL,
+    body text NOT NULL,
+    PRIMARY KEY (scope, key_id)
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def citus() -> Iterator[sa.Engine]:
+    url = normalize_url(os.environ[CITUS_URL_ENV])
+    db = create_engine(url, pool_size=5, max_overflow=10)
+    with db.begin() as conn:
+        conn.exec_driver_sql(NOTES)
+    plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    migrated = subprocess.run(
+        [sys.executable, "-m", "recoverypoint", "migrate", "--citus", "--colocate",
+         "citus_notes", "--database-url", plain],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stderr
+    yield db
+    db.dispose()
+
+
+@pytest.fixture
+def scope() -> str:
+    return f"tenant-{uuid.uuid4().hex[:12]}"
+
+
+def _notes(name: str, *, fail_once: list[bool] | None = None, **options: Any) -> rp.Operation[Any]:
+    """note (a co-located row, two staged jobs) → a foreign step → finish (one more job)."""
+    op: rp.Operation[Any] = rp.Operation(name, **options)
+
+    @op.atomic_phase("noted")
+    def note(tx: rp.AtomicContext, params: Any) -> None:
+        tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, %(b)s)",
+            {"s": params["scope"], "k": tx.key_id, "b": params["body"]},
+        )
+        tx.stage_job("notify", {"n": 1})
+        tx.stage_job("notify", {"n": 2})
+
+    @op.foreign_step("called")
+    def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+        if fail_once:
+            fail_once.clear()
+            raise RuntimeError("the provider is down")
+        return {"called_with": step.downstream_key()}
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.stage_job("notify", {"n": 3})
+        return rp.Response(201, {"body": params["body"]})
+
+    return op
+
+
+def _count(db: sa.Engine, query: str, **params: Any) -> int:
+    with db.connect() as conn:
+        return int(conn.execute(sa.text(query), params).scalar_one())
+
+
+def test_a_fresh_request_a_replay_and_a_reused_key(citus: sa.Engine, scope: str) -> None:
+    op = _notes(f"citus_fresh_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(citus)
+    engine.register(op)
+    params = {"scope": scope, "body": "hello"}
+
+    first = engine.run(op, key="k", params=params, scope=scope)
+    again = engine.run(op, key="k", params=params, scope=scope)
+    with pytest.raises(rp.ParamsMismatch):
+        engine.run(op, key="k", params={**params, "body": "other"}, scope=scope)
+
+    assert (first.status, first.replayed, again.status, again.replayed) == (201, False, 201, True)
+    assert again.body == first.body
+    notes = "SELECT count(*) FROM citus_notes WHERE scope = :s"
+    assert _count(citus, notes, s=scope) == 1
+    assert _count(citus, "SELECT count(*) FROM staged_jobs WHERE scope = :s", s=scope) == 3
+
+
+def test_the_async_engine_runs_and_replays(citus: sa.Engine, scope: str) -> None:
+    op = _async_notes(f"citus_async_{uuid.uuid4().hex[:8]}")
+    url = citus.url.render_as_string(hide_password=False)
+
+    async def both() -> tuple[rp.Outcome, rp.Outcome]:
+        engine = rp.AsyncEngine(url)
+        engine.register(op)
+        try:
+            params = {"scope": scope, "body": "hi"}
+            first = await engine.run(op, key="k", params=params, scope=scope)
+            return first, await engine.run(op, key="k", params=params, scope=scope)
+        finally:
+            await engine.dispose()
+
+    first, again = asyncio.run(both())
+    assert (first.status, again.replayed) == (201, True)
+    assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 1
+
+
+def _async_notes(name: str) -> rp.Operation[Any]:
+    op: rp.Operation[Any] = rp.Operation(name)
+
+    @op.atomic_phase("noted")
+    async def note(tx: Any, params: Any) -> None:
+        await tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, %(b)s)",
+            {"s": params["scope"], "k": tx.key_id, "b": params["body"]},
+        )
+        tx.stage_job("notify", {"n": 1})
+
+    @op.atomic_phase("finished")
+    async def finish(tx: Any, params: Any) -> rp.Response:
+        return rp.Response(201, {"body": params["body"]})
+
+    return op
+
+
+def test_a_phase_that_ends_its_transaction_records_no_point(citus: sa.Engine, scope: str) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"citus_ends_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("noted")
+    def note(tx: rp.AtomicContext, params: Any) -> None:
+        raw = tx.connection.connection.driver_connection  # psycopg's own connection
+        tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'leaked')",
+            {"s": scope, "k": tx.key_id},
+        )
+        raw.commit()  # past the guard on tx.connection: the driver's own commit
+        raw.execute("BEGIN")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with pytest.raises(rp.TransactionEnded):
+        engine.run(op, key="k", params={}, scope=scope)
+    point = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND recovery_point = 'noted'"
+    assert _count(citus, point, s=scope) == 0
+
+
+def test_the_completer_enqueuer_and_reaper_finish_publish_and_delete(
+    citus: sa.Engine, scope: str
+) -> None:
+    published: list[Job] = []
+    backend = InProcessBackend({"notify": published.append})
+    op = _notes(f"citus_workers_{uuid.uuid4().hex[:8]}", fail_once=[True])
+    engine = rp.Engine(citus, jobs=backend, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    params = {"scope": scope, "body": "later"}
+
+    with pytest.raises(RuntimeError):  # the foreign step fails: the key is left unfinished
+        engine.run(op, key="k", params=params, scope=scope)
+    # Two completers side by side: the key is finished once.
+    results = [Completer(engine, min_age=0).run_once() for _ in range(2)]
+    assert sum(r.finished for r in results) == 1
+    assert engine.run(op, key="k", params=params, scope=scope).replayed
+
+    with citus.connect() as conn:
+        staged = conn.execute(
+            sa.text("SELECT job_key FROM staged_jobs WHERE scope = :s"), {"s": scope}
+        ).scalars()
+        ours = set(staged)
+    assert len(ours) == 3
+    while Enqueuer(engine).run_once().published:
+        pass
+    assert _count(citus, "SELECT count(*) FROM staged_jobs WHERE scope = :s", s=scope) == 0
+    mine = [job for job in published if job.job_key in ours]
+    assert sorted(job.args["n"] for job in mine) == [1, 2, 3]  # each published once
+
+    Reaper(engine, retention=timedelta(0), abandoned_retention=timedelta(0)).run_once()
+    keys = "SELECT count(*) FROM idempotency_keys WHERE scope = :s"
+    assert _count(citus, keys, s=scope) == 0
+
+
+def test_a_takeover_after_the_lease_expired(citus: sa.Engine, scope: str) -> None:
+    op = _notes(f"citus_takeover_{uuid.uuid4().hex[:8]}", lock_timeout=timedelta(seconds=1))
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with citus.begin() as conn:  # a request that died holding the lease, long ago
+        conn.execute(
+            sa.text(
+                "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
+                "operation_version, request_method, request_path, request_params, "
+                "fingerprint, locked_at, lock_token) "
+                "SELECT :s, :op, 'k', 1, 'POST', '/', CAST(:p AS jsonb), 'f', "
+                "now() - interval '1 hour', gen_random_uuid()"
+            ),
+            {"s": scope, "op": op.name, "p": json.dumps({"scope": scope, "body": "x"})},
+        )
+    key_id = _count(citus, "SELECT id FROM idempotency_keys WHERE scope = :s", s=scope)
+    outcome = engine.resume(key_id, scope=scope)
+    assert outcome.status == 201
+    assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 1
+
+
+def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scope: str) -> None:
+    # The write that records the phase misses its row and raises in the worker's statement,
+    # so nothing commits. On one server the error says which miss it was (RP001, the row
+    # changed); on Citus the worker cannot read the coordinator's transaction token, and
+    # every miss is reported as the transaction ended (RP002).
+    op: rp.Operation[Any] = rp.Operation(f"citus_row_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(
+            "UPDATE idempotency_keys SET lock_token = %(t)s WHERE scope = %(s)s AND id = %(k)s",
+            {"t": uuid.uuid4(), "s": scope, "k": tx.key_id},
+        )
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with pytest.raises(rp.TransactionEnded):
+        engine.run(op, key="k", params={}, scope=scope)
+    finished = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
+    assert _count(citus, finished, s=scope) == 0
+
+
+def test_the_completer_abandons_a_key_out_of_attempts(citus: sa.Engine, scope: str) -> None:
+    op = _notes(f"citus_abandon_{uuid.uuid4().hex[:8]}", fail_once=[True], max_attempts=1)
+    engine = rp.Engine(citus, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    with pytest.raises(RuntimeError):
+        engine.run(op, key="k", params=params, scope=scope)
+
+    assert Completer(engine, min_age=0).run_once().abandoned == 1
+    replayed = engine.run(op, key="k", params=params, scope=scope)
+    assert (replayed.status, replayed.replayed) == (500, True)
+    abandoned = (
+        "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND abandoned_at IS NOT NULL"
+    )
+    assert _count(citus, abandoned, s=scope) == 1

@@ -1,0 +1,159 @@
+"""Every statement of the request path and every worker's claim reads one partition, on
+tables partitioned by scope as Citus distributes them (tests/partitioned.py): with a
+concrete scope, ``EXPLAIN`` names one partition of ``idempotency_keys`` and of
+``staged_jobs``, the same one (the scope's), so on Citus each runs on the scope's worker.
+
+A statement that names no scope reads every partition: the control below shows that the
+check can fail.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from partitioned import PARTITIONS, partition_by_scope, partitions_read
+from sqlalchemy.pool import NullPool
+
+from recoverypoint import leases, migrate
+from recoverypoint.admin import key_actions
+from recoverypoint.database import create_engine
+from recoverypoint.engine import sql
+from recoverypoint.testing import temporary_database
+from recoverypoint.workers import completer, enqueuer, reaper
+
+SCOPE = "tenant-42"
+
+_KEY = {
+    "scope": SCOPE,
+    "operation": "op",
+    "key": "k",
+    "version": 1,
+    "method": "POST",
+    "path": "/p",
+    "params": "{}",
+    "fingerprint": "f",
+    "seed": "s",
+    "token": uuid.uuid4(),
+    "lock_timeout": 90.0,
+    "id": 7,
+    "ctid": "(0,1)",
+    "tx": "1",
+}
+_PHASE = {
+    "point": "b",
+    "from_point": "a",
+    "state": "{}",
+    "status": 201,
+    "headers": "{}",
+    "body": "{}",
+    "error": "e",
+    "retry_in": 1.0,
+}
+_JOBS = {
+    f"{column}_{i}": value
+    for i in range(2)
+    for column, value in (
+        ("job_name", "j"),
+        ("job_args", "{}"),
+        ("job_key", "k"),
+        ("job_trace", None),
+    )
+}
+
+
+def _fenced() -> Iterator[tuple[str, str]]:
+    for name in ("ADVANCE", "FINISH", "RELEASE", "WITHDRAW"):
+        fenced: sql.Fenced = getattr(sql, name)
+        yield f"{name} by ctid", fenced.by_ctid
+        yield f"{name} by id", fenced.by_id
+        yield f"{name} held", fenced.held.text
+        yield f"{name} held, staging 2 jobs", fenced.staging(2).text
+
+
+REQUEST_PATH = [
+    ("FIND_FINISHED", sql.FIND_FINISHED.text),
+    ("CLAIM", sql.CLAIM.text),
+    ("CLAIM_BY_ID", sql.CLAIM_BY_ID.text),
+    ("KEY_OPERATION", sql.KEY_OPERATION),
+    ("FENCE_BY_ID", sql.FENCE_BY_ID),
+    ("fence by ctid", sql.fence_by_ctid(f"'{SCOPE}'", "(0,1)", 7, uuid.uuid4())),
+    *_fenced(),
+]
+
+# The workers' claims and their writes after the claim, in one scope each (SQLAlchemy's
+# :name placeholders).
+_REGISTERED = leases.registered([])
+WORKER_CLAIMS = [
+    ("completer", completer._CLAIM_DUE, {**_REGISTERED, "min_age": 0, "batch_size": 10}),
+    ("completer's release", completer._RELEASE_UNSTARTED, {"ids": [1, 2]}),
+    (
+        "completer's abandonment",
+        key_actions._ABANDON_EXHAUSTED,
+        {"id": 1, "max_attempts": 3, "status": 500, "body": "{}"},
+    ),
+    ("enqueuer's delete", enqueuer._DELETE_PUBLISHED, {"ids": [1, 2]}),
+    ("enqueuer's postponement", enqueuer._POSTPONE, {"id": 1, "error": "e", "retry_in": 1.0}),
+    ("enqueuer", enqueuer._CLAIM_JOBS, {"batch_size": 10}),
+    (
+        "reaper",
+        reaper._REAP_KEYS,
+        {
+            "operations": [],
+            "versions": [],
+            "retentions": [],
+            "shortest": 1.0,
+            "retention": 1.0,
+            "abandoned_retention": 1.0,
+            "batch_size": 10,
+        },
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def partitioned(server_url: str) -> Iterator[sa.Engine]:
+    """A migrated database of this module, its two tables partitioned by scope."""
+    with temporary_database(server_url) as url:
+        migrate.upgrade(url)
+        db = create_engine(url, poolclass=NullPool)
+        try:
+            partition_by_scope(db)
+            yield db
+        finally:
+            db.dispose()
+
+
+def _plan(db: sa.Engine, statement: str, params: dict[str, Any]) -> str:
+    """The plan of one of the engine's statements (psycopg's placeholders), with ``params``
+    bound at the server as the engine binds them."""
+    with db.connect() as conn:
+        cursor = conn.connection.driver_connection.execute(f"EXPLAIN {statement}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.mark.parametrize(("name", "statement"), REQUEST_PATH, ids=[n for n, _ in REQUEST_PATH])
+def test_every_request_path_statement_reads_the_scopes_partition_alone(
+    partitioned: sa.Engine, name: str, statement: str
+) -> None:
+    plan = _plan(partitioned, statement, {**_KEY, **_PHASE, **_JOBS})
+    assert len(partitions_read(plan)) == 1, f"{name} reads more than one partition:\n{plan}"
+
+
+@pytest.mark.parametrize(
+    ("name", "statement", "params"), WORKER_CLAIMS, ids=[n for n, _, _ in WORKER_CLAIMS]
+)
+def test_every_workers_claim_reads_one_scopes_partition_alone(
+    partitioned: sa.Engine, name: str, statement: sa.TextClause, params: dict[str, Any]
+) -> None:
+    compiled = str(statement.compile(partitioned))  # psycopg's placeholders
+    plan = _plan(partitioned, compiled, {"scope": SCOPE, "token": uuid.uuid4(), **params})
+    assert len(partitions_read(plan)) == 1, f"the {name}'s claim reads more than one:\n{plan}"
+
+
+def test_a_statement_without_the_scope_reads_every_partition(partitioned: sa.Engine) -> None:
+    plan = _plan(partitioned, sql.KEY_OPERATION_ANY_SCOPE, {"id": 7})
+    assert len(partitions_read(plan)) == PARTITIONS
