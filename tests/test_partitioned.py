@@ -39,6 +39,7 @@ _KEY = {
     "seed": "s",
     "token": uuid.uuid4(),
     "lock_timeout": 90.0,
+    "retention": 3600.0,
     "id": 7,
     "ctid": "(0,1)",
     "tx": "1",
@@ -76,6 +77,7 @@ def _fenced() -> Iterator[tuple[str, str]]:
 
 REQUEST_PATH = [
     ("FIND_FINISHED", sql.FIND_FINISHED.text),
+    ("PAST_RETENTION", sql.PAST_RETENTION.text),
     ("CLAIM", sql.CLAIM.text),
     ("CLAIM_BY_ID", sql.CLAIM_BY_ID.text),
     ("KEY_OPERATION", sql.KEY_OPERATION),
