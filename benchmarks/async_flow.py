@@ -55,9 +55,7 @@ CLAIM_SELECT = (
     "SELECT id, recovery_point, locked_at, response_code, response_body "
     "FROM rr_idempotency_keys WHERE user_id = {} AND idempotency_key = {}"
 )
-CLAIM_UPDATE = (
-    "UPDATE rr_idempotency_keys SET last_run_at = now(), locked_at = now() WHERE id = {}"
-)
+CLAIM_UPDATE = "UPDATE rr_idempotency_keys SET last_run_at = now(), locked_at = now() WHERE id = {}"
 CLAIM_INSERT = (
     "INSERT INTO rr_idempotency_keys (idempotency_key, locked_at, recovery_point, "
     "request_method, request_params, request_path, user_id) "
@@ -65,18 +63,14 @@ CLAIM_INSERT = (
     "RETURNING id, recovery_point, locked_at, response_code, response_body"
 )
 RIDE_INSERT = (
-    "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) VALUES ({}, {}, {}) "
-    "RETURNING id"
+    "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) VALUES ({}, {}, {}) RETURNING id"
 )
 AUDIT_INSERT = (
-    "INSERT INTO bench_audit_records (action, data, resource_id) "
-    "VALUES ('ride.created', {}, {})"
+    "INSERT INTO bench_audit_records (action, data, resource_id) VALUES ('ride.created', {}, {})"
 )
 POINT_UPDATE = "UPDATE rr_idempotency_keys SET recovery_point = {} WHERE id = {}"
 CHARGE_UPDATE = "UPDATE bench_rides SET charge_id = {} WHERE id = {}"
-JOB_INSERT = (
-    "INSERT INTO rr_staged_jobs (job_name, job_args) VALUES ('send_ride_receipt', {})"
-)
+JOB_INSERT = "INSERT INTO rr_staged_jobs (job_name, job_args) VALUES ('send_ride_receipt', {})"
 FINISH_UPDATE = (
     "UPDATE rr_idempotency_keys SET locked_at = NULL, recovery_point = 'finished', "
     "response_code = 201, response_body = {} WHERE id = {}"
@@ -421,7 +415,7 @@ def _spread(values: list[float], digits: int = 2) -> str:
         return f"{values[0]:.{digits}f}"
     return (
         f"{statistics.median(values):.{digits}f} "
-        f"({min(values):.{digits}f}–{max(values):.{digits}f})"
+        f"({min(values):.{digits}f} to {max(values):.{digits}f})"
     )
 
 
@@ -437,7 +431,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
         f"{platform.python_version()}, asyncpg {asyncpg.__version__}, psycopg "
         f"{psycopg.__version__} ({psycopg.pq.__impl__}). {args.runs} runs of {args.rounds} "
         f"interleaved rounds of {args.seconds:.0f} s windows, pools of {args.pool} "
-        "connections. Median (min–max) of the runs; ratios within each run. "
+        "connections. Median (min to max) of the runs; ratios within each run. "
         "Reported, never asserted.",
         "",
     ]
@@ -465,8 +459,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
                 _spread([r["rps"] for r in sides[n]], 0) if n in sides else "—" for n in names
             )
             cpu = " · ".join(
-                _spread([r["cpu_ms"] for r in sides[n]], 3) if n in sides else "—"
-                for n in names
+                _spread([r["cpu_ms"] for r in sides[n]], 3) if n in sides else "—" for n in names
             )
             errors = sum(int(r["errors"]) for n in sides for r in sides[n])
             lines.append(
@@ -484,8 +477,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         with db.begin() as conn:
             conn.exec_driver_sql(SCHEMA)
         db.dispose()
-        plain = normalize_url(url).set(drivername="postgresql").render_as_string(
-            hide_password=False
+        plain = (
+            normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
         )
         return measure(args, plain)
 
