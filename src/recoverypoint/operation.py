@@ -12,7 +12,7 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -107,6 +107,23 @@ class Phase:
     @property
     def atomic(self) -> bool:
         return self.kind == "atomic"
+
+
+class AsyncRunner(Protocol):
+    """What ``@idempotent`` and the HTTP integrations need of an engine for async
+    operations: ``rp.AsyncEngine``."""
+
+    def register(self, *operations: Operation[Any]) -> None: ...
+
+    async def run(
+        self,
+        operation: Operation[Any],
+        *,
+        key: str,
+        params: Any,
+        scope: str = ...,
+        request: Request | None = ...,
+    ) -> Outcome: ...
 
 
 class Operation(Generic[P]):

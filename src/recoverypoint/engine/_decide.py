@@ -132,7 +132,8 @@ class Finished(NamedTuple):
 
     @classmethod
     def parse(cls, row: Sequence[str | None]) -> Finished:
-        """The record from the text of the columns of :data:`recoverypoint.engine.sql.FINISHED`."""
+        """The record from the text of the columns of
+        :data:`recoverypoint.engine.sql.FIND_FINISHED`."""
         version, fingerprint, status, headers, body = row
         assert version and fingerprint and status
         return cls(

@@ -36,7 +36,7 @@ from ..errors import TransactionEnded
 C = TypeVar("C")
 
 
-class Transaction(Protocol):
+class GuardedTransaction(Protocol):
     """What the guard reads of a transaction, sync (``_pg``) or async (``_pg_async``)."""
 
     @property
@@ -55,7 +55,9 @@ _ENDS_TRANSACTION = re.compile(
 )
 
 # The transaction and recovery point of the atomic phase running in this context, if any.
-_PHASE: ContextVar[tuple[Transaction, str] | None] = ContextVar("recoverypoint_phase", default=None)
+_PHASE: ContextVar[tuple[GuardedTransaction, str] | None] = ContextVar(
+    "recoverypoint_phase", default=None
+)
 
 
 def install(db: sa.Engine) -> None:
@@ -70,7 +72,7 @@ class Guarding:
     class rather than a generator: every atomic phase enters it. Made afresh for each
     phase, and entered once: it keeps the token that restores the context.)"""
 
-    def __init__(self, tx: Transaction, point: str) -> None:
+    def __init__(self, tx: GuardedTransaction, point: str) -> None:
         self._phase = (tx, point)
 
     def __enter__(self) -> None:
@@ -102,7 +104,7 @@ def check_statement(statement: object, point: str) -> None:
         raise TransactionEnded(_message(point))
 
 
-def check_still_open(tx: Transaction, point: str) -> None:
+def check_still_open(tx: GuardedTransaction, point: str) -> None:
     """Raise :class:`TransactionEnded` if the phase's transaction is over already."""
     if not tx.open:
         raise TransactionEnded(_message(point))

@@ -138,7 +138,7 @@ CLAIM_BY_ID = Statement(f"""
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it. Only what a replay reads (see
 # Finished.parse): the request's params and the phases' state may be large.
-FINISHED = Statement("""
+FIND_FINISHED = Statement("""
     SELECT operation_version::text, fingerprint, response_status::text,
            response_headers::text, response_body::text
     FROM idempotency_keys

@@ -23,7 +23,7 @@ from .context.common import StagedJob
 def finished_key(tx: Transaction, request: ClaimRequest) -> Finished | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    row = tx.lookup(sql.FINISHED, params)
+    row = tx.lookup(sql.FIND_FINISHED, params)
     return None if row is None else Finished.parse(row)
 
 

@@ -21,7 +21,7 @@ from .context.common import StagedJob
 async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> Finished | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    row = await tx.lookup(sql.FINISHED, params)
+    row = await tx.lookup(sql.FIND_FINISHED, params)
     return None if row is None else Finished.parse(row)
 
 

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, ParamSpec, TypeVar, cast, overload
 
 from pydantic_core import PydanticSerializationError
 
@@ -52,7 +52,7 @@ from ..engine import Engine
 from ..engine.context import StepContext
 from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..leases import DEFAULT_LOCK_TIMEOUT
-from ..operation import FINISHED, Operation, Outcome, Response
+from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
 __all__ = ["AbandonedCall", "downstream_key", "idempotent"]
@@ -68,16 +68,6 @@ _NOT_STORED = "not_stored"  # the state's name for the refusal of a return value
 # A value stored as the text of its JSON is answered with this header, so that every call
 # knows which form to rebuild it from.
 _JSON_TEXT_HEADERS = {"content-type": "application/json"}
-
-
-class AsyncRunner(Protocol):
-    """What ``@idempotent`` needs of an engine for async functions (``rp.AsyncEngine``)."""
-
-    def register(self, *operations: Operation[Any]) -> None: ...
-
-    async def run(
-        self, operation: Operation[Any], *, key: str, params: Any, scope: str = ...
-    ) -> Outcome: ...
 
 
 # The step the running function belongs to, for downstream_key(). A context variable: a

@@ -50,7 +50,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..engine import Engine
 from ..engine.context import AtomicContext, StepContext
@@ -62,7 +62,7 @@ from ..errors import (
     Retryable,
 )
 from ..keys import MAX_JSON_DEPTH, safe_headers
-from ..operation import FINISHED, Operation, Outcome, Response, Withdrawn
+from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response, Withdrawn
 from ..operation import Request as KeyRequest
 from ._problem import IDEMPOTENT_REPLAYED, Reply, outcome_reply, problem_reply, read_key
 
@@ -185,22 +185,6 @@ def _finish(tx: AtomicContext, params: Any) -> Response:
 
 async def _finish_async(tx: Any, params: Any) -> Response:
     return _finish(tx, params)
-
-
-class AsyncRunner(Protocol):
-    """What the integrations need of ``rp.AsyncEngine``."""
-
-    def register(self, *operations: Operation[Any]) -> None: ...
-
-    async def run(
-        self,
-        operation: Operation[Any],
-        *,
-        key: str,
-        params: Any,
-        scope: str = ...,
-        request: KeyRequest | None = ...,
-    ) -> Outcome: ...
 
 
 def is_async(operation: Operation[Any]) -> bool:
