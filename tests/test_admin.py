@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -18,6 +19,7 @@ from workload import Recorder, plant_keys, rows, stage_jobs, steps_operation
 
 import recoverypoint as rp
 from recoverypoint import admin
+from recoverypoint.admin import _sql as admin_sql
 from recoverypoint.admin import key_actions
 from recoverypoint.workers import Completer
 
@@ -424,3 +426,9 @@ def test_a_forced_release_racing_a_running_phase_never_charges_twice(
     assert detail.row.state == "finished"
     [step] = [p for p in detail.phases if p.kind == "foreign"]
     assert step.downstream_key == downstream[0]
+
+
+def test_every_state_the_database_decides_is_a_documented_key_state() -> None:
+    decided = set(re.findall(r"'([a-z-]+)'", admin_sql.STATE))
+    assert decided == {state.value for state in admin.KeyState} == set(admin.STATES)
+    assert f"{admin.KeyState.IN_FLIGHT}" == admin.IN_FLIGHT == "in-flight"

@@ -64,6 +64,7 @@ SURFACE = {
         "KeyDetail",
         "KeyFilter",
         "KeyRow",
+        "KeyState",
         "Mask",
         "NotFound",
         "Overview",

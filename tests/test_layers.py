@@ -4,9 +4,11 @@ downward, nothing imports the CLI, and no module imports itself in a circle.
 Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
-   observe (the hooks every layer calls), leases (the lease rule, in SQL and Python), and
-   the request path's pure part (engine._decide)
-1. plumbing: database, outage, migrate, testing, embedded, jobs
+   observe (the hooks every layer calls), leases (the lease rule, in SQL and Python),
+   _faults (the fault points the engine consults), and the request path's pure part
+   (engine._decide)
+1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
+   _faults), embedded, jobs
 2. the connection and the request path's queries, in the engine package: engine._pg,
    engine._libpq, engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
    receives wraps the connection); _pooler; and context, the old name of engine.context
@@ -45,6 +47,7 @@ LAYERS = {
             "engine._decide",
             "observe",
             "leases",
+            "_faults",
         ],
         0,
     ),
@@ -74,9 +77,11 @@ LAYERS = {
 SPLIT = {"engine"}
 # Same layer, yet one way only: the workers and the console build on admin. And the
 # admin layer's SQL fragments are its own: what the workers share with it is in leases.
+# The request path and the workers consult the fault points (_faults), never the test kit.
 FORBIDDEN = {
     "admin": {"workers", "integrations", "client", "demo", "cli", "console"},
-    "workers": {"admin._sql"},
+    "workers": {"admin._sql", "testing"},
+    **{f"engine.{name}": {"testing"} for name in ("run", "run_async", "store", "store_async")},
 }
 
 

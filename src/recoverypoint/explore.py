@@ -38,10 +38,10 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
+from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine
 from .jobs import Job, JobBackend
 from .operation import Operation, Outcome
-from .testing import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .workers import Completer, Enqueuer
 
 Recovery = Literal["client", "completer"]

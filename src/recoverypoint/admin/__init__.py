@@ -26,6 +26,7 @@ from .base import (
     STUCK,
     UNFINISHED,
     Admin,
+    KeyState,
     NotFound,
     Refused,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "KeyDetail",
     "KeyFilter",
     "KeyRow",
+    "KeyState",
     "Mask",
     "NotFound",
     "Overview",

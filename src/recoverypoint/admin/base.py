@@ -1,5 +1,5 @@
 """What every operator query and action shares: the database, the operations it knows,
-the states a key can be in, and the two ways an action says no.
+the states a key can be in (:class:`KeyState`), and the two ways an action says no.
 
 Knowing the operations (an :class:`~recoverypoint.Engine`'s, or a list) gives each key its
 declared phases and its downstream keys; without them only the stored recovery point is
@@ -14,6 +14,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -25,19 +26,40 @@ from .mask import Mask
 if TYPE_CHECKING:
     from ..engine import Engine
 
-UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED = (
-    "unfinished",
-    "in-flight",
-    "stuck",
-    "finished",
-    "abandoned",
-)
-STATES = (UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED)
-"""Each key is in exactly one: ``in-flight`` (unfinished, its lease live), ``stuck``
-(unfinished, lease free or expired, next attempt overdue by more than ``stuck_after``),
-``unfinished`` (any other unfinished key: waiting for its next attempt or its client),
-``finished`` (with its response) and ``abandoned`` (finished with an error response by the
-completer or an operator)."""
+class KeyState(str, Enum):
+    """The state a key is in, as the operator sees it; each key is in exactly one. The
+    database decides it (its clock, the lease its holder took: :mod:`recoverypoint.leases`)."""
+
+    UNFINISHED = "unfinished"
+    """No request holds it and it is not stuck: waiting for its client to retry, or for its
+    next attempt (the completer's). A claim, the completer or ``retry`` make it
+    ``in-flight``; an overdue next attempt makes it ``stuck``."""
+
+    IN_FLIGHT = "in-flight"
+    """A request or the completer holds its lease, and nobody may take it over. It leaves
+    when the holder commits its last phase (``finished``), fails or is stopped (the lease
+    given up: ``unfinished``), or stops renewing the lease for its lock timeout."""
+
+    STUCK = "stuck"
+    """Unfinished, its lease free or expired, its next attempt overdue by more than
+    ``stuck_after``: nobody is finishing it (is the completer running?). ``retry`` or the
+    completer take it up; ``abandon`` ends it."""
+
+    FINISHED = "finished"
+    """It has its response, which every retry replays, until the reaper deletes it."""
+
+    ABANDONED = "abandoned"
+    """Finished with an error response by the completer (out of attempts) or an operator
+    (``abandon``); ``reopen`` makes it unfinished again."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The states' names as text, as queries and filters take them.
+UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED = (state.value for state in KeyState)
+STATES = tuple(state.value for state in KeyState)
+"""Every :class:`KeyState`, by its name, in the order a listing shows them."""
 
 DEFAULT_STUCK_AFTER = timedelta(minutes=5)
 

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from .. import _pooler
+from .._faults import faults
 from ..backoff import backoff_delay
 from ..database import create_engine
 from ..errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
@@ -52,7 +53,6 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from ..testing import faults
 from . import _pg, phase_guard, sql, store
 from ._decide import (
     NO_CONTENT,

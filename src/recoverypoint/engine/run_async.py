@@ -27,6 +27,7 @@ import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
 from .. import _pooler
+from .._faults import faults
 from ..backoff import backoff_delay
 from ..database import create_engine, normalize_url
 from ..errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
@@ -52,7 +53,6 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from ..testing import faults
 from . import _pg_async, phase_guard, sql, store_async
 from ._decide import (
     NO_CONTENT,

@@ -25,9 +25,9 @@ from typing import ClassVar
 
 from sqlalchemy import text
 
+from .._faults import faults
 from ..backoff import backoff_delay
 from ..jobs import Job, JobBackend
-from ..testing import faults
 from .engines import AnyEngine
 from .loop import Result, Worker, describe
 
