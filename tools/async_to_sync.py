@@ -69,6 +69,7 @@ NAMES = [
     ("_AsyncRun", "_Run"),
     ("async_db", "db"),
     ("_pg_async", "_pg"),
+    ("_libpq_async", "_libpq"),
     ("store_async", "store"),
     ("atomic_async", "atomic"),
     # The tests' concurrency (tests/acompat.py): tasks become threads.

@@ -139,16 +139,17 @@ def pipeline(
     commit: bool,
     prepare: bool = False,
 ) -> Exchange[Pipelined]:
-    """``statement`` in one pipeline, prepared first under ``name`` if ``prepare`` (a Close
-    of the name before: see :func:`_prepare`), after BEGIN and before COMMIT when asked;
+    """``statement`` in one pipeline, after BEGIN and before COMMIT when asked, prepared
+    under ``name`` just before if ``prepare`` (a Close of the name first: see
+    :func:`_prepare`);
     what came back, for :func:`answer`."""
     pgconn.enter_pipeline_mode()
     try:
+        if begin:  # first: a Parse may take the snapshot that BEGIN's isolation level sets
+            pgconn.send_query_params(sql.BEGIN, None)
         if prepare:
             pgconn.send_close_prepared(name)
             pgconn.send_prepare(name, statement.positional)
-        if begin:
-            pgconn.send_query_params(sql.BEGIN, None)
         if name is None:  # unnamed: parsed with this execution, in the same round trip
             pgconn.send_query_params(statement.positional, values)
         else:

@@ -15,12 +15,10 @@ and the transaction (:class:`Transaction`) writes out:
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`Transaction.fetch_and_commit`), or alone (:meth:`Transaction.commit`).
 
-The sync engine sends its own statements through libpq (:mod:`recoverypoint.engine._libpq`):
+The engine's own statements go through libpq (:mod:`recoverypoint.engine._libpq`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
 them, and with nothing outside a transaction that psycopg would begin one for, the
-connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
-trip each, in autocommit while borrowed; psycopg's own pipeline costs more client CPU than
-the round trips it saves (benchmarks/README.md, "Round trips or CPU").
+connection keeps the pool's mode. Phase code's statements go through psycopg's cursors.
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -38,7 +36,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from ..backoff import backoff_delay
@@ -165,9 +163,7 @@ class Transaction:
         assert not self._began, "begin_with opens the transaction"
         self._began = True
         # libpq answers with the last statement's result: the row, or the error.
-        result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
-        if result.status != ExecStatus.TUPLES_OK:
-            raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+        result = _libpq.command(self.connection, sql.BEGIN + b"; " + query.encode())
         return _libpq.first_row(result, "utf-8")  # an address and a transaction id
 
     def commit(self) -> None:
@@ -180,9 +176,7 @@ class Transaction:
     def _begin(self) -> None:
         if not self._began:
             # Through libpq: a cursor would cost as much client CPU as a statement.
-            result = self.connection.pgconn.exec_(sql.BEGIN)
-            if result.status != ExecStatus.COMMAND_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            _libpq.command(self.connection, sql.BEGIN)
             self._began = True
 
     @property
@@ -232,11 +226,11 @@ def serializable(
     once): what it found that its caller needs even when the COMMIT is interrupted travels
     on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
     that records a phase carries the COMMIT); otherwise it is committed when it returns."""
-    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
-    # first (libpq), and psycopg sends none of its own inside it.
-    autocommit = False
-    # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = _borrow(db, autocommit)
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
+    # (libpq), and psycopg sends none of its own inside it. So the connection keeps the
+    # pool's mode. Not through borrowed(): its generator would cost a dozen calls per
+    # transaction.
+    pooled, connection, switched = _borrow(db, autocommit=False)
     try:
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)

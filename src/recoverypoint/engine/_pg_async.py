@@ -13,12 +13,10 @@ and the transaction (:class:`AsyncTransaction`) writes out:
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`AsyncTransaction.fetch_and_commit`), or alone (:meth:`AsyncTransaction.commit`).
 
-The sync engine sends its own statements through libpq (:mod:`recoverypoint.engine._libpq`):
+The engine's own statements go through libpq (:mod:`recoverypoint.engine._libpq_async`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
 them, and with nothing outside a transaction that psycopg would begin one for, the
-connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
-trip each, in autocommit while borrowed; psycopg's own pipeline costs more client CPU than
-the round trips it saves (benchmarks/README.md, "Round trips or CPU").
+connection keeps the pool's mode. Phase code's statements go through psycopg's cursors.
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`AsyncTransaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -32,12 +30,12 @@ import functools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from sqlalchemy.util import greenlet_spawn
 
@@ -45,7 +43,7 @@ from ..backoff import backoff_delay
 from ..errors import ConcurrentUpdate
 from ..observe import Observer
 from ..outage import drop_older_connections
-from . import _libpq, sql
+from . import _libpq_async, sql
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -113,35 +111,27 @@ class AsyncTransaction:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
         assert not self._began, "a lookup runs before the transaction"
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params, begin=False))
-        else:
-            return _libpq.execute(self._pooled, self.connection, statement, params)
+        return await _libpq_async.execute(self._pooled, self.connection, statement, params)
 
     async def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements in the transaction, BEGIN with it if it is the
         first; its first row, as text."""
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params))
-        else:
-            began, self._began = self._began, True
-            return _libpq.execute(self._pooled, self.connection, statement, params, begin=not began)
+        began, self._began = self._began, True
+        return await _libpq_async.execute(
+            self._pooled, self.connection, statement, params, begin=not began
+        )
 
     async def fetch_and_commit(
         self, statement: sql.Statement, params: dict[str, Any]
     ) -> TextRow | None:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
         as text. The statement raises when it misses its row, so nothing then commits."""
-        if True:  # ASYNC
-            row = cast("TextRow | None", await self.fetchone(statement.text, params))
-            await self.commit()
-        else:
-            began, self._began = self._began, True
-            if self._deallocated:
-                _libpq.forget(self._pooled)
-            row = _libpq.execute(
-                self._pooled, self.connection, statement, params, begin=not began, commit=True
-            )
+        began, self._began = self._began, True
+        if self._deallocated:
+            _libpq_async.forget(self._pooled)
+        row = await _libpq_async.execute(
+            self._pooled, self.connection, statement, params, begin=not began, commit=True
+        )
         self._committed = True
         return row
 
@@ -178,16 +168,9 @@ class AsyncTransaction:
         :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
         assert not self._began, "begin_with opens the transaction"
         self._began = True
-        if True:  # ASYNC
-            await self._cursor.execute(sql.BEGIN.decode() + "; " + query)
-            self._cursor.nextset()  # past BEGIN's own result
-            return await self._cursor.fetchone()
-        else:
-            # libpq answers with the last statement's result: the row, or the error.
-            result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
-            if result.status != ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-            return _libpq.first_row(result, "utf-8")  # an address and a transaction id
+        # libpq answers with the last statement's result: the row, or the error.
+        result = await _libpq_async.command(self.connection, sql.BEGIN + b"; " + query.encode())
+        return _libpq_async.first_row(result, "utf-8")  # an address and a transaction id
 
     async def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no
@@ -198,13 +181,8 @@ class AsyncTransaction:
 
     async def _begin(self) -> None:
         if not self._began:
-            if True:  # ASYNC
-                await self._cursor.execute(sql.BEGIN)
-            else:
-                # Through libpq: a cursor would cost as much client CPU as a statement.
-                result = self.connection.pgconn.exec_(sql.BEGIN)
-                if result.status != ExecStatus.COMMAND_OK:
-                    raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            await _libpq_async.command(self.connection, sql.BEGIN)
             self._began = True
 
     @property
@@ -260,14 +238,11 @@ async def serializable(
     once): what it found that its caller needs even when the COMMIT is interrupted travels
     on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
     that records a phase carries the COMMIT); otherwise it is committed when it returns."""
-    if True:  # ASYNC  # noqa: SIM108
-        autocommit = True  # the lookup runs on a cursor, which would begin a transaction
-    else:
-        # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
-        # first (libpq), and psycopg sends none of its own inside it.
-        autocommit = False
-    # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = await _borrow(db, autocommit)
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
+    # (libpq), and psycopg sends none of its own inside it. So the connection keeps the
+    # pool's mode. Not through borrowed(): its generator would cost a dozen calls per
+    # transaction.
+    pooled, connection, switched = await _borrow(db, autocommit=False)
     try:
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
@@ -275,7 +250,7 @@ async def serializable(
                 result = await work(tx, *args, **kwargs)
                 await tx.commit()
                 return result
-            except _libpq.Deallocated:
+            except _libpq_async.Deallocated:
                 if attempt == retries:
                     raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
@@ -310,7 +285,7 @@ async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
             await connection.rollback()
         # psycopg then deallocates every statement prepared on the connection, the sync
         # engine's own among them.
-        _libpq.forget(tx._pooled)
+        _libpq_async.forget(tx._pooled)
     if tx.sqlalchemy_made is not None:
         await tx._end_sqlalchemy()
 
