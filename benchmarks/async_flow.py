@@ -289,10 +289,11 @@ async def window_tasks(
     """``clients`` tasks sending requests back to back for ``seconds``, after their
     warm-up; the requests done, failed, the wall time and this process's CPU."""
     done, errors, ready = 0, 0, 0
+    first_error = ""
     go, stop = asyncio.Event(), asyncio.Event()
 
     async def client() -> None:
-        nonlocal done, errors, ready
+        nonlocal done, errors, ready, first_error
         for _ in range(WARMUP):
             await one(uuid.uuid4().hex)
         ready += 1
@@ -303,8 +304,9 @@ async def window_tasks(
             try:
                 await one(uuid.uuid4().hex)
                 done += 1
-            except Exception:
+            except Exception as exc:
                 errors += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"[:200]
 
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     await go.wait()
@@ -312,7 +314,10 @@ async def window_tasks(
     await asyncio.sleep(seconds)
     stop.set()
     await asyncio.gather(*tasks)
-    return summary(done, errors, time.perf_counter() - began, time.process_time() - cpu)
+    figures = summary(done, errors, time.perf_counter() - began, time.process_time() - cpu)
+    if first_error:
+        print(f"  {errors} errors, the first: {first_error}")
+    return figures
 
 
 def window_threads(clients: int, seconds: float, one: Callable[[str], Any]) -> dict[str, float]:

@@ -7,9 +7,13 @@ module has."""
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 import warnings
 
 import pytest
+
+from recoverypoint._moved import MOVED
 
 SURFACE = {
     "recoverypoint": [
@@ -38,6 +42,7 @@ SURFACE = {
         "Retryable",
         "StepContext",
         "TransactionEnded",
+        "Withdrawn",
         "downstream_key",
         "idempotent",
     ],
@@ -68,7 +73,7 @@ SURFACE = {
         "Mask",
         "NotFound",
         "Overview",
-        "Phase",
+        "PhaseMark",
         "Refused",
         "Stats",
         "StatsRow",
@@ -143,3 +148,31 @@ def test_the_surface_is_sorted_and_every_name_exists(module: str) -> None:
         warnings.simplefilter("error")  # a listed name is never a deprecated alias
         missing = [name for name in imported.__all__ if not hasattr(imported, name)]
     assert not missing
+
+
+def test_a_renamed_name_still_imports_and_says_where_it_went() -> None:
+    from recoverypoint import admin
+
+    with pytest.warns(DeprecationWarning, match="PhaseMark"):
+        assert admin.Phase is admin.PhaseMark  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        admin.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_a_moved_module_imports_under_its_old_name_and_says_where(old: str, new: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+def test_the_old_homes_of_the_engines_and_the_phase_context_still_serve() -> None:
+    import recoverypoint as rp
+    from recoverypoint import context, engine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (engine.Engine, engine.AsyncEngine) == (rp.Engine, rp.AsyncEngine)
+        assert context.StepContext is rp.StepContext
+        assert context.KeyIdentity is engine.context.KeyIdentity

@@ -4,6 +4,7 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 :class:`Engine`, and run each request under its idempotency key.
 """
 
+from . import _moved
 from .engine import AsyncEngine, Engine
 from .engine.context import AsyncAtomicContext, AtomicContext, StepContext
 from .errors import (
@@ -24,7 +25,7 @@ from .errors import (
     TransactionEnded,
 )
 from .idempotent import downstream_key, idempotent
-from .operation import Operation, Outcome, RecoveryPoint, Request, Response
+from .operation import Operation, Outcome, RecoveryPoint, Request, Response, Withdrawn
 
 __all__ = [
     "AbandonedCall",
@@ -52,6 +53,9 @@ __all__ = [
     "Retryable",
     "StepContext",
     "TransactionEnded",
+    "Withdrawn",
     "downstream_key",
     "idempotent",
 ]
+
+_moved.install()  # the request path's old module names, for one release

@@ -14,6 +14,8 @@ Actions are fenced like the engine's own writes (see :mod:`.key_actions`), recor
 ``recoverypoint.admin`` logger.
 """
 
+import warnings
+
 from .audit import AuditEntry, audit_entries, find_audit_entry
 from .base import (
     ABANDONED,
@@ -49,7 +51,7 @@ from .keys import (
     KeyDetail,
     KeyFilter,
     KeyRow,
-    Phase,
+    PhaseMark,
     Stats,
     StatsRow,
     find_key,
@@ -86,7 +88,7 @@ __all__ = [
     "Mask",
     "NotFound",
     "Overview",
-    "Phase",
+    "PhaseMark",
     "Refused",
     "Stats",
     "StatsRow",
@@ -111,3 +113,15 @@ __all__ = [
     "stats",
     "worker_passes",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Renamed names, kept importable for one release.
+    if name == "Phase":
+        warnings.warn(
+            "recoverypoint.admin.Phase is now recoverypoint.admin.PhaseMark",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PhaseMark
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

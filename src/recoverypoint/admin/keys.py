@@ -111,7 +111,10 @@ class KeyRow:
 
 
 @dataclass(frozen=True)
-class Phase:
+class PhaseMark:
+    """Where one declared phase of a key's operation stands for that key (the operation's
+    own declaration is :class:`recoverypoint.operation.Phase`)."""
+
     point: str
     kind: str
     """``atomic`` or ``foreign``."""
@@ -151,7 +154,7 @@ class KeyDetail:
     response_body: Any
     known: bool
     """Whether the operation version is known here (its lock timeout and phases are)."""
-    phases: tuple[Phase, ...]
+    phases: tuple[PhaseMark, ...]
     jobs: tuple[Job, ...]
     lease_expires_at: datetime | None
     reaped_after: datetime | None
@@ -280,12 +283,12 @@ _DETAIL_FIELDS = (
 )
 
 
-def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[Phase, ...]:
+def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[PhaseMark, ...]:
     """The declared phases, the key's point marked, each step's downstream key (``seed``:
     the record's, see :func:`recoverypoint.keys.key_seed`)."""
     points = [STARTED, *(p.point for p in operation.phases)]
     at = points.index(row.point) if row.point in points else -1
-    found: list[Phase] = [Phase(STARTED, "start", _mark(0, at))]
+    found: list[PhaseMark] = [PhaseMark(STARTED, "start", _mark(0, at))]
     for index, phase in enumerate(operation.phases, start=1):
         mark = _mark(index, at)
         downstream = None
@@ -293,7 +296,7 @@ def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[Ph
             # What StepContext.downstream_key() returns in this step: the same inputs.
             material = record_material(seed, row.id, row.created_at, operation.name)
             downstream = derived_key_of(material, "downstream", phase.point, "")
-        found.append(Phase(phase.point, phase.kind, mark, downstream))
+        found.append(PhaseMark(phase.point, phase.kind, mark, downstream))
     return tuple(found)
 
 

@@ -105,6 +105,10 @@ class Transaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
+    # -- the engine's own statements, on libpq ----------------------------------------------
+    # Both engines the same way: prepared once per connection, BEGIN and COMMIT in one
+    # pipeline with the statement beside them; the async one waits on the event loop.
+
     def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
@@ -128,6 +132,30 @@ class Transaction:
         )
         self._committed = True
         return row
+
+    def begin_with(self, query: str) -> tuple[Any, ...] | None:
+        """BEGIN and one of the engine's statements, written out without parameters (see
+        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
+        assert not self._began, "begin_with opens the transaction"
+        self._began = True
+        # libpq answers with the last statement's result: the row, or the error.
+        result = _libpq.command(self.connection, sql.BEGIN + b"; " + query.encode())
+        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
+
+    def _begin(self) -> None:
+        if not self._began:
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            _libpq.command(self.connection, sql.BEGIN)
+            self._began = True
+
+    # -- on psycopg -------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """COMMIT, if anything began and nothing committed it; read-only work costs no
+        round trip."""
+        if self._began and not self._committed:
+            self.connection.commit()
+            self._committed = True
 
     def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
@@ -156,28 +184,6 @@ class Transaction:
             self._begin()
         self._cursor.execute(query, params)
         return self._cursor.fetchone()
-
-    def begin_with(self, query: str) -> tuple[Any, ...] | None:
-        """BEGIN and one of the engine's statements, written out without parameters (see
-        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
-        assert not self._began, "begin_with opens the transaction"
-        self._began = True
-        # libpq answers with the last statement's result: the row, or the error.
-        result = _libpq.command(self.connection, sql.BEGIN + b"; " + query.encode())
-        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
-
-    def commit(self) -> None:
-        """COMMIT, if anything began and nothing committed it; read-only work costs no
-        round trip."""
-        if self._began and not self._committed:
-            self.connection.commit()
-            self._committed = True
-
-    def _begin(self) -> None:
-        if not self._began:
-            # Through libpq: a cursor would cost as much client CPU as a statement.
-            _libpq.command(self.connection, sql.BEGIN)
-            self._began = True
 
     @property
     def sqlalchemy_made(self) -> sa.Connection | None:

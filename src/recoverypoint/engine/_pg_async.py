@@ -107,6 +107,10 @@ class AsyncTransaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
+    # -- the engine's own statements, on libpq ----------------------------------------------
+    # Both engines the same way: prepared once per connection, BEGIN and COMMIT in one
+    # pipeline with the statement beside them; the async one waits on the event loop.
+
     async def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
@@ -135,6 +139,30 @@ class AsyncTransaction:
         self._committed = True
         return row
 
+    async def begin_with(self, query: str) -> tuple[Any, ...] | None:
+        """BEGIN and one of the engine's statements, written out without parameters (see
+        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
+        assert not self._began, "begin_with opens the transaction"
+        self._began = True
+        # libpq answers with the last statement's result: the row, or the error.
+        result = await _libpq_async.command(self.connection, sql.BEGIN + b"; " + query.encode())
+        return _libpq_async.first_row(result, "utf-8")  # an address and a transaction id
+
+    async def _begin(self) -> None:
+        if not self._began:
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            await _libpq_async.command(self.connection, sql.BEGIN)
+            self._began = True
+
+    # -- on psycopg -------------------------------------------------------------------------
+
+    async def commit(self) -> None:
+        """COMMIT, if anything began and nothing committed it; read-only work costs no
+        round trip."""
+        if self._began and not self._committed:
+            await self.connection.commit()
+            self._committed = True
+
     async def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.AsyncCursor[Any]:
@@ -162,28 +190,6 @@ class AsyncTransaction:
             await self._begin()
         await self._cursor.execute(query, params)
         return await self._cursor.fetchone()
-
-    async def begin_with(self, query: str) -> tuple[Any, ...] | None:
-        """BEGIN and one of the engine's statements, written out without parameters (see
-        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
-        assert not self._began, "begin_with opens the transaction"
-        self._began = True
-        # libpq answers with the last statement's result: the row, or the error.
-        result = await _libpq_async.command(self.connection, sql.BEGIN + b"; " + query.encode())
-        return _libpq_async.first_row(result, "utf-8")  # an address and a transaction id
-
-    async def commit(self) -> None:
-        """COMMIT, if anything began and nothing committed it; read-only work costs no
-        round trip."""
-        if self._began and not self._committed:
-            await self.connection.commit()
-            self._committed = True
-
-    async def _begin(self) -> None:
-        if not self._began:
-            # Through libpq: a cursor would cost as much client CPU as a statement.
-            await _libpq_async.command(self.connection, sql.BEGIN)
-            self._began = True
 
     @property
     def sqlalchemy_made(self) -> sa.Connection | None:
@@ -377,7 +383,10 @@ if True:  # ASYNC
 
         A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
         and hands its connection back this way."""
-        task = asyncio.ensure_future(cleanup(*args, **kwargs))
+        task = _eager_task(cleanup(*args, **kwargs))
+        if task.done():  # finished without waiting (most do): no trip through the loop
+            done: T = task.result()
+            return done
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
@@ -390,6 +399,16 @@ if True:  # ASYNC
             if cancelled is not None:
                 raise cancelled
             return result
+
+    def _eager_task(awaitable: Awaitable[T]) -> asyncio.Future[T]:
+        """A task of ``awaitable`` that runs at once, up to its first wait (Python 3.12 on;
+        before, from the loop's next round)."""
+        if _EAGER is None or not asyncio.iscoroutine(awaitable):
+            return asyncio.ensure_future(awaitable)
+        task: asyncio.Future[T] = _EAGER(asyncio.get_running_loop(), awaitable)
+        return task
+
+    _EAGER = getattr(asyncio, "eager_task_factory", None)
 
 else:
 
