@@ -446,7 +446,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
             "",
             "| tasks in flight | AsyncEngine / psycopg by hand | AsyncEngine / asyncpg by hand "
             "| req/s: AsyncEngine · psycopg · asyncpg · sync Engine "
-            "| client CPU ms/req: AsyncEngine · psycopg · asyncpg · sync Engine | errors |",
+            "| client CPU ms/req: AsyncEngine · psycopg · asyncpg · sync Engine "
+            "| errors: AsyncEngine · psycopg · asyncpg · sync Engine |",
             "|---|---|---|---|---|---|",
         ]
         for clients, sides in by_clients.items():
@@ -466,7 +467,9 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
             cpu = " · ".join(
                 _spread([r["cpu_ms"] for r in sides[n]], 3) if n in sides else "—" for n in names
             )
-            errors = sum(int(r["errors"]) for n in sides for r in sides[n])
+            errors = " · ".join(
+                str(sum(int(r["errors"]) for r in sides[n])) if n in sides else "—" for n in names
+            )
             lines.append(
                 f"| {clients} | {ratio('psycopg')} | {ratio('asyncpg')} | {rps} | {cpu} "
                 f"| {errors} |"

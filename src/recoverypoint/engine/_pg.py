@@ -256,7 +256,8 @@ def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                shielded(_roll_back_leftovers, tx)
+                if _left_over(tx):  # most transactions leave nothing: no cleanup to shield
+                    shielded(_roll_back_leftovers, tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
@@ -270,14 +271,23 @@ def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
     return getattr(error, "sqlstate", None)
 
 
+def _left_over(tx: Transaction) -> bool:
+    """Whether the transaction left anything for :func:`_roll_back_leftovers`."""
+    return tx.sqlalchemy_made is not None or _still_open(tx.connection)
+
+
+def _still_open(connection: psycopg.Connection[Any]) -> bool:
+    return not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE
+
+
 def _roll_back_leftovers(tx: Transaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
-    if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
+    if _still_open(connection):
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             connection.rollback()
-        # psycopg then deallocates every statement prepared on the connection, the sync
+        # psycopg then deallocates every statement prepared on the connection, the
         # engine's own among them.
         _libpq.forget(tx._pooled)
     if tx.sqlalchemy_made is not None:
