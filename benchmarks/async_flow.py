@@ -391,6 +391,8 @@ def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                     order = args.sides[shift:] + args.sides[:shift]
                     turn += 1
                     for side in order:
+                        if side == "sync" and loop != loops[0]:
+                            continue  # threads: the loop makes no difference to it
                         print(f"run {run + 1}, {loop}, {clients} tasks, round {round_ + 1}: {side}")
                         if side == "sync":
                             figures = sync_window(url, args.pool, clients, args.seconds)
