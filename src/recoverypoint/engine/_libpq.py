@@ -1,12 +1,15 @@
-"""The sync engine's own statements on libpq, through psycopg's ``pq`` module.
+"""The engine's own statements on libpq, through psycopg's ``pq`` module.
 
 Each :class:`~recoverypoint.engine.sql.Statement` is prepared once per connection (sent unnamed
 behind a pooler, :mod:`recoverypoint._pooler`); a transaction's
 first statement travels in one pipeline with its BEGIN, and the write that records a phase
 with its COMMIT (that write raises when it misses its row, which aborts the transaction
 before COMMIT runs). A psycopg cursor costs about as much client CPU again as the round
-trip it sends (benchmarks/README.md, "Round trips or CPU"); the async engine keeps psycopg's
-async cursor, which waits on the event loop where libpq would block it.
+trip it sends (benchmarks/README.md, "Round trips or CPU").
+
+The pipeline is written once, as a conversation that says what it waits for
+(:func:`pipeline`): the sync engine waits here, on poll() without the GIL; the async engine
+on the event loop (:mod:`recoverypoint.engine._libpq_async`).
 
 Values go as text, the types the statement's own text gives them (a cast, or the column a
 value is compared with); rows come back as text, for the caller to read.
