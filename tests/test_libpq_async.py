@@ -27,8 +27,13 @@ from recoverypoint.engine import _libpq, _libpq_async
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """The default loop and uvloop (uvicorn's default when it is installed): the waits on
+    libpq assume neither."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+        return ("asyncio", {"use_uvloop": True})
     return "asyncio"
 
 
