@@ -26,6 +26,7 @@ from .mask import Mask
 if TYPE_CHECKING:
     from ..engine import Engine
 
+
 class KeyState(str, Enum):
     """The state a key is in, as the operator sees it; each key is in exactly one. The
     database decides it (its clock, the lease its holder took: :mod:`recoverypoint.leases`)."""

@@ -32,7 +32,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -46,7 +46,10 @@ from ..outage import drop_older_connections
 from . import _libpq, sql
 
 T = TypeVar("T")
-P = ParamSpec("P")
+if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 TextRow = tuple[str | None, ...]
 
 # SQLSTATEs that mean "the same transaction may succeed if run again".
@@ -218,12 +221,11 @@ def serializable(
     db: sa.Engine,
     retries: int,
     observer: Observer,
-    work: Callable[Concatenate[Transaction, P], T],
+    work: Callable[[Transaction, Unpack[Ts]], T],
     /,
-    *args: P.args,
-    **kwargs: P.kwargs,
+    *args: Unpack[Ts],
 ) -> T:
-    """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction ``tx`` on a
+    """Run ``work(tx, *args)`` in one SERIALIZABLE transaction ``tx`` on a
     connection of ``db``'s pool, again on serialization failure or deadlock with capped,
     jittered backoff, up to ``retries`` times, then :class:`ConcurrentUpdate`. ``observer``
     hears of each retry and of running out.
@@ -241,7 +243,7 @@ def serializable(
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
             try:
-                result = work(tx, *args, **kwargs)
+                result = work(tx, *args)
                 tx.commit()
                 return result
             except _libpq.Deallocated:
@@ -357,6 +359,6 @@ def run_alone(db: sa.Engine, query: str, params: dict[str, Any]) -> tuple[Any, .
         return cursor.fetchone()
 
 
-def shielded(cleanup: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-    """``cleanup(*args, **kwargs)``: sync code is not cancelled midway."""
-    return cleanup(*args, **kwargs)
+def shielded(cleanup: Callable[[Unpack[Ts]], T], /, *args: Unpack[Ts]) -> T:
+    """``cleanup(*args)``: sync code is not cancelled midway."""
+    return cleanup(*args)

@@ -30,7 +30,7 @@ import functools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -46,7 +46,10 @@ from ..outage import drop_older_connections
 from . import _libpq_async, sql
 
 T = TypeVar("T")
-P = ParamSpec("P")
+if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 TextRow = tuple[str | None, ...]
 
 # SQLSTATEs that mean "the same transaction may succeed if run again".
@@ -230,12 +233,11 @@ async def serializable(
     db: sa_async.AsyncEngine,
     retries: int,
     observer: Observer,
-    work: Callable[Concatenate[AsyncTransaction, P], Awaitable[T]],
+    work: Callable[[AsyncTransaction, Unpack[Ts]], Awaitable[T]],
     /,
-    *args: P.args,
-    **kwargs: P.kwargs,
+    *args: Unpack[Ts],
 ) -> T:
-    """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction ``tx`` on a
+    """Run ``work(tx, *args)`` in one SERIALIZABLE transaction ``tx`` on a
     connection of ``db``'s pool, again on serialization failure or deadlock with capped,
     jittered backoff, up to ``retries`` times, then :class:`ConcurrentUpdate`. ``observer``
     hears of each retry and of running out.
@@ -253,7 +255,7 @@ async def serializable(
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
             try:
-                result = await work(tx, *args, **kwargs)
+                result = await work(tx, *args)
                 await tx.commit()
                 return result
             except _libpq_async.Deallocated:
@@ -384,16 +386,14 @@ async def run_alone(
 
 if True:  # ASYNC
 
-    async def shielded(
-        cleanup: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        """Run ``cleanup(*args, **kwargs)`` to its end even when the caller is cancelled
+    async def shielded(cleanup: Callable[[Unpack[Ts]], Awaitable[T]], /, *args: Unpack[Ts]) -> T:
+        """Run ``cleanup(*args)`` to its end even when the caller is cancelled
         meanwhile, once or again and again (as anyio's cancel scopes do); the cancellation
         is raised after it.
 
         A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
         and hands its connection back this way."""
-        task = _eager_task(cleanup(*args, **kwargs))
+        task = _eager_task(cleanup(*args))
         if task.done():  # finished without waiting (most do): no trip through the loop
             done: T = task.result()
             return done
@@ -422,6 +422,6 @@ if True:  # ASYNC
 
 else:
 
-    def shielded(cleanup: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``cleanup(*args, **kwargs)``: sync code is not cancelled midway."""
-        return cleanup(*args, **kwargs)
+    def shielded(cleanup: Callable[[Unpack[Ts]], T], /, *args: Unpack[Ts]) -> T:
+        """``cleanup(*args)``: sync code is not cancelled midway."""
+        return cleanup(*args)

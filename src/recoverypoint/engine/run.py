@@ -20,7 +20,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -77,7 +77,10 @@ logger = logging.getLogger("recoverypoint")
 _DRIVER_ERRORS = (psycopg.Error, sa.exc.SQLAlchemyError)
 
 T = TypeVar("T")
-P = ParamSpec("P")
+if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at run time
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 
 
 class Engine(Registry):
@@ -421,26 +424,22 @@ class Engine(Registry):
         still be committing: a release sent on another connection meanwhile would find no
         row, and the key would stay leased. The claim is made again, in a transaction rolled
         back: its INSERT waits on the key's unique index for the first one's end."""
-
         with contextlib.suppress(_Settled):
             self._transact(_wait_for, claim)
 
     def _transact(
         self,
-        work: Callable[Concatenate[Transaction, P], T],
+        work: Callable[[Transaction, Unpack[Ts]], T],
         /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        *args: Unpack[Ts],
     ) -> T:
-        """Run ``work(tx, *args, **kwargs)`` in one SERIALIZABLE transaction, again after a
+        """Run ``work(tx, *args)`` in one SERIALIZABLE transaction, again after a
         serialization failure (see :func:`recoverypoint.engine._pg.serializable`).
         A table or column that is not there is a :class:`ConfigurationError` when the
         schema is missing or old (every request would fail the same way); else, the phase
         code's own, it is re-raised as it is."""
         try:
-            return _pg.serializable(
-                self.db, self.serialization_retries, self.observer, work, *args, **kwargs
-            )
+            return _pg.serializable(self.db, self.serialization_retries, self.observer, work, *args)
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
             self._check_schema()
             raise
@@ -468,6 +467,7 @@ class _Claim:
         self.params = params
         """The params as the caller passed them, for judging a key reused with other ones."""
         self.observed = observed
+        """Hears of the claim, and of the first phase when it runs in the claim's transaction."""
         self.run: _Run | None = None
         """The run, set once the claim took the lease (the transaction may still roll back:
         the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""

@@ -25,9 +25,7 @@ class KeyIdentity:
     created_at: datetime
     _material: str
 
-    def __init__(
-        self, operation: str, key_id: int, created_at: datetime, seed: str | None
-    ) -> None:
+    def __init__(self, operation: str, key_id: int, created_at: datetime, seed: str | None) -> None:
         set_once = object.__setattr__  # read-only after: the material is made from them
         set_once(self, "operation", operation)
         set_once(self, "key_id", key_id)
