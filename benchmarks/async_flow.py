@@ -222,6 +222,41 @@ class AsyncpgByHand:
             await self.pool.close()
 
 
+class AsyncpgInflight:
+    """``async_inflight.py``'s two-phase charge by hand on an asyncpg pool: claim the key,
+    call the provider outside any transaction, store the charge and the answer; two
+    SERIALIZABLE transactions, each retried on 40001."""
+
+    def __init__(self, url: str, pool: int, post: Callable[[str], Awaitable[str]]) -> None:
+        self.flow = AsyncpgByHand(url, pool)
+        self.post = post
+
+    async def open(self) -> None:
+        await self.flow.open()
+
+    async def run(self, key: str) -> dict[str, Any]:
+        async def claim(conn: asyncpg.Connection) -> Any:
+            row = await conn.fetchrow(_asyncpg(CLAIM_SELECT), 1, key)
+            if row is not None:
+                await conn.execute(_asyncpg(CLAIM_UPDATE), row[0])
+                return row
+            return await conn.fetchrow(_asyncpg(CLAIM_INSERT), key, "{}")
+
+        key_id, point, _, code, body = await self.flow._tx(claim)
+        if point == "finished":
+            return {"status": code, "body": body}
+        response = json.dumps({"charge": await self.post(f"asyncpg-{key_id}")})
+
+        async def finish(conn: asyncpg.Connection) -> None:
+            await conn.execute(_asyncpg(FINISH_UPDATE), response, key_id)
+
+        await self.flow._tx(finish)
+        return {"status": 201, "body": response}
+
+    async def close(self) -> None:
+        await self.flow.close()
+
+
 class RecoveryPoint:
     """``rp.AsyncEngine`` on SQLAlchemy's async pool of psycopg connections."""
 
