@@ -477,7 +477,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
         f"{platform.machine()}, {multiprocessing.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, asyncpg {asyncpg.__version__}, psycopg "
         f"{psycopg.__version__} ({psycopg.pq.__impl__}). {args.runs} runs of {args.rounds} "
-        f"interleaved rounds of {args.seconds:.0f} s windows, pools of {args.pool} "
+        f"interleaved rounds of {args.seconds:g} s windows, pools of {args.pool} "
         "connections. Median (min to max) of the runs; ratios within each run. "
         "Reported, never asserted.",
         "",
