@@ -6,7 +6,9 @@
    connections each, see ``inflight_operations``), every request a task of one event
    loop; (b) ``rp.Engine`` with a sync step on ``httpx.Client``, each request
    sent to a worker thread through ``anyio.to_thread.run_sync`` with anyio's default limit
-   of 40 threads (what Starlette's ``run_in_threadpool`` uses). Both get 40 pooled
+   of 40 threads (what Starlette's ``run_in_threadpool`` uses); (c) the same by hand on
+   an asyncpg pool (``async_flow.AsyncpgInflight``: claim, the call outside any
+   transaction, the answer stored), tasks of the same loop. Each gets 40 pooled
    connections. Reported: req/s, p50, p99.
 2. **Fresh-key flow**: Rocket Rides (``flows.py``: create a ride and its audit record,
    "charge" in-process, record it, stage a job, answer) at 1, 8 and 32 clients: sync
@@ -86,8 +88,11 @@ def start_provider() -> tuple[multiprocessing.Process, str]:
 # -- the operations ------------------------------------------------------------------------
 
 
-def inflight_operations(url: str) -> tuple[rp.Operation[Any], rp.Operation[Any], list[Any]]:
-    """The same two-phase charge, sync and async; the clients to close afterwards."""
+def inflight_operations(
+    url: str,
+) -> tuple[rp.Operation[Any], rp.Operation[Any], list[Any], Callable[[str], Awaitable[str]]]:
+    """The same two-phase charge, sync and async; the clients to close afterwards; and the
+    provider's call alone, for the flow by hand on asyncpg."""
     sync_client = httpx.Client(base_url=url, limits=httpx.Limits(max_connections=POOL))
     # Several async clients of 50 connections: one httpx.AsyncClient holding 1,000 scans
     # its whole pool on every request and release (httpcore), which took 14 to 20 ms of
@@ -96,6 +101,15 @@ def inflight_operations(url: str) -> tuple[rp.Operation[Any], rp.Operation[Any],
         httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=50))
         for _ in range(ASYNC_CLIENTS)
     ]
+
+    async def post(downstream_key: str) -> str:
+        """The provider's call for the flow by hand on asyncpg (``async_flow``)."""
+        client = async_clients[hash(downstream_key) % ASYNC_CLIENTS]
+        response = await client.post(
+            "/charges", headers={"Idempotency-Key": downstream_key}, timeout=60
+        )
+        return str(response.json()["id"])
+
     sync_op: rp.Operation[Any] = rp.Operation("inflight_sync")
     async_op: rp.Operation[Any] = rp.Operation("inflight_async")
 
@@ -120,7 +134,7 @@ def inflight_operations(url: str) -> tuple[rp.Operation[Any], rp.Operation[Any],
     async def async_finish(tx: Any, params: Any) -> rp.Response:
         return sync_finish(tx, params)
 
-    return sync_op, async_op, [sync_client, *async_clients]
+    return sync_op, async_op, [sync_client, *async_clients], post
 
 
 def async_ride_operation() -> rp.Operation[Any]:
@@ -176,17 +190,27 @@ def summary(latencies: list[float], seconds: float, cpu: float) -> dict[str, flo
 
 
 async def burst(requests: int, one: Callable[[str], Awaitable[Any]]) -> dict[str, float]:
-    """``requests`` calls of ``one`` started at once, each with a fresh key."""
+    """``requests`` calls of ``one`` started at once, each with a fresh key; a call that
+    fails (the server's RWConflictPool full, say) is counted, not timed."""
     latencies: list[float] = []
+    errors: list[str] = []
 
     async def timed() -> None:
         began = time.perf_counter()
-        await one(uuid.uuid4().hex)
+        try:
+            await one(uuid.uuid4().hex)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            return
         latencies.append(time.perf_counter() - began)
 
     cpu, began = time.process_time(), time.perf_counter()
     await asyncio.gather(*(timed() for _ in range(requests)))
-    return summary(latencies, time.perf_counter() - began, time.process_time() - cpu)
+    figures = summary(latencies, time.perf_counter() - began, time.process_time() - cpu)
+    figures["errors"] = len(errors)
+    if errors:
+        print(f"  {len(errors)} failed, the first: {errors[0]}")
+    return figures
 
 
 def window_threads(clients: int, seconds: float, one: Callable[[str], Any]) -> dict[str, float]:
@@ -263,12 +287,41 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         engine, async_engine = rp.Engine(db), rp.AsyncEngine(async_db)
         provider, provider_url = start_provider()
-        sync_op, async_op, clients = inflight_operations(provider_url)
+        sync_op, async_op, clients, post = inflight_operations(provider_url)
         rides, async_rides = ride_operation(), async_ride_operation()
         engine.register(sync_op, rides)
         async_engine.register(async_op, async_rides)
+        # Imported here: async_flow imports this module's operations.
+        from async_flow import AsyncpgInflight
+
+        plain = normalize_url(url).set(drivername="postgresql")
+        by_hand = AsyncpgInflight(plain.render_as_string(hide_password=False), POOL, post)
+
+        # The three pools of 40 would not fit in the server's max_connections (100, shared)
+        # at once: each path's pool is filled before its burst and closed after it.
+        async def fill(path: str) -> None:
+            if path == "async":
+                held = [await async_db.connect() for _ in range(POOL)]
+                for conn in held:
+                    await conn.close()
+            elif path == "threads":
+                raw = await asyncio.to_thread(lambda: [db.raw_connection() for _ in range(POOL)])
+                for pooled in raw:
+                    pooled.close()
+            else:
+                await by_hand.open()
+
+        async def empty(path: str) -> None:
+            if path == "async":
+                await async_db.dispose()
+            elif path == "threads":
+                db.dispose()
+            else:
+                await by_hand.close()
+
         paths: dict[str, Callable[[str], Awaitable[Any]]] = {
             "async": lambda key: async_engine.run(async_op, key=key, params=None),
+            "asyncpg": by_hand.run,
             "threads": lambda key: anyio.to_thread.run_sync(
                 lambda: engine.run(sync_op, key=key, params=None)
             ),
@@ -279,7 +332,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for round_ in range(args.rounds + 1):  # interleaved, so drift hits both alike
                 for path, one in paths.items():
                     print(f"round {round_}: {args.requests} in flight, {path}", flush=True)
-                    result = await burst(args.requests, one)
+                    await fill(path)
+                    try:
+                        result = await burst(args.requests, one)
+                    finally:
+                        await empty(path)
                     if round_:
                         results["inflight"].setdefault(path, []).append(result)
             for clients_n in args.clients:
@@ -326,15 +383,19 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
         "connections: one client holding 1,000 connections spent 14 to 20 ms of CPU per "
         "request scanning its pool (httpcore), 41 to 59 req/s in all.",
         "",
-        "| path | round | req/s | p50 ms | p99 ms | wall s | client CPU ms/req |",
-        "|---|---|---|---|---|---|---|",
+        "| path | round | req/s | p50 ms | p99 ms | wall s | client CPU ms/req | failed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for path in ("async", "threads"):
+    labels = {
+        "async": "AsyncEngine, tasks",
+        "asyncpg": "by hand on asyncpg, tasks",
+        "threads": "Engine, 40 threads",
+    }
+    for path, label in labels.items():
         for index, r in enumerate(results["inflight"][path], 1):
-            label = "AsyncEngine, tasks" if path == "async" else "Engine, 40 threads"
             lines.append(
                 f"| {label} | {index} | {r['rps']:.0f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} "
-                f"| {r['seconds']:.2f} | {r['cpu_ms_per_request']:.2f} |"
+                f"| {r['seconds']:.2f} | {r['cpu_ms_per_request']:.2f} | {r.get('errors', 0)} |"
             )
     lines += [
         "",

@@ -21,6 +21,7 @@ from rides import count
 from test_engine_async import APPLICATION, Gate, key_row
 
 import recoverypoint as rp
+from recoverypoint.engine import _libpq_async
 
 pytestmark = pytest.mark.anyio
 
@@ -130,8 +131,19 @@ def cancel_points(monkeypatch: pytest.MonkeyPatch) -> list[CancelAtStatement]:
             canceller.arm()
         await commit(self)
 
+    def cancelling(send: Any) -> Any:
+        async def sending(*args: Any, **kwargs: Any) -> Any:
+            for canceller in armed:
+                canceller.arm()
+            return await send(*args, **kwargs)
+
+        return sending
+
     monkeypatch.setattr(psycopg.AsyncCursor, "execute", cancelling_execute)
     monkeypatch.setattr(psycopg.AsyncConnection, "commit", cancelling_commit)
+    # The engine's own statements, on libpq.
+    monkeypatch.setattr(_libpq_async, "execute", cancelling(_libpq_async.execute))
+    monkeypatch.setattr(_libpq_async, "command", cancelling(_libpq_async.command))
     return armed
 
 

@@ -63,6 +63,7 @@ LAYERS = {
             "engine._pg",
             "engine._pg_async",
             "engine._libpq",
+            "engine._libpq_async",
             "_pooler",
             "engine.store",
             "engine.store_async",

@@ -184,7 +184,7 @@ def test_a_text_value_with_a_nul_is_refused(pooled: Any) -> None:
 def test_before_libpq_17_the_server_says_what_it_holds(
     pooled: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_libpq, "_CLOSES", False)
+    monkeypatch.setattr(_libpq, "CLOSES", False)
     test_a_statement_forgotten_inside_a_transaction_keeps_it_going(pooled)
 
 
@@ -318,23 +318,22 @@ def test_an_interrupt_while_a_pipeline_waits_leaves_one_effect_after_a_retry(
     # The engine's statements prepared first: only the request's own waits are counted.
     engine.run(op, key="warm-up", params={}, scope=scope)
     waits = {"n": 0}
-    real_next_result = _libpq._next_result
+    real_next_result = _libpq.next_result
 
     def interrupting(pgconn: Any) -> Any:
-        if pgconn.pipeline_status == PipelineStatus.OFF:  # a statement being prepared
-            return real_next_result(pgconn)
-        waits["n"] += 1
-        if waits["n"] == interrupted_at:
-            raise KeyboardInterrupt
-        return real_next_result(pgconn)
+        if pgconn.pipeline_status != PipelineStatus.OFF:  # not a statement being prepared
+            waits["n"] += 1
+            if waits["n"] == interrupted_at:
+                raise KeyboardInterrupt
+        return (yield from real_next_result(pgconn))
 
-    monkeypatch.setattr(_libpq, "_next_result", interrupting)
+    monkeypatch.setattr(_libpq, "next_result", interrupting)
     try:
         engine.run(op, key="k", params={}, scope=scope)
         interrupted = False
     except KeyboardInterrupt:
         interrupted = True
-    monkeypatch.setattr(_libpq, "_next_result", real_next_result)
+    monkeypatch.setattr(_libpq, "next_result", real_next_result)
     assert interrupted == (interrupted_at <= 17)
 
     # No connection is left checked out, and none the pool hands out is broken.

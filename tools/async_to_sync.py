@@ -70,6 +70,7 @@ NAMES = [
     ("_AsyncRun", "_Run"),
     ("async_db", "db"),
     ("_pg_async", "_pg"),
+    ("_libpq_async", "_libpq"),
     ("store_async", "store"),
     ("atomic_async", "atomic"),
     ("listen_async", "listen"),

@@ -1,12 +1,15 @@
-"""The sync engine's own statements on libpq, through psycopg's ``pq`` module.
+"""The engine's own statements on libpq, through psycopg's ``pq`` module.
 
 Each :class:`~recoverypoint.engine.sql.Statement` is prepared once per connection (sent unnamed
 behind a pooler, :mod:`recoverypoint._pooler`); a transaction's
 first statement travels in one pipeline with its BEGIN, and the write that records a phase
 with its COMMIT (that write raises when it misses its row, which aborts the transaction
 before COMMIT runs). A psycopg cursor costs about as much client CPU again as the round
-trip it sends (benchmarks/README.md, "Round trips or CPU"); the async engine keeps psycopg's
-async cursor, which waits on the event loop where libpq would block it.
+trip it sends (benchmarks/README.md, "Round trips or CPU").
+
+The pipeline is written once, as a conversation that says what it waits for
+(:func:`pipeline`): the sync engine waits here, on poll() without the GIL; the async engine
+on the event loop (:mod:`recoverypoint.engine._libpq_async`).
 
 Values go as text, the types the statement's own text gives them (a cast, or the column a
 value is compared with); rows come back as text, for the caller to read.
@@ -14,23 +17,26 @@ value is compared with); rows come back as text, for the caller to read.
 
 from __future__ import annotations
 
+import contextlib
 import select
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 from uuid import UUID
 
 import psycopg
 from psycopg import pq
 from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.waiting import Ready, Wait
 
 from .._pooler import UNPREPARED
 from . import sql
 
 # Where a pooled connection keeps the names of the statements prepared on it: the
 # SQLAlchemy pool's per-connection dict, which lives and dies with the connection.
-_PREPARED = "recoverypoint_prepared"
+PREPARED = "recoverypoint_prepared"
 
 Row = tuple[str | None, ...]
+T = TypeVar("T")
 
 
 def execute(
@@ -51,8 +57,8 @@ def execute(
     and ``DEALLOCATE ALL``). A statement found gone before anything else ran in its
     transaction is prepared again and sent again; one found gone behind other statements of
     its transaction raises :class:`Deallocated`, and the transaction runs again."""
-    encoding = _encoding(connection)
-    values = _values(params, statement.names, encoding)
+    encoding = client_encoding(connection)
+    values = text_values(params, statement.names, encoding)
     try:
         result = _run(pooled, connection, statement, values, begin, commit)
     except psycopg.errors.InvalidSqlStatementName:
@@ -65,7 +71,7 @@ def execute(
     return first_row(result, encoding)
 
 
-def _encoding(connection: psycopg.Connection[Any]) -> str:
+def client_encoding(connection: psycopg.BaseConnection[Any]) -> str:
     """The connection's client encoding, as Python names it: read from libpq each time (a
     SET may change it), and psycopg's own lookup only for an encoding other than UTF-8,
     as it costs as much as the encoding of a statement's values."""
@@ -82,7 +88,7 @@ class Deallocated(Exception):
 
 def forget(pooled: Any) -> None:
     """Have every statement prepared again on ``pooled`` before its next use."""
-    pooled.info.pop(_PREPARED, None)
+    pooled.info.pop(PREPARED, None)
 
 
 def _run(
@@ -98,8 +104,8 @@ def _run(
         return _pipelined(connection, statement, name, values, begin, commit)
     pgconn = connection.pgconn
     if name is None:
-        return _checked(connection, pgconn.exec_params(statement.positional, values))
-    return _checked(connection, pgconn.exec_prepared(name, values))
+        return checked(connection, pgconn.exec_params(statement.positional, values))
+    return checked(connection, pgconn.exec_prepared(name, values))
 
 
 def _pipelined(
@@ -110,13 +116,48 @@ def _pipelined(
     begin: str | None,
     commit: bool,
 ) -> Any:
-    pgconn = connection.pgconn
+    exchange = pipeline(connection.pgconn, statement, name, values, begin=begin, commit=commit)
+    try:
+        return answer(connection, _drive(connection.pgconn, exchange))
+    finally:
+        exchange.close()  # interrupted: its pipeline ends (or the connection closes) now
+        if connection.pgconn.pipeline_status:
+            # Results still pending (an interrupt while waiting for them): the connection
+            # cannot be used again, and the pool drops a closed one.
+            connection.close()
+
+
+# A conversation with the server as psycopg's generators hold one: it yields what it waits
+# for (readable, writable) and is sent what the socket is ready for, so that the sync engine
+# waits on poll() (`_drive`) and the async one on the event loop (`_libpq_async`).
+Exchange = Generator[Wait, Ready | int, T]
+
+
+def pipeline(
+    pgconn: Any,
+    statement: sql.Statement,
+    name: bytes | None,
+    values: list[bytes],
+    *,
+    begin: str | None,
+    commit: bool,
+    prepare: bool = False,
+) -> Exchange[Pipelined]:
+    """``statement`` in one pipeline, after BEGIN and before COMMIT when asked, prepared
+    under ``name`` just before if ``prepare`` (a Close of the name first: see
+    :func:`_prepare`);
+    what came back, for :func:`answer`."""
     pgconn.enter_pipeline_mode()
     began = 0 if begin is None else 2  # BEGIN and the transaction's token
     try:
         if begin is not None:
+            # First: a Parse may take the snapshot that BEGIN's isolation level sets. Then
+            # the transaction's token (sql.mark), which the write that records a phase checks.
             pgconn.send_query_params(sql.BEGIN, None)
             pgconn.send_query_params(sql.mark(begin), None)
+        if prepare:
+            pgconn.send_close_prepared(name)
+            pgconn.send_prepare(name, statement.positional)
         if name is None:  # unnamed: parsed with this execution, in the same round trip
             pgconn.send_query_params(statement.positional, values)
         else:
@@ -124,34 +165,72 @@ def _pipelined(
         if commit:
             pgconn.send_query_params(b"COMMIT", None)
         pgconn.pipeline_sync()
-        _flush(pgconn)
-        commands = began + 1 + commit
+        while pgconn.flush():
+            if (yield Wait.RW) & Ready.R:
+                pgconn.consume_input()
+        began = 0 if begin is None else 2  # BEGIN and the token
+        commands = 2 * prepare + began + 1 + commit
         results: list[Any] = []
         ended = 0  # each command's results end with a None
         while ended < commands:
-            result = _next_result(pgconn)
+            result = yield from next_result(pgconn)
             if result is None:
                 ended += 1
             else:
                 results.append(result)
-        synced = _next_result(pgconn)
+        synced = yield from next_result(pgconn)
     finally:
-        try:
+        # Fails with results still pending (an interrupt while waiting for them); the
+        # caller then closes the connection.
+        with contextlib.suppress(psycopg.Error):
             pgconn.exit_pipeline_mode()
-        except psycopg.Error:
-            # Results still pending (an interrupt while waiting for them): the connection
-            # cannot be used again, and the pool drops a closed one.
-            connection.close()
-    for result in results:
+    return Pipelined(results, synced, commands, 2 * prepare + began)
+
+
+class Pipelined(NamedTuple):
+    """What came back from a :func:`pipeline`."""
+
+    results: list[Any]  # every command's, in order
+    synced: Any  # the pipeline's end
+    commands: int  # how many were sent
+    statement: int  # the statement's place among them
+
+
+def next_result(pgconn: Any) -> Exchange[Any]:
+    """The next result, once it has come."""
+    while pgconn.is_busy():
+        yield Wait.R
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+def answer(connection: Any, pipelined: Pipelined) -> Any:
+    """The statement's result out of a :func:`pipeline`'s, or the error of the first
+    command that failed."""
+    for result in pipelined.results:
         if result.status == ExecStatus.FATAL_ERROR:  # PIPELINE_ABORTED only follows one
-            _checked(connection, result)
-    if len(results) != commands:
+            checked(connection, result)
+    if len(pipelined.results) != pipelined.commands:
         raise psycopg.OperationalError(
             f"the server sent no result: {connection.pgconn.error_message!r}"
         )
+    synced = pipelined.synced
     if synced is None or synced.status != ExecStatus.PIPELINE_SYNC:
-        raise psycopg.OperationalError(f"the pipeline did not end: {pgconn.error_message!r}")
-    return results[began]
+        raise psycopg.OperationalError(
+            f"the pipeline did not end: {connection.pgconn.error_message!r}"
+        )
+    return pipelined.results[pipelined.statement]
+
+
+def _drive(pgconn: Any, exchange: Exchange[T]) -> T:
+    """Run ``exchange`` to its end, waiting without the GIL: libpq's own wait would hold it,
+    and stall every other thread of the process meanwhile."""
+    try:
+        waiting = next(exchange)
+        while True:
+            waiting = exchange.send(_wait(pgconn.socket, waiting))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 def _command_result(pgconn: Any) -> Any:
@@ -162,26 +241,52 @@ def _command_result(pgconn: Any) -> Any:
     return result
 
 
+def last_result(pgconn: Any) -> Exchange[Any]:
+    """The last result of a query sent, once all have come; the first error instead, if
+    one failed (libpq reads no further)."""
+    while pgconn.flush():
+        if (yield Wait.RW) & Ready.R:
+            pgconn.consume_input()
+    last = None
+    while (result := (yield from next_result(pgconn))) is not None:
+        if last is None or last.status != ExecStatus.FATAL_ERROR:
+            last = result
+    return last
+
+
+def command(connection: psycopg.Connection[Any], query: bytes) -> Any:
+    """``query`` (one or more statements without parameters) as a simple query; the last
+    statement's result, or the error of the one that failed."""
+    return checked(connection, connection.pgconn.exec_(query))
+
+
 def _next_result(pgconn: Any) -> Any:
-    """The next result, waiting for it without the GIL: libpq's own wait would hold it, and
-    stall every other thread of the process meanwhile."""
-    while pgconn.is_busy():
-        _wait(pgconn.socket, select.POLLIN)
-        pgconn.consume_input()
-    return pgconn.get_result()
+    return _drive(pgconn, next_result(pgconn))
 
 
 def _flush(pgconn: Any) -> None:
     while pgconn.flush():
-        _wait(pgconn.socket, select.POLLOUT)
+        _wait(pgconn.socket, Wait.W)
 
 
-def _wait(fileno: int, event: int) -> None:
+def _wait(fileno: int, waiting: Wait) -> Ready:
     # poll(), not select(): a process with a thousand files open has descriptors select()
     # cannot watch.
     poller = select.poll()
-    poller.register(fileno, event)
-    poller.poll()
+    poller.register(fileno, _POLL[waiting])
+    events = 0
+    for _, event in poller.poll():
+        events |= event
+    # Readable also when the server hung up: libpq then reads the error.
+    readable = Ready.R if events & ~select.POLLOUT else Ready.NONE
+    return Ready(readable | (Ready.W if events & select.POLLOUT else Ready.NONE))
+
+
+_POLL = {
+    Wait.R: select.POLLIN,
+    Wait.W: select.POLLOUT,
+    Wait.RW: select.POLLIN | select.POLLOUT,
+}
 
 
 def _prepared(
@@ -192,7 +297,7 @@ def _prepared(
     info = pooled.info
     if UNPREPARED in info:
         return None
-    prepared: set[bytes] = info.setdefault(_PREPARED, set())
+    prepared: set[bytes] = info.setdefault(PREPARED, set())
     if statement.name not in prepared:
         _prepare(connection, statement)
         prepared.add(statement.name)
@@ -203,26 +308,26 @@ def _prepare(connection: psycopg.Connection[Any], statement: sql.Statement) -> N
     """Prepare ``statement`` under its name, whether the session holds that name or not: a
     PREPARE of a name it holds would fail, and abort the transaction it runs in."""
     pgconn = connection.pgconn
-    if _CLOSES:
+    if CLOSES:
         # A Close of a name never prepared is no error, in a transaction too; and PgBouncer
         # (1.21 on) follows it, where the server's names are PgBouncer's own.
         # Sent and awaited here: libpq's own close_prepared() waits holding the GIL.
         pgconn.send_close_prepared(statement.name)
         _flush(pgconn)
-        _checked(connection, _command_result(pgconn))
+        checked(connection, _command_result(pgconn))
     elif statement.name in _on_server(connection):
         return
-    _checked(connection, pgconn.prepare(statement.name, statement.positional))
+    checked(connection, pgconn.prepare(statement.name, statement.positional))
 
 
 # libpq sends a Close of a prepared statement from version 17 on; before, the engine asks
 # the server which of its names it holds.
-_CLOSES = pq.version() >= 170000 and hasattr(pq.PGconn, "close_prepared")
+CLOSES = pq.version() >= 170000 and hasattr(pq.PGconn, "close_prepared")
 
 
 def _on_server(connection: psycopg.Connection[Any]) -> set[bytes]:
     """The names of the engine's statements prepared on ``connection``'s session."""
-    result = _checked(connection, connection.pgconn.exec_(_PREPARED_ON_SERVER))
+    result = checked(connection, connection.pgconn.exec_(_PREPARED_ON_SERVER))
     return {result.get_value(row, 0) for row in range(result.ntuples)}
 
 
@@ -231,7 +336,7 @@ _PREPARED_ON_SERVER = (
 )
 
 
-def _checked(connection: psycopg.Connection[Any], result: Any) -> Any:
+def checked(connection: psycopg.BaseConnection[Any], result: Any) -> Any:
     if result is None:
         raise psycopg.OperationalError(
             f"the server sent no result: {connection.pgconn.error_message!r}"
@@ -250,7 +355,7 @@ def first_row(result: Any, encoding: str) -> Row | None:
     return tuple([None if value is None else value.decode(encoding) for value in values])
 
 
-def _values(params: Mapping[str, Any], names: Sequence[str], encoding: str) -> list[bytes]:
+def text_values(params: Mapping[str, Any], names: Sequence[str], encoding: str) -> list[bytes]:
     """The values of ``names`` in ``params`` as PostgreSQL's text input reads them. NULLs go
     as None, as psycopg's own cursors send them (pq's hints say bytes only). The types the
     engine sends are told apart in the loop: a call per value cost as much as the rest."""

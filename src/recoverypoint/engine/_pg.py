@@ -15,12 +15,10 @@ and the transaction (:class:`Transaction`) writes out:
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`Transaction.fetch_and_commit`), or alone (:meth:`Transaction.commit`).
 
-The sync engine sends its own statements through libpq (:mod:`recoverypoint.engine._libpq`):
+The engine's own statements go through libpq (:mod:`recoverypoint.engine._libpq`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
 them, and with nothing outside a transaction that psycopg would begin one for, the
-connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
-trip each, in autocommit while borrowed; psycopg's own pipeline costs more client CPU than
-the round trips it saves (benchmarks/README.md, "Round trips or CPU").
+connection keeps the pool's mode. Phase code's statements go through psycopg's cursors.
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -39,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import Escaping, ExecStatus, TransactionStatus
+from psycopg.pq import Escaping, TransactionStatus
 from psycopg.rows import tuple_row
 
 from ..backoff import backoff_delay
@@ -55,11 +53,6 @@ if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at r
 
     Ts = TypeVarTuple("Ts")
 TextRow = tuple[str | None, ...]
-
-# Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
-# (libpq), and psycopg sends none of its own inside it.
-_AUTOCOMMIT = False
-
 
 # Each transaction's token (sql.mark): unique in the process, and a session only ever sees
 # its own process's.
@@ -120,11 +113,9 @@ class Transaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
-    # -- the engine's own statements, on the wire -------------------------------------------
-    # The one place where the two engines differ in how they talk to the server: the async
-    # one runs its statements on psycopg's cursor (a round trip each; psycopg's pipeline
-    # costs more client CPU than it saves), the sync one on libpq (prepared once per
-    # connection, BEGIN and COMMIT in one pipeline with the statement beside them).
+    # -- the engine's own statements, on libpq ----------------------------------------------
+    # Both engines the same way: prepared once per connection, BEGIN and COMMIT in one
+    # pipeline with the statement beside them; the async one waits on the event loop.
 
     def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
@@ -158,9 +149,8 @@ class Transaction:
         assert not self._began, "begin_with opens the transaction"
         self._began = True
         # libpq answers with the last statement's result: the row, or the error.
-        result = self.connection.pgconn.exec_(self._begin_sql() + b"; " + query.encode())
-        if result.status != ExecStatus.TUPLES_OK:
-            raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+        query_after = self._begin_sql() + b"; " + query.encode()
+        result = _libpq.command(self.connection, query_after)
         return _libpq.first_row(result, "utf-8")  # an address
 
     def _begin_sql(self) -> bytes:
@@ -170,12 +160,10 @@ class Transaction:
     def _begin(self) -> None:
         if not self._began:
             # Through libpq: a cursor would cost as much client CPU as a statement.
-            result = self.connection.pgconn.exec_(self._begin_sql())
-            if result.status != ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            _libpq.command(self.connection, self._begin_sql())
             self._began = True
 
-    # -- the same on both wires -------------------------------------------------------------
+    # -- on psycopg -------------------------------------------------------------------------
 
     def literal(self, value: str) -> str:
         """``value`` as an SQL string literal, quoted by libpq for this connection."""
@@ -265,8 +253,11 @@ def serializable(
     once): what it found that its caller needs even when the COMMIT is interrupted travels
     on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
     that records a phase carries the COMMIT); otherwise it is committed when it returns."""
-    # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = _borrow(db, _AUTOCOMMIT)
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
+    # (libpq), and psycopg sends none of its own inside it. So the connection keeps the
+    # pool's mode. Not through borrowed(): its generator would cost a dozen calls per
+    # transaction.
+    pooled, connection, switched = _borrow(db, autocommit=False)
     try:
         for attempt in range(retries + 1):
             tx = Transaction(db, pooled, connection)
@@ -286,7 +277,8 @@ def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                shielded(_roll_back_leftovers, tx)
+                if _left_over(tx):  # most transactions leave nothing: no cleanup to shield
+                    shielded(_roll_back_leftovers, tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
@@ -294,14 +286,23 @@ def serializable(
     raise AssertionError("unreachable")
 
 
+def _left_over(tx: Transaction) -> bool:
+    """Whether the transaction left anything for :func:`_roll_back_leftovers`."""
+    return tx.sqlalchemy_made is not None or _still_open(tx.connection)
+
+
+def _still_open(connection: psycopg.Connection[Any]) -> bool:
+    return not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE
+
+
 def _roll_back_leftovers(tx: Transaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
-    if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
+    if _still_open(connection):
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             connection.rollback()
-        # psycopg then deallocates every statement prepared on the connection, the sync
+        # psycopg then deallocates every statement prepared on the connection, the
         # engine's own among them.
         _libpq.forget(tx._pooled)
     if tx.sqlalchemy_made is not None:

@@ -13,12 +13,10 @@ and the transaction (:class:`AsyncTransaction`) writes out:
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`AsyncTransaction.fetch_and_commit`), or alone (:meth:`AsyncTransaction.commit`).
 
-The sync engine sends its own statements through libpq (:mod:`recoverypoint.engine._libpq`):
+The engine's own statements go through libpq (:mod:`recoverypoint.engine._libpq_async`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
 them, and with nothing outside a transaction that psycopg would begin one for, the
-connection keeps the pool's mode. The async engine runs them on psycopg's cursor, one round
-trip each, in autocommit while borrowed; psycopg's own pipeline costs more client CPU than
-the round trips it saves (benchmarks/README.md, "Round trips or CPU").
+connection keeps the pool's mode. Phase code's statements go through psycopg's cursors.
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
 use (:meth:`AsyncTransaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
@@ -33,12 +31,12 @@ import itertools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
-from psycopg.pq import Escaping, ExecStatus, TransactionStatus
+from psycopg.pq import Escaping, TransactionStatus
 from psycopg.rows import tuple_row
 from sqlalchemy.util import greenlet_spawn
 
@@ -46,7 +44,7 @@ from ..backoff import backoff_delay
 from ..errors import ConcurrentUpdate
 from ..observe import Observer
 from ..outage import drop_older_connections
-from . import _libpq, sql
+from . import _libpq_async, sql
 from .conflicts import is_conflict, sqlstate
 
 T = TypeVar("T")
@@ -55,16 +53,6 @@ if TYPE_CHECKING:  # the arguments a unit of work is passed, typed; nothing at r
 
     Ts = TypeVarTuple("Ts")
 TextRow = tuple[str | None, ...]
-
-if True:  # ASYNC  # noqa: SIM108
-    # Whether a transaction's connection is in autocommit while borrowed: the lookup runs
-    # on a cursor, which would begin a transaction.
-    _AUTOCOMMIT = True
-else:
-    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
-    # (libpq), and psycopg sends none of its own inside it.
-    _AUTOCOMMIT = False
-
 
 # Each transaction's token (sql.mark): unique in the process, and a session only ever sees
 # its own process's.
@@ -127,47 +115,37 @@ class AsyncTransaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
-    # -- the engine's own statements, on the wire -------------------------------------------
-    # The one place where the two engines differ in how they talk to the server: the async
-    # one runs its statements on psycopg's cursor (a round trip each; psycopg's pipeline
-    # costs more client CPU than it saves), the sync one on libpq (prepared once per
-    # connection, BEGIN and COMMIT in one pipeline with the statement beside them).
+    # -- the engine's own statements, on libpq ----------------------------------------------
+    # Both engines the same way: prepared once per connection, BEGIN and COMMIT in one
+    # pipeline with the statement beside them; the async one waits on the event loop.
 
     async def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
         assert not self._began, "a lookup runs before the transaction"
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params, begin=False))
-        else:
-            return _libpq.execute(self._pooled, self.connection, statement, params)
+        return await _libpq_async.execute(self._pooled, self.connection, statement, params)
 
     async def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements in the transaction, BEGIN with it if it is the
         first; its first row, as text."""
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params))
-        else:
-            began, self._began = self._began, True
-            begin = None if began else self.token
-            return _libpq.execute(self._pooled, self.connection, statement, params, begin=begin)
+        began, self._began = self._began, True
+        begin = None if began else self.token
+        return await _libpq_async.execute(
+            self._pooled, self.connection, statement, params, begin=begin
+        )
 
     async def fetch_and_commit(
         self, statement: sql.Statement, params: dict[str, Any]
     ) -> TextRow | None:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
         as text. The statement raises when it misses its row, so nothing then commits."""
-        if True:  # ASYNC
-            row = cast("TextRow | None", await self.fetchone(statement.text, params))
-            await self.commit()
-        else:
-            began, self._began = self._began, True
-            if self._deallocated:
-                _libpq.forget(self._pooled)
-            begin = None if began else self.token
-            row = _libpq.execute(
-                self._pooled, self.connection, statement, params, begin=begin, commit=True
-            )
+        began, self._began = self._began, True
+        if self._deallocated:
+            _libpq_async.forget(self._pooled)
+        begin = None if began else self.token
+        row = await _libpq_async.execute(
+            self._pooled, self.connection, statement, params, begin=begin, commit=True
+        )
         self._committed = True
         return row
 
@@ -176,17 +154,10 @@ class AsyncTransaction:
         :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
         assert not self._began, "begin_with opens the transaction"
         self._began = True
-        if True:  # ASYNC
-            await self._cursor.execute((self._begin_sql() + b"; " + query.encode()).decode())
-            self._cursor.nextset()  # past BEGIN's own result
-            self._cursor.nextset()  # and the token's
-            return await self._cursor.fetchone()
-        else:
-            # libpq answers with the last statement's result: the row, or the error.
-            result = self.connection.pgconn.exec_(self._begin_sql() + b"; " + query.encode())
-            if result.status != ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-            return _libpq.first_row(result, "utf-8")  # an address
+        # libpq answers with the last statement's result: the row, or the error.
+        query_after = self._begin_sql() + b"; " + query.encode()
+        result = await _libpq_async.command(self.connection, query_after)
+        return _libpq_async.first_row(result, "utf-8")  # an address
 
     def _begin_sql(self) -> bytes:
         """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""
@@ -194,16 +165,11 @@ class AsyncTransaction:
 
     async def _begin(self) -> None:
         if not self._began:
-            if True:  # ASYNC
-                await self._cursor.execute(self._begin_sql().decode())
-            else:
-                # Through libpq: a cursor would cost as much client CPU as a statement.
-                result = self.connection.pgconn.exec_(self._begin_sql())
-                if result.status != ExecStatus.TUPLES_OK:
-                    raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            await _libpq_async.command(self.connection, self._begin_sql())
             self._began = True
 
-    # -- the same on both wires -------------------------------------------------------------
+    # -- on psycopg -------------------------------------------------------------------------
 
     def literal(self, value: str) -> str:
         """``value`` as an SQL string literal, quoted by libpq for this connection."""
@@ -299,8 +265,11 @@ async def serializable(
     once): what it found that its caller needs even when the COMMIT is interrupted travels
     on an object among ``args`` (the engine's claims). ``work`` may COMMIT itself (the write
     that records a phase carries the COMMIT); otherwise it is committed when it returns."""
-    # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = await _borrow(db, _AUTOCOMMIT)
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out first
+    # (libpq), and psycopg sends none of its own inside it. So the connection keeps the
+    # pool's mode. Not through borrowed(): its generator would cost a dozen calls per
+    # transaction.
+    pooled, connection, switched = await _borrow(db, autocommit=False)
     try:
         for attempt in range(retries + 1):
             tx = AsyncTransaction(db, pooled, connection)
@@ -308,7 +277,7 @@ async def serializable(
                 result = await work(tx, *args)
                 await tx.commit()
                 return result
-            except _libpq.Deallocated:
+            except _libpq_async.Deallocated:
                 if attempt == retries:
                     raise
             except (psycopg.Error, sa.exc.DBAPIError) as exc:
@@ -320,7 +289,8 @@ async def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                await shielded(_roll_back_leftovers, tx)
+                if _left_over(tx):  # most transactions leave nothing: no cleanup to shield
+                    await shielded(_roll_back_leftovers, tx)
             if attempt:  # the first retry at once: most conflicts are false positives
                 await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
@@ -329,16 +299,25 @@ async def serializable(
 
 
 
+def _left_over(tx: AsyncTransaction) -> bool:
+    """Whether the transaction left anything for :func:`_roll_back_leftovers`."""
+    return tx.sqlalchemy_made is not None or _still_open(tx.connection)
+
+
+def _still_open(connection: psycopg.AsyncConnection[Any]) -> bool:
+    return not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE
+
+
 async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
-    if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
+    if _still_open(connection):
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
             await connection.rollback()
-        # psycopg then deallocates every statement prepared on the connection, the sync
+        # psycopg then deallocates every statement prepared on the connection, the
         # engine's own among them.
-        _libpq.forget(tx._pooled)
+        _libpq_async.forget(tx._pooled)
     if tx.sqlalchemy_made is not None:
         await tx._end_sqlalchemy()
 
@@ -428,7 +407,10 @@ if True:  # ASYNC
 
         A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
         and hands its connection back this way."""
-        task = asyncio.ensure_future(cleanup(*args))
+        task = _eager_task(cleanup(*args))
+        if task.done():  # finished without waiting (most do): no trip through the loop
+            done: T = task.result()
+            return done
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
@@ -441,6 +423,16 @@ if True:  # ASYNC
             if cancelled is not None:
                 raise cancelled
             return result
+
+    def _eager_task(awaitable: Awaitable[T]) -> asyncio.Future[T]:
+        """A task of ``awaitable`` that runs at once, up to its first wait (Python 3.12 on;
+        before, from the loop's next round)."""
+        if _EAGER is None or not asyncio.iscoroutine(awaitable):
+            return asyncio.ensure_future(awaitable)
+        task: asyncio.Future[T] = _EAGER(asyncio.get_running_loop(), awaitable)
+        return task
+
+    _EAGER = getattr(asyncio, "eager_task_factory", None)
 
 else:
 

@@ -1,0 +1,92 @@
+"""The async engine's own statements on libpq, as the sync engine sends them
+(:mod:`recoverypoint.engine._libpq`): prepared once per connection, a transaction's first
+statement in one pipeline with its BEGIN, the write that records a phase with its COMMIT.
+The pipeline is the same conversation (:func:`~recoverypoint.engine._libpq.pipeline`),
+waited for on the event loop through psycopg's own wait (``AsyncConnection.wait``), which
+also cancels the statement on the server when the task is cancelled meanwhile.
+
+A statement is prepared in the pipeline that first runs it (a Close of its name, then its
+Parse), so preparing costs no round trip of its own. With a libpq older than 17, which
+cannot send a Close, the statements go unnamed, parsed with each execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from .._pooler import UNPREPARED
+from . import _libpq, sql
+from ._libpq import Deallocated, Row, first_row, forget
+
+__all__ = ["Deallocated", "command", "execute", "first_row", "forget"]
+
+
+async def execute(
+    pooled: Any,
+    connection: psycopg.AsyncConnection[Any],
+    statement: sql.Statement,
+    params: Mapping[str, Any],
+    *,
+    begin: str | None = None,
+    commit: bool = False,
+) -> Row | None:
+    """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
+    first row. As :func:`recoverypoint.engine._libpq.execute`: a statement found
+    deallocated is prepared and sent again if nothing ran before it in its transaction,
+    else :class:`Deallocated` is raised and the transaction runs again."""
+    encoding = _libpq.client_encoding(connection)
+    values = _libpq.text_values(params, statement.names, encoding)
+    try:
+        result = await _run(pooled, connection, statement, values, begin, commit)
+    except psycopg.errors.InvalidSqlStatementName:
+        forget(pooled)
+        if begin is not None:
+            await command(connection, b"ROLLBACK")  # psycopg's own would deallocate
+        elif connection.pgconn.transaction_status != TransactionStatus.IDLE:
+            raise Deallocated() from None
+        result = await _run(pooled, connection, statement, values, begin, commit)
+    return first_row(result, encoding)
+
+
+async def command(connection: psycopg.AsyncConnection[Any], query: bytes) -> Any:
+    """``query`` (one or more statements without parameters) as a simple query; the last
+    statement's result, or the error of the one that failed."""
+    pgconn = connection.pgconn
+    pgconn.send_query(query)
+    return _libpq.checked(connection, await connection.wait(_libpq.last_result(pgconn)))
+
+
+async def _run(
+    pooled: Any,
+    connection: psycopg.AsyncConnection[Any],
+    statement: sql.Statement,
+    values: list[bytes],
+    begin: str | None,
+    commit: bool,
+) -> Any:
+    info = pooled.info
+    name: bytes | None = None
+    prepared: set[bytes] | None = None
+    if UNPREPARED not in info and _libpq.CLOSES:
+        name = statement.name
+        prepared = info.setdefault(_libpq.PREPARED, set())
+    prepare = prepared is not None and name not in prepared
+    exchange = _libpq.pipeline(
+        connection.pgconn, statement, name, values, begin=begin, commit=commit, prepare=prepare
+    )
+    try:
+        result = _libpq.answer(connection, await connection.wait(exchange))
+    finally:
+        exchange.close()  # interrupted: its pipeline ends (or the connection closes) now
+        if connection.pgconn.pipeline_status:
+            # Results still pending: the connection cannot be used again, and the pool
+            # drops a closed one.
+            await connection.close()
+    if prepare:
+        assert prepared is not None and name is not None
+        prepared.add(name)
+    return result

@@ -1,0 +1,202 @@
+"""The async engine's statements on libpq (recoverypoint.engine._libpq_async), waited for on
+the event loop: values of any shape reach the server intact, a statement is prepared once
+per connection in the pipeline that first runs it, and statements that psycopg or the
+application deallocated are prepared again, as tests/test_libpq.py says of the sync engine.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import sqlalchemy.ext.asyncio as sa_async
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rides import count
+from sqlalchemy.util import greenlet_spawn
+from test_libpq import ECHO, stored_text
+
+import recoverypoint as rp
+from recoverypoint.database import normalize_url
+from recoverypoint.engine import _libpq, _libpq_async
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """The default loop and uvloop (uvicorn's default when it is installed): the waits on
+    libpq assume neither."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
+
+
+@pytest.fixture
+async def async_db(database_url: str, business_tables: None) -> AsyncIterator[Any]:
+    """A pool of one connection: every request and every test statement share it."""
+    db = sa_async.create_async_engine(normalize_url(database_url), pool_size=1, max_overflow=0)
+    yield db
+    await db.dispose()
+
+
+@pytest.fixture
+async def one_connection(async_db: Any) -> AsyncIterator[rp.AsyncEngine]:
+    engine = rp.AsyncEngine(async_db)
+    yield engine
+    await engine.dispose()
+
+
+def _echo_params() -> dict[str, Any]:
+    return {"s": "s", "a": [], "i": 1, "f": 1.0, "u": uuid.uuid4(), "n": None}
+
+
+async def test_values_reach_the_server_as_they_were(async_db: Any) -> None:
+    pooled = await async_db.raw_connection()
+    connection = pooled.driver_connection
+    await connection.set_autocommit(True)
+    seen: list[tuple[Any, ...]] = []
+
+    # hypothesis drives sync functions: the examples are drawn first, then sent.
+    @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(
+        text=stored_text,
+        items=st.lists(st.one_of(st.none(), stored_text), max_size=5),
+        number=st.integers(-(2**63), 2**63 - 1),
+        real=st.floats(allow_nan=False, allow_infinity=False),
+    )
+    def draw(text: str, items: list[str | None], number: int, real: float) -> None:
+        seen.append((text, items, number, real))
+
+    draw()
+    try:
+        for index, (text, items, number, real) in enumerate(seen):
+            token = uuid.uuid4()
+            params = {"s": text, "a": items, "i": number, "f": real, "u": token, "n": None}
+            # Alone, after BEGIN, and between BEGIN and COMMIT: each pipeline shape.
+            begin, commit = (str(index) if index % 3 > 0 else None), index % 3 == 2
+            row = await _libpq_async.execute(
+                pooled, connection, ECHO, params, begin=begin, commit=commit
+            )
+            if begin is not None and not commit:
+                await _libpq_async.command(connection, b"COMMIT")
+            assert row is not None
+            assert row[0] == text
+            assert json.loads(row[1] or "null") == items
+            assert int(row[2] or "") == number
+            assert float(row[3] or "") == real
+            assert row[4] == str(token)
+            assert row[5] == "t"
+    finally:
+        await connection.set_autocommit(False)
+        await greenlet_spawn(pooled.close)
+
+
+async def test_a_statement_is_prepared_once_per_connection(
+    one_connection: rp.AsyncEngine, scope: str
+) -> None:
+    engine = one_connection
+    op = _ride(scope)
+    engine.register(op)
+    assert (await engine.run(op, key="a", params={}, scope=scope)).status == 201
+    async with engine.async_db.connect() as conn:
+        pooled = await conn.get_raw_connection()
+        names = set(pooled.info[_libpq.PREPARED])
+        held = await conn.exec_driver_sql(
+            "SELECT name FROM pg_prepared_statements WHERE starts_with(name, 'recoverypoint_')"
+        )
+        on_server = {row[0].encode() for row in held}
+        await conn.rollback()
+    assert names and names <= on_server
+    # A second request prepares nothing more and sends what is prepared.
+    assert (await engine.run(op, key="b", params={}, scope=scope)).status == 201
+    async with engine.async_db.connect() as conn:
+        pooled = await conn.get_raw_connection()
+        assert set(pooled.info[_libpq.PREPARED]) == names
+        await conn.rollback()
+
+
+async def test_a_statement_someone_deallocated_is_prepared_again(async_db: Any) -> None:
+    pooled = await async_db.raw_connection()
+    connection = pooled.driver_connection
+    await connection.set_autocommit(True)
+    try:
+        assert await _libpq_async.execute(pooled, connection, ECHO, _echo_params())
+        await connection.execute("DEALLOCATE ALL")
+        assert await _libpq_async.execute(pooled, connection, ECHO, _echo_params())
+        await connection.execute("DISCARD ALL")
+        row = await _libpq_async.execute(pooled, connection, ECHO, _echo_params(), begin="1")
+        assert row is not None
+        await connection.rollback()
+    finally:
+        await connection.set_autocommit(False)
+        await greenlet_spawn(pooled.close)
+
+
+async def test_requests_go_on_after_the_application_deallocates_between_them(
+    one_connection: rp.AsyncEngine, db: sa.Engine, scope: str
+) -> None:
+    """psycopg deallocates every prepared statement after a ROLLBACK it sends, once it
+    prepared one of its own: an application's rolled-back transaction on the pool's
+    connection takes the engine's statements with it."""
+    engine = one_connection
+    op = _ride(scope)
+    engine.register(op)
+    assert (await engine.run(op, key="a", params={}, scope=scope)).status == 201
+    for _ in range(6):  # psycopg prepares a statement on its 5th run
+        async with engine.async_db.connect() as conn:
+            await conn.execute(sa.text("SELECT 1 WHERE 1 = :one"), {"one": 1})
+            await conn.rollback()
+    assert (await engine.run(op, key="b", params={}, scope=scope)).status == 201
+    async with engine.async_db.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await conn.exec_driver_sql("DISCARD ALL")
+    assert (await engine.run(op, key="a", params={}, scope=scope)).replayed
+    assert (await engine.run(op, key="c", params={}, scope=scope)).status == 201
+    audits = "SELECT count(*) FROM audit_records WHERE scope = :s AND action = :a"
+    assert count(db, audits, s=scope, a="created") == 3  # a, b and c: once each
+
+
+async def test_a_phase_that_rolls_back_to_a_savepoint_commits(
+    one_connection: rp.AsyncEngine, scope: str
+) -> None:
+    """Inside a phase: once psycopg prepared a statement, ROLLBACK TO SAVEPOINT makes it
+    deallocate them all, and the engine prepares its own again before recording the phase."""
+    engine = one_connection
+    op: rp.Operation[Any] = rp.Operation(f"savepoint_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    async def undo_a_part(tx: Any, params: Any) -> rp.Response:
+        for _ in range(6):  # psycopg prepares a statement on its 5th run
+            await tx.execute("SELECT 1 WHERE 1 = %s", (1,))
+        if params["undo"]:
+            await tx.execute("SAVEPOINT part")
+            await tx.execute("ROLLBACK TO SAVEPOINT part")
+        return rp.Response(201)
+
+    engine.register(op)
+    # The first prepares the engine's statements on the pool's one connection.
+    assert (await engine.run(op, key="warm", params={"undo": False}, scope=scope)).status == 201
+    for key in ("a", "b"):
+        outcome = await engine.run(op, key=key, params={"undo": True}, scope=scope)
+        assert outcome.status == 201
+
+
+def _ride(scope: str) -> rp.Operation[Any]:
+    """One phase that writes an audit record and answers."""
+    op: rp.Operation[Any] = rp.Operation(f"libpq_async_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    async def create(tx: Any, params: Any) -> rp.Response:
+        await tx.execute(
+            "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, 'created', %s)",
+            (scope, tx.key_id),
+        )
+        return rp.Response(201)
+
+    return op
