@@ -167,6 +167,10 @@ def test_a_moved_module_imports_under_its_old_name_and_says_where(old: str, new:
     with pytest.warns(DeprecationWarning, match=re.escape(f"moved to {new}")):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+    # The module keeps its own spec: its relative imports (run later, inside functions)
+    # resolve against its package, and raise no warning that its package is another.
+    assert module.__spec__ is not None and module.__spec__.name == new
+    assert module.__package__ == module.__spec__.parent
 
 
 def test_the_old_homes_of_the_engines_and_the_phase_context_still_serve() -> None:

@@ -47,10 +47,18 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,  # the importing line: warnings skips the import machinery
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        # The import system is about to give the module the old name's spec, which its
+        # own relative imports would then resolve against: kept, to be given back.
+        spec.loader_state = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module at the new name ran when it was imported."""
+        """Nothing to run (the module at the new name ran when it was imported): its own
+        spec is given back."""
+        spec = module.__spec__
+        if spec is not None and isinstance(spec.loader_state, importlib.machinery.ModuleSpec):
+            module.__spec__ = spec.loader_state
 
 
 def install() -> None:
