@@ -162,10 +162,13 @@ def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
     # A single-step view's unprotected answer is not stored; a phased operation's runs
     # under a key of its own, which no retry can name.
     assert keys_of("django_choice_optional") == 0
-    assert count(
-        "SELECT count(*) FROM idempotency_keys WHERE operation = 'django_choice_noted' "
-        "AND idempotency_key NOT LIKE 'unprotected-%%'"
-    ) == 0
+    assert (
+        count(
+            "SELECT count(*) FROM idempotency_keys WHERE operation = 'django_choice_noted' "
+            "AND idempotency_key NOT LIKE 'unprotected-%%'"
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,8 +224,8 @@ def test_a_duplicate_waits_for_the_first_request_s_answer_instead_of_a_409(
 
     views.ENTERED.clear()
     views.RELEASE.clear()
-    try:
-        with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
+        try:
             first = pool.submit(send)
             assert views.ENTERED.wait(60)
             duplicate = pool.submit(send)
@@ -234,10 +237,9 @@ def test_a_duplicate_waits_for_the_first_request_s_answer_instead_of_a_409(
                     break
                 woken.wait(0.05)
             assert listening() == 1, duplicate.result() if duplicate.done() else "not waiting"
-            views.RELEASE.set()
-            answered, replayed = first.result(60), duplicate.result(60)
-    finally:
-        views.RELEASE.set()
+        finally:
+            views.RELEASE.set()  # the first request answers, whatever happened
+        answered, replayed = first.result(60), duplicate.result(60)
 
     assert answered[0] == replayed[0] == 201
     assert replayed[1]["Idempotent-Replayed"] == "true"
