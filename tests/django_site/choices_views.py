@@ -56,6 +56,11 @@ def optional_view(request: HttpRequest) -> HttpResponse:
     return _ran("optional")
 
 
+@default.single_step("django_choice_optional_async", key_required=False)
+async def optional_async_view(request: HttpRequest) -> HttpResponse:
+    return _ran("optional_async")
+
+
 noted: rp.Operation[Any] = rp.Operation("django_choice_noted")
 
 
@@ -70,6 +75,10 @@ engine.register(noted)
 
 def optional_phased_view(request: HttpRequest) -> HttpResponse:
     return default.run(noted, request, key_required=False)
+
+
+async def optional_phased_async_view(request: HttpRequest) -> HttpResponse:
+    return await default.arun(noted, request, key_required=False)
 
 
 # Held open by the test of a waiting duplicate: ENTERED once the view runs, until RELEASE.

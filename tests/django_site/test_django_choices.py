@@ -143,7 +143,12 @@ def test_stored_classes_and_wait_are_checked_when_made() -> None:
 
 @pytest.mark.parametrize(
     ("url", "kind"),
-    [("/choices/optional", "optional"), ("/choices/optional-phased", "optional_phased")],
+    [
+        ("/choices/optional", "optional"),
+        ("/choices/optional-async", "optional_async"),
+        ("/choices/optional-phased", "optional_phased"),
+        ("/choices/optional-phased-async", "optional_phased"),
+    ],
 )
 def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
     client: Client, url: str, kind: str, caplog: pytest.LogCaptureFixture
@@ -161,7 +166,7 @@ def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
     assert len(unprotected) == 2
     # A single-step view's unprotected answer is not stored; a phased operation's runs
     # under a key of its own, which no retry can name.
-    assert keys_of("django_choice_optional") == 0
+    assert keys_of("django_choice_optional") == keys_of("django_choice_optional_async") == 0
     assert (
         count(
             "SELECT count(*) FROM idempotency_keys WHERE operation = 'django_choice_noted' "
@@ -173,7 +178,12 @@ def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
 
 @pytest.mark.parametrize(
     ("url", "kind"),
-    [("/choices/optional", "optional"), ("/choices/optional-phased", "optional_phased")],
+    [
+        ("/choices/optional", "optional"),
+        ("/choices/optional-async", "optional_async"),
+        ("/choices/optional-phased", "optional_phased"),
+        ("/choices/optional-phased-async", "optional_phased"),
+    ],
 )
 def test_an_optional_key_sent_protects_as_a_required_one_and_an_empty_one_is_refused(
     client: Client, url: str, kind: str

@@ -27,6 +27,11 @@ urlpatterns = [
     path("choices/failing", choices_views.failing_view),
     path("choices/not-found", choices_views.not_found_view),
     path("choices/optional", choices_views.optional_view),
+    path("choices/optional-async", choices_views.optional_async_view),
+    path(
+        "choices/optional-phased-async",
+        non_atomic_requests(choices_views.optional_phased_async_view),
+    ),
     path("choices/optional-phased", non_atomic_requests(choices_views.optional_phased_view)),
     path("choices/waited", choices_views.waited_view),
     path("choices/unscoped", choices_views.unscoped_view),
