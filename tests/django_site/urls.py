@@ -4,7 +4,7 @@ from rest_framework.routers import SimpleRouter
 
 from examples.django_rides.rides.views import RideView
 
-from . import views
+from . import choices_views, views
 
 router = SimpleRouter(trailing_slash=False)
 router.register("viewset", views.OrderViewSet, basename="orders")
@@ -23,5 +23,19 @@ urlpatterns = [
     path("cookie", views.cookie_view),
     path("drf-in-atomic", views.DRFView.as_view()),  # forgotten: ATOMIC_REQUESTS wraps it
     path("rides", non_atomic_requests(RideView.as_view())),
+    path("choices/renamed", choices_views.renamed_view),
+    path("choices/failing", choices_views.failing_view),
+    path("choices/not-found", choices_views.not_found_view),
+    path("choices/optional", choices_views.optional_view),
+    path("choices/optional-async", choices_views.optional_async_view),
+    path(
+        "choices/optional-phased-async",
+        non_atomic_requests(choices_views.optional_phased_async_view),
+    ),
+    path("choices/optional-phased", non_atomic_requests(choices_views.optional_phased_view)),
+    path("choices/waited", choices_views.waited_view),
+    path("choices/unscoped", choices_views.unscoped_view),
+    path("choices/empty", choices_views.empty_view),
+    path("choices/named/<str:view_id>", non_atomic_requests(choices_views.named_view)),
     *(re_path(url.pattern.regex.pattern, non_atomic_requests(url.callback)) for url in router.urls),
 ]

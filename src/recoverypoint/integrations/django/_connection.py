@@ -50,6 +50,8 @@ from django.db import connections  # type: ignore[import-untyped]
 from psycopg.adapt import Loader
 from psycopg.pq import Format
 from psycopg.types.json import JsonbLoader
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 
 from ...engine import Engine, phase_guard
@@ -73,12 +75,31 @@ def django_engine(using: str = "default", **options: Any) -> Engine:
             f"it has {', '.join(sorted(connections.settings))}"
         )
     db = sa.create_engine(
-        "postgresql+psycopg://",
+        sa.URL.create(f"postgresql+{_DIALECT}", query={"using": using}),
         pool=_DjangoConnections(using),
         # Django registers its own adapters on its connections; leave them as they are.
         use_native_hstore=False,
     )
     return Engine(db, **options)
+
+
+class _DjangoDialect(PGDialect_psycopg):
+    """psycopg's dialect, whose connection arguments are Django's for the alias in the
+    URL: for the connections the engine opens outside its pool (a duplicate's wait on
+    a connection of its own), which must reach the database Django's connection is on."""
+
+    supports_statement_cache = True  # compiles as psycopg's own does
+
+    def create_connect_args(self, url: sa.URL) -> Any:
+        params = connections[url.query["using"]].get_connection_params()
+        # How Django's cursors read rows; the engine's own connection needs psycopg's.
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        return [], params
+
+
+_DIALECT = "recoverypoint_django"
+registry.register(f"postgresql.{_DIALECT}", __name__, _DjangoDialect.__name__)
 
 
 # Kept on a Django connection while the engine holds it: how Django had it set up.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -42,9 +42,11 @@ from django.http import (  # type: ignore[import-untyped]
 
 from ...engine import Engine
 from ...errors import ConfigurationError
+from ...keys import Unscoped
+from ...leases import DEFAULT_LOCK_TIMEOUT
 from ...operation import Operation
-from .._base import BaseIdempotency, Captured, body_over, body_params, target
-from .._problem import Reply
+from .._base import STORED_CLASSES, BaseIdempotency, Captured, body_over, body_params, target
+from .._problem import IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Reply
 from ._connection import _DjangoConnections
 
 __all__ = ["Idempotency", "authenticated_user"]
@@ -59,8 +61,6 @@ _DJANGO_ANSWERS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
 
 # When the scope function runs, for the error that says it failed.
 _IN_VIEW = "in the view, before the key is claimed (in a DRF view, after its authentication)"
-
-_KEY_META = "HTTP_IDEMPOTENCY_KEY"
 
 
 def authenticated_user(request: Any) -> str:
@@ -80,25 +80,61 @@ class Idempotency(BaseIdempotency[Any]):
     that phases write with the ORM in their own transaction. ``scope`` is called with the
     request (DRF's ``Request`` in a DRF view, once DRF authenticated it); by default
     :func:`authenticated_user`. Raising ``PermissionDenied`` (or a DRF ``APIException``)
-    in it refuses the request before any key is looked at.
+    in it refuses the request before any key is looked at; returning ``""`` is the
+    service's mistake (a 500 that says so), and ``UNSCOPED`` shares one scope among all
+    clients on purpose.
+
+    ``key_header``, ``replayed_header``, ``stored_classes`` and ``wait`` are the FastAPI
+    and Flask integrations' (see :class:`~recoverypoint.integrations._base.BaseIdempotency`).
+    A waiting duplicate holds its worker thread, and a connection of its own to Django's
+    database, while it waits.
     """
 
     def __init__(
         self,
         engine: Engine,
         *,
-        scope: Callable[[Any], str] = authenticated_user,
+        scope: Callable[[Any], str] | Unscoped = authenticated_user,
         retry_after: int = 1,
+        key_header: str = IDEMPOTENCY_KEY,
+        replayed_header: str = IDEMPOTENT_REPLAYED,
+        stored_classes: Collection[int] = STORED_CLASSES,
+        wait: timedelta | float | None = None,
     ) -> None:
         # No async engine: an async view reaches the engine on the thread of Django's
         # connection, which the ORM in its phases needs.
-        super().__init__(engine, scope=scope, retry_after=retry_after)
+        super().__init__(
+            engine,
+            scope=scope,
+            retry_after=retry_after,
+            key_header=key_header,
+            replayed_header=replayed_header,
+            stored_classes=stored_classes,
+            wait=wait,
+        )
+        if "_" in self.key_header:
+            # WSGI turns "-" into "_": X_Key and X-Key would be one header to Django, whose
+            # own server drops a name with "_" for that reason.
+            raise ValueError(
+                f"key_header {key_header!r}: Django cannot tell '_' from '-' in a header "
+                "name (its server drops names with '_'); use '-'"
+            )
+        self._key_meta = "HTTP_" + self.key_header.upper().replace("-", "_")
 
-    def run(self, operation: Operation[Any], request: Any, params: Any = _BODY) -> HttpResponse:
+    def run(
+        self,
+        operation: Operation[Any],
+        request: Any,
+        params: Any = _BODY,
+        *,
+        key_required: bool = True,
+    ) -> HttpResponse:
         """Run ``operation`` for ``request`` with ``params``; without them, with the
         request's body, read as JSON (or else text): too large (413), nested too deep or
         undecodable (422) is refused. Call it from a view (any kind); in an async view,
-        ``await idempotency.arun(...)``."""
+        ``await idempotency.arun(...)``. With ``key_required=False`` a request that sends
+        no key runs unprotected (under a key of its own, which no retry can name), its
+        answer marked ``Idempotent-Unprotected: true``."""
         http = _http(request)
         scope = self._scope_of(request, _IN_VIEW, _refusals())
         if isinstance(scope, Reply):
@@ -107,7 +143,7 @@ class Idempotency(BaseIdempotency[Any]):
         reply = self._serve(
             operation,
             scope=scope,
-            key_headers=_key_headers(http),
+            key_headers=self._key_headers(self._key_lines(http), key_required),
             method=http.method,
             target=_target(http),
             params=lambda: body_params(_body(http, limit), limit) if params is _BODY else params,
@@ -115,13 +151,23 @@ class Idempotency(BaseIdempotency[Any]):
         return _response(reply)
 
     async def arun(
-        self, operation: Operation[Any], request: Any, params: Any = _BODY
+        self,
+        operation: Operation[Any],
+        request: Any,
+        params: Any = _BODY,
+        *,
+        key_required: bool = True,
     ) -> HttpResponse:
         """:meth:`run` for an async view: on the thread of Django's connection."""
-        return await sync_to_async(self.run)(operation, request, params)
+        run = functools.partial(self.run, key_required=key_required)
+        return await sync_to_async(run)(operation, request, params)
 
     def single_step(
-        self, name: str, *, lock_timeout: timedelta = timedelta(seconds=90)
+        self,
+        name: str,
+        *,
+        lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
+        key_required: bool = True,
     ) -> Callable[[V], V]:
         """Make a view single-step: its whole response is stored under the key and replayed.
         ``name`` is the operation's stable name; renaming the function keeps it.
@@ -129,7 +175,9 @@ class Idempotency(BaseIdempotency[Any]):
         Decorate a function view, ``async def`` included, or a method of a class-based view
         or of a DRF ``APIView``/``ViewSet`` (``post``, ``create``, an ``@action``), directly
         or through ``method_decorator``; put access checks (``login_required``...) above it,
-        so that their refusals leave no key.
+        so that their refusals leave no key. With ``key_required=False`` a request that
+        sends no key runs the view unprotected (nothing stored), its answer marked
+        ``Idempotent-Unprotected: true``.
         """
         operation = self._declare_single_step(name, lock_timeout)
 
@@ -148,11 +196,15 @@ class Idempotency(BaseIdempotency[Any]):
                 scope = self._scope_of(request, _IN_VIEW, _refusals())
                 if isinstance(scope, Reply):
                     return _response(scope)
+                lines = self._key_headers(self._key_lines(http), key_required)
+                if lines is None:
+                    answer = respond().reply()
+                    return _response(self._unprotected(answer, http.method, _target(http)))
                 limit = self.engine.max_params_bytes
                 reply, _ = self._serve_single_step(
                     operation,
                     scope=scope,
-                    key_headers=_key_headers(http),
+                    key_headers=lines,
                     method=http.method,
                     target=_target(http),
                     body=lambda: _body(http, limit),
@@ -181,6 +233,13 @@ class Idempotency(BaseIdempotency[Any]):
             return self._non_atomic(wrapped)  # type: ignore[return-value]
 
         return decorate
+
+    def _key_lines(self, request: HttpRequest) -> list[str]:
+        """The key header's value, as a list of lines: the server joins a header sent twice
+        with ", ", in which :func:`~recoverypoint.integrations._problem.read_key` then
+        finds two keys."""
+        value = request.META.get(self._key_meta)
+        return [] if value is None else [value]
 
     def _non_atomic(self, view: Callable[..., Any]) -> Callable[..., Any]:
         """``view``, kept out of ``ATOMIC_REQUESTS``'s transaction: the engine commits each
@@ -256,12 +315,6 @@ def _captured(response: HttpResponse) -> Captured:
     ]
     body = b"".join(response.streaming_content) if response.streaming else response.content
     return Captured(response.status_code, headers, body)
-
-
-def _key_headers(request: HttpRequest) -> list[str]:
-    # The server joins a header sent twice with ", "; read_key then finds two keys.
-    value = request.META.get(_KEY_META)
-    return [] if value is None else [value]
 
 
 def _body(request: HttpRequest, limit: int) -> bytes:
