@@ -152,6 +152,12 @@ def idempotent(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
+    The arguments are the params: validated by their annotations (unannotated ones must be
+    JSON), fingerprinted and stored; arguments that cannot be stored raise
+    :class:`~recoverypoint.InvalidParams` and store nothing. The return value is stored as
+    JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
+    every call, the first included.
+
     Parameters
     ----------
     engine:
@@ -170,12 +176,6 @@ def idempotent(
     exclude:
         Arguments left out of the params (neither fingerprinted nor stored): a client, a
         Celery task's ``self``.
-
-    The arguments are the params: validated by their annotations (unannotated ones must be
-    JSON), fingerprinted and stored; arguments that cannot be stored raise
-    :class:`~recoverypoint.InvalidParams` and store nothing. The return value is stored as
-    JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
-    every call, the first included.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:

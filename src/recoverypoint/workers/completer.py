@@ -133,17 +133,17 @@ class _Claimed:
 class Completer(Worker[CompleterResult]):
     """Resumes unfinished keys in-process and abandons those out of attempts.
 
-    Parameters
-    ----------
-    min_age:
-        Seconds an unfinished key waits after its last run for its own client to retry
-        before the completer takes it; 0 takes keys as soon as they are due.
-
     An :class:`AsyncEngine`'s keys are resumed on an event loop the completer runs in its
     own thread, with the engine's connection pool: run the completer in a process (or a
     thread) of its own, never from a coroutine, and keep ``batch_size`` within the pool,
     since a batch's async resumes run at once. :meth:`close` closes the loop;
     :meth:`run_forever` does so as it returns.
+
+    Parameters
+    ----------
+    min_age:
+        Seconds an unfinished key waits after its last run for its own client to retry
+        before the completer takes it; 0 takes keys as soon as they are due.
     """
 
     name: ClassVar[str] = "completer"
