@@ -1,0 +1,91 @@
+"""Every code block of README.md and docs/ is run by a test or says why not (see
+``docs_snippets``), and the ``python`` blocks no other test claims run here.
+
+A page's unmarked ``python`` blocks run in order, as a reader pastes them: a block whose
+first line is ``# path/name.py`` is written to that file (the project directory is the
+working directory and on ``sys.path``); every other block is executed, all of a page's in
+one namespace. Each page gets a fresh database migrated as ``recoverypoint migrate`` does,
+in ``$RECOVERYPOINT_DATABASE_URL``, so that keys and tables are its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from docs_snippets import ROOT, Block, blocks, pages
+
+from recoverypoint import migrate
+from recoverypoint.testing import temporary_database
+
+
+def unmarked(page: Path) -> list[Block]:
+    return [b for b in blocks(page) if b.mark == "" and b.lang == "python"]
+
+
+RUN_HERE = [p for p in pages() if unmarked(p)]
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    problems = []
+    for page in pages():
+        name = page.relative_to(ROOT / "docs") if page.parent != ROOT else Path(page.name)
+        for block in blocks(page):
+            if block.mark == "not-run":
+                if len(block.mark_value) < 10:
+                    problems.append(f"{block.where}: say why it is not run")
+            elif block.mark == "test":
+                test = ROOT / block.mark_value
+                if not test.is_file() or not test.name.startswith("test_"):
+                    problems.append(f"{block.where}: no test module {block.mark_value}")
+                elif name.as_posix() not in test.read_text():
+                    problems.append(f"{block.where}: {block.mark_value} does not read {name}")
+            elif block.lang != "python":
+                problems.append(
+                    f"{block.where}: a {block.lang or 'plain'} block no test runs; mark it "
+                    "<!-- test: tests/… --> or <!-- not-run: why -->"
+                )
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", RUN_HERE, ids=[str(p.relative_to(ROOT)) for p in RUN_HERE])
+def test_the_python_blocks_of_the_page_run(
+    page: Path, server_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = set(sys.modules)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    with temporary_database(server_url, prefix="rp_docs") as url:
+        migrate.upgrade(url)
+        monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", url)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        try:
+            for block in unmarked(page):
+                if block.file_name:
+                    target = tmp_path / block.file_name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(block.body)
+                else:
+                    exec(compile(block.body, block.where, "exec"), namespace)
+        finally:
+            # The page's modules go with its database: nothing of one page reaches the next.
+            mine = [
+                name
+                for name in set(sys.modules) - before
+                if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(tmp_path))
+            ]
+            scopes = [namespace, *(vars(sys.modules[name]) for name in mine)]
+            for name in mine:
+                del sys.modules[name]
+            for scope in scopes:
+                for value in list(scope.values()):
+                    dispose = getattr(value, "dispose", None)
+                    if callable(dispose) and type(value).__module__.startswith(
+                        ("recoverypoint", "sqlalchemy")
+                    ):
+                        result = dispose()
+                        if asyncio.iscoroutine(result):  # an AsyncEngine's
+                            asyncio.run(result)
