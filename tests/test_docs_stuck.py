@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from docs_snippets import section
 
 import recoverypoint as rp
-from docs_snippets import section
 from recoverypoint.cli import main
 
 PAGE = "how-to/operating.md"

@@ -57,8 +57,9 @@ def plain_server_url(server_url: str) -> Iterator[tuple[str, str]]:
     the page write it."""
     with temporary_database(server_url, prefix="rp_tutorial") as url:
         parsed = make_url(url)
-        yield parsed.set(drivername="postgresql").render_as_string(hide_password=False), str(
-            parsed.database
+        yield (
+            parsed.set(drivername="postgresql").render_as_string(hide_password=False),
+            str(parsed.database),
         )
 
 
@@ -77,8 +78,10 @@ class Reader:
         self.last = ""
 
     def adapt(self, command: str) -> str:
-        return command.replace(DOC_URL, self.url).replace(f"--port {DOC_PORT}", f"--port {self.port}").replace(
-            f"127.0.0.1:{DOC_PORT}/", f"127.0.0.1:{self.port}/"
+        return (
+            command.replace(DOC_URL, self.url)
+            .replace(f"--port {DOC_PORT}", f"--port {self.port}")
+            .replace(f"127.0.0.1:{DOC_PORT}", f"127.0.0.1:{self.port}")
         )
 
     def run(self, command: str) -> None:
@@ -144,7 +147,7 @@ class Reader:
 
 
 def test_the_tutorial_works_word_for_word(
-    plain_server_url: tuple[str, str], tmp_path: Path
+    plain_server_url: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url, database = plain_server_url
     project = tmp_path / "shop-service"
@@ -177,6 +180,14 @@ def test_the_tutorial_works_word_for_word(
             else:
                 shown_outputs += 1
                 check_output(reader, block)
+        # docs/how-to/http.md's retrying client, against the service the tutorial built.
+        [client] = [
+            b
+            for b in blocks(page("how-to/http.md"))
+            if b.mark_value == "tests/test_docs_tutorial.py"
+        ]
+        exec(compile(reader.adapt(client.body), client.where, "exec"), {"__name__": "client"})
+        assert capsys.readouterr().out.startswith("201 {'charge_id': 'ch_")
     finally:
         reader.stop()
 
@@ -187,7 +198,7 @@ def test_the_tutorial_works_word_for_word(
         with db.connect() as conn:
             paid = conn.execute(sa.text("SELECT order_id, charge_id FROM payments")).all()
             charges = conn.execute(sa.text("SELECT id FROM provider_charges")).scalars().all()
-        assert sorted(o for o, _ in paid) == ["1001", "1002"]
+        assert sorted(o for o, _ in paid) == ["1001", "1002", "1003"]
         assert sorted(c for _, c in paid) == sorted(charges)  # one charge each, none extra
     finally:
         db.dispose()

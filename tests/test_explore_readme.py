@@ -1,21 +1,19 @@
-"""README, "Prove your operation crash-safe": its subject, written as shown next to an
-operation whose provider ignores idempotency keys, gives the report the README shows,
+"""docs/how-to/testing.md, "Prove your operation crash-safe": its subject, written as shown
+next to an operation whose provider ignores idempotency keys, gives the report the page shows,
 from the command line and from the pytest fixture."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = README.read_text().split("## Prove your operation crash-safe\n", 1)[1].split("\n## ")[0]
-BLOCKS = [textwrap.dedent(b) for b in re.findall(r"```\w+\n(.*?)```", SECTION, re.DOTALL)]
+from docs_snippets import section
 
-# The user's own operation, as the README supposes it: a provider (a table) that charges
+BLOCKS = [b.body for b in section("how-to/testing.md", "Prove your operation crash-safe")]
+
+# The user's own operation, as the page supposes it: a provider (a table) that charges
 # again for a key it has seen.
 CHECKOUT = '''
 import sqlalchemy as sa
@@ -77,8 +75,8 @@ def write_app(root: Path) -> None:
 
 
 def shown_lines(block: str) -> list[str]:
-    """The report's lines the README shows whole: not those with a shortened key, the
-    timing, or the hint, which the README wraps."""
+    """The report's lines the page shows whole: not those with a shortened key, the
+    timing, or the hint, which the page wraps."""
     hint = ("why:", "provider acted twice", "key (see")
     return [
         line.strip()

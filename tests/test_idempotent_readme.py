@@ -1,11 +1,10 @@
-"""README, "Any function: @idempotent", run word for word: its three examples execute as
+"""docs/how-to/idempotent.md run word for word: its three examples execute as
 written against a real database, the payment API of ``idempotent_payments`` on loopback,
 and (the Celery task) a real Celery worker on RabbitMQ."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -17,10 +16,8 @@ from typing import IO, Any
 
 import pytest
 import sqlalchemy as sa
+from docs_snippets import blocks, page
 from idempotent_payments import Payments, payments_api
-
-README = Path(__file__).resolve().parents[1] / "README.md"
-TITLE = "## Any function: @idempotent"
 
 # Long enough for a worker on a machine busy with other suites; a worker that takes longer
 # has hung.
@@ -28,12 +25,14 @@ HUNG_WORKER = 600
 
 
 def examples() -> list[str]:
-    text = README.read_text()
-    start = text.index(TITLE)
-    end = text.index("\n## ", start + len(TITLE))
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) == 4 and "scope=..." in blocks[3]  # the last is a one-line sketch
-    return blocks[:3]
+    """The page's three examples: the Celery task, the async payment, the agent's tool."""
+    found = [
+        b.body
+        for b in blocks(page("how-to/idempotent.md"))
+        if b.mark_value == "tests/test_idempotent_readme.py"
+    ]
+    assert len(found) == 3
+    return found
 
 
 @pytest.fixture
@@ -61,7 +60,7 @@ def test_the_async_payment_example(
     payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     api, _ = payments
-    exec(compile(examples()[1], "README.md", "exec"), {"__name__": "readme_async"})
+    exec(compile(examples()[1], "how-to/idempotent.md", "exec"), {"__name__": "readme_async"})
     assert capsys.readouterr().out == "order 42 was already paid with another amount\n"
     [row] = key_rows(db, "process_payment")
     assert (row.idempotency_key, row.response_status) == ("order:42", 200)
@@ -72,7 +71,7 @@ def test_the_agent_tool_example(
     payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     namespace: dict[str, Any] = {"__name__": "readme_tool"}
-    exec(compile(examples()[2], "README.md", "exec"), namespace)
+    exec(compile(examples()[2], "how-to/idempotent.md", "exec"), namespace)
     assert capsys.readouterr().out == "sent to ada@example.com\nsent to ada@example.com\n"
     [row] = key_rows(db, "tools.send_email")
     assert (row.scope, row.idempotency_key) == ("conv_17", "call_8f2e")
