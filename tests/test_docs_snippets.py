@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,11 @@ def test_the_python_blocks_of_the_page_run(
     page: Path, server_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = set(sys.modules)
-    namespace: dict[str, Any] = {"__name__": "__main__"}
+    # The page's namespace is a module, as a reader's script is: libraries that look
+    # names up in a class's module (SQLAlchemy's annotations) find them.
+    module = types.ModuleType(f"docs_page_{page.stem.replace('-', '_')}")
+    sys.modules[module.__name__] = module
+    namespace: dict[str, Any] = vars(module)
     with temporary_database(server_url, prefix="rp_docs") as url:
         migrate.upgrade(url)
         monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", url)
@@ -78,9 +83,10 @@ def test_the_python_blocks_of_the_page_run(
             mine = [
                 name
                 for name in set(sys.modules) - before
-                if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(tmp_path))
+                if name == module.__name__
+                or str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(tmp_path))
             ]
-            scopes = [namespace, *(vars(sys.modules[name]) for name in mine)]
+            scopes = [vars(sys.modules[name]) for name in mine]
             for name in mine:
                 del sys.modules[name]
             for scope in scopes:
