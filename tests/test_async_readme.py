@@ -1,5 +1,6 @@
 """docs/how-to/async.md: its example runs word for word against a migrated database; so
-does the asyncio application of docs/how-to/workers.md, with its own command."""
+do the two applications of docs/how-to/workers.md (Celery's, and the asyncio one), with
+the page's worker command."""
 
 from __future__ import annotations
 
@@ -49,18 +50,41 @@ async def finish(tx: rp.AsyncAtomicContext, params: dict) -> rp.Response:
 """
 
 
-def test_the_workers_of_the_async_application_run_as_written(
-    worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
+SYNC_OPERATIONS = """
+import recoverypoint as rp
+
+rides = rp.Operation("create_ride")
+
+
+@rides.atomic_phase("finished")
+def finish(tx: rp.AtomicContext, params: dict) -> rp.Response:
+    return rp.Response(201, {"order_id": 1})
+"""
+
+TASKS = """
+from celery import Celery
+
+celery_app = Celery("myapp", broker="amqp://guest:guest@127.0.0.1:5672//")
+"""
+
+
+@pytest.mark.parametrize("kind", ["celery", "asyncio"])
+def test_the_workers_of_the_application_run_as_written(
+    kind: str, worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
 ) -> None:
     found = claimed("how-to/workers.md")
-    assert [b.lang for b in found] == ["python", ""]
-    recovery, command = found[0].body, found[1].body.strip()
+    assert [b.lang for b in found] == ["python", "python", ""]
+    celery_recovery, async_recovery, command = (b.body for b in found)
+    command = command.strip()
+    recovery = celery_recovery if kind == "celery" else async_recovery
+    operation = "create_ride" if kind == "celery" else "place_order"
     app = tmp_path / "myapp"
     app.mkdir()
     (app / "__init__.py").write_text("")
-    (app / "operations.py").write_text(OPERATIONS)
+    (app / "operations.py").write_text(SYNC_OPERATIONS if kind == "celery" else OPERATIONS)
+    (app / "tasks.py").write_text(TASKS)
     (app / "recovery.py").write_text(recovery)
-    [key_id] = plant_keys(worker_db, "place_order", 1)
+    [key_id] = plant_keys(worker_db, operation, 1)
 
     worker = subprocess.run(
         [
