@@ -11,6 +11,7 @@ in ``$RECOVERYPOINT_DATABASE_URL``, so that keys and tables are its own.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import types
 from pathlib import Path
@@ -98,3 +99,12 @@ def test_the_python_blocks_of_the_page_run(
                         result = dispose()
                         if asyncio.iscoroutine(result):  # an AsyncEngine's
                             asyncio.run(result)
+
+
+def test_the_readmes_links_into_the_docs_exist() -> None:
+    """README.md is outside the site that ``mkdocs build --strict`` checks: its links are
+    checked here."""
+    links = re.findall(r"\]\(((?:docs/)[^)#\s]+)", (ROOT / "README.md").read_text())
+    assert len(links) > 10
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert not missing, missing
