@@ -31,7 +31,7 @@ import psycopg
 import sqlalchemy as sa
 
 import recoverypoint as rp
-from recoverypoint import store
+from recoverypoint.engine import store
 from recoverypoint.keys import key_seed
 from recoverypoint.migrate import upgrade
 

@@ -4,16 +4,20 @@ downward, nothing imports the CLI, and no module imports itself in a circle.
 Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
-   observe (the hooks every layer calls)
+   observe (the hooks every layer calls), and the request path's pure part (engine._decide)
 1. plumbing: database, outage, migrate, testing, embedded, jobs
-2. the connection and the request path's queries: _pg, _pooler, store, phase_guard, context (what
-   a phase receives wraps the connection), and the planned sql
-3. the engine, and the package's curated ``__init__``
+2. the connection and the request path's queries, in the engine package: engine._pg,
+   engine._libpq, engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
+   receives wraps the connection); _pooler; and context, the old name of engine.context
+3. the engine (engine.run, engine.run_async and the package's ``__init__``), and the
+   package's curated ``__init__``
 4. services on the engine: admin, workers, integrations, client, explore (which runs the
    workers) — and admin, which the workers and the console will use, imports none of them
 5. the demo
-6. the CLI (and the planned console); only ``__main__`` imports the CLI
+6. the CLI and the console; only ``__main__`` imports the CLI
 
+The request path is one package, ``engine``, whose modules sit on three layers: each of them
+is placed here by name (``engine.<module>``), as a top-level module is.
 A new module must be placed here: the test names it.
 """
 
@@ -37,7 +41,7 @@ LAYERS = {
             "logfmt",
             "backoff",
             "schema",
-            "_decide",
+            "engine._decide",
             "observe",
         ],
         0,
@@ -45,24 +49,27 @@ LAYERS = {
     **dict.fromkeys(["database", "outage", "migrate", "testing", "embedded", "jobs"], 1),
     **dict.fromkeys(
         [
-            "_pg",
-            "_pg_async",
-            "_libpq",
+            "engine._pg",
+            "engine._pg_async",
+            "engine._libpq",
             "_pooler",
-            "store",
-            "store_async",
-            "sql",
-            "phase_guard",
+            "engine.store",
+            "engine.store_async",
+            "engine.sql",
+            "engine.phase_guard",
+            "engine.context",
             "context",
         ],
         2,
     ),
-    **dict.fromkeys([PACKAGE, "engine", "engine_async", "idempotent"], 3),
+    **dict.fromkeys([PACKAGE, "engine", "engine.run", "engine.run_async", "idempotent"], 3),
     **dict.fromkeys(["admin", "workers", "integrations", "client", "explore"], 4),
     "demo": 5,
     **dict.fromkeys(["cli", "console"], 6),
     "__main__": 7,
 }
+# Packages whose modules are placed one by one (``engine.sql``), not as one family.
+SPLIT = {"engine"}
 # Same layer, yet one way only: the workers and the console build on admin.
 FORBIDDEN = {"admin": {"workers", "integrations", "client", "demo", "cli", "console"}}
 
@@ -103,8 +110,14 @@ GRAPH = {name: imports(name, path) for name, path in MODULES.items()}
 
 
 def family(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else PACKAGE
+    """The name ``module`` is placed under in LAYERS: its top-level module or package, or
+    for a package in SPLIT, the package's own module or subpackage (``engine.context``)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return PACKAGE
+    if parts[0] in SPLIT and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
 
 
 def test_every_module_has_a_layer() -> None:

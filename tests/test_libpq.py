@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from psycopg.pq import PipelineStatus, TransactionStatus
 
 import recoverypoint as rp
-from recoverypoint import _libpq, _pg, sql
 from recoverypoint.database import create_engine
+from recoverypoint.engine import _libpq, _pg, sql
 
 # Any text PostgreSQL can store: no NUL, no lone surrogate.
 stored_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))

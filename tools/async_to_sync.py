@@ -38,10 +38,10 @@ PACKAGE = "src/recoverypoint/"
 
 # Async source → generated sync module, relative to the repository.
 PAIRS = {
-    f"{PACKAGE}_pg_async.py": f"{PACKAGE}_pg.py",
-    f"{PACKAGE}store_async.py": f"{PACKAGE}store.py",
-    f"{PACKAGE}context/atomic_async.py": f"{PACKAGE}context/atomic.py",
-    f"{PACKAGE}engine_async.py": f"{PACKAGE}engine.py",
+    f"{PACKAGE}engine/_pg_async.py": f"{PACKAGE}engine/_pg.py",
+    f"{PACKAGE}engine/store_async.py": f"{PACKAGE}engine/store.py",
+    f"{PACKAGE}engine/context/atomic_async.py": f"{PACKAGE}engine/context/atomic.py",
+    f"{PACKAGE}engine/run_async.py": f"{PACKAGE}engine/run.py",
     "tests/test_engine_async.py": "tests/test_engine_sync.py",
 }
 
@@ -70,7 +70,6 @@ NAMES = [
     ("async_db", "db"),
     ("_pg_async", "_pg"),
     ("store_async", "store"),
-    ("engine_async", "engine"),
     ("atomic_async", "atomic"),
     # The tests' concurrency (tests/acompat.py): tasks become threads.
     ("AEvent", "Event"),

@@ -4,9 +4,8 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 :class:`Engine`, and run each request under its idempotency key.
 """
 
-from .context import AsyncAtomicContext, AtomicContext, StepContext
-from .engine import Engine
-from .engine_async import AsyncEngine
+from .engine import AsyncEngine, Engine
+from .engine.context import AsyncAtomicContext, AtomicContext, StepContext
 from .errors import (
     AbandonedCall,
     ConcurrentUpdate,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sql import lease_free
+from ..engine.sql import lease_free
 
 # The operations the caller knows, as a table (the completer's claim uses it too).
 REGISTERED = """

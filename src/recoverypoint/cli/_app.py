@@ -11,8 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine import Engine
-from ..engine_async import AsyncEngine
+from ..engine import AsyncEngine, Engine
 from ..workers.engines import AnyEngine, Engines
 
 

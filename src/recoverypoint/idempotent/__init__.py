@@ -48,8 +48,8 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 from pydantic_core import PydanticSerializationError
 
-from ..context import StepContext
 from ..engine import Engine
+from ..engine.context import StepContext
 from ..errors import AbandonedCall, InvalidParams, Retryable
 from ..operation import FINISHED, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text

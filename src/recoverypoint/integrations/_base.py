@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..context import AtomicContext, StepContext
 from ..engine import Engine
+from ..engine.context import AtomicContext, StepContext
 from ..errors import (
     ConfigurationError,
     IdempotencyError,

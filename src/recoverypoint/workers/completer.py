@@ -33,13 +33,12 @@ from sqlalchemy import Connection, text
 
 from ..admin._sql import REGISTERED  # the operations this completer can resume, as a table
 from ..admin.key_actions import abandon_exhausted
-from ..engine import Engine
-from ..engine_async import AsyncEngine
+from ..engine import AsyncEngine, Engine
+from ..engine.sql import lease_free
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..observe import Observer
 from ..operation import Operation, Outcome, Response
 from ..outage import is_outage
-from ..sql import lease_free
 from .engines import AnyEngine
 from .loop import Result, Worker
 

@@ -13,8 +13,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import sqlalchemy as sa
 
-from ..engine import Engine
-from ..engine_async import AsyncEngine
+from ..engine import AsyncEngine, Engine
 from ..errors import OperationNotRegistered
 from ..jobs import JobBackend
 from ..observe import Observer

@@ -1,6 +1,8 @@
+# Generated from src/recoverypoint/engine/store_async.py by tools/async_to_sync.py:
+# edit engine/store_async.py, then run tools/async_to_sync.py.
 """The request path's statements (named in :mod:`recoverypoint.sql`) on
 ``idempotency_keys`` and ``staged_jobs``, run in the transactions of
-:mod:`recoverypoint._pg_async`, together with the phase's own writes."""
+:mod:`recoverypoint._pg`, together with the phase's own writes."""
 
 from __future__ import annotations
 
@@ -9,23 +11,23 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
-import sqlalchemy.ext.asyncio as sa_async
+import sqlalchemy as sa
 
+from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyRecord, KeyRef, written
-from ._pg_async import AsyncTransaction, borrowed
+from ._pg import Transaction, borrowed
 from .context.common import StagedJob
-from .errors import KeyInUse, LockLost
 
 
-async def finished_key(tx: AsyncTransaction, request: ClaimRequest) -> Finished | None:
+def finished_key(tx: Transaction, request: ClaimRequest) -> Finished | None:
     """The key if it is finished, read before the transaction begins."""
     params = {"scope": request.scope, "operation": request.operation, "key": request.key}
-    row = await tx.lookup(sql.FINISHED, params)
+    row = tx.lookup(sql.FINISHED, params)
     return None if row is None else Finished.parse(row)
 
 
-async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None:
+def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
     """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile."""
     params = {
         "scope": request.scope,
@@ -40,44 +42,42 @@ async def claim(tx: AsyncTransaction, request: ClaimRequest) -> KeyRecord | None
         "token": request.token,
         "lock_timeout": request.lock_timeout,
     }
-    return await _fetch_record(tx, sql.CLAIM, params)
+    return _fetch_record(tx, sql.CLAIM, params)
 
 
-async def claim_by_id(
-    tx: AsyncTransaction, key_id: int, token: UUID, lock_timeout: float
-) -> KeyRecord | None:
+def claim_by_id(tx: Transaction, key_id: int, token: UUID, lock_timeout: float) -> KeyRecord | None:
     """Take key ``key_id`` under ``token`` if it can be taken; ``None`` if it is gone.
     ``lock_timeout``: the operation's, of the version that started the key."""
     params = {"id": key_id, "token": token, "lock_timeout": lock_timeout}
-    return await _fetch_record(tx, sql.CLAIM_BY_ID, params)
+    return _fetch_record(tx, sql.CLAIM_BY_ID, params)
 
 
-async def key_operation(db: sa_async.AsyncEngine, key_id: int) -> tuple[str, int] | None:
+def key_operation(db: sa.Engine, key_id: int) -> tuple[str, int] | None:
     """The operation name and version stored with key ``key_id``; ``None`` if it is gone."""
-    async with borrowed(db) as (_, connection):
-        cursor = await connection.execute(sql.KEY_OPERATION, {"id": key_id})
-        row = await cursor.fetchone()
+    with borrowed(db) as (_, connection):
+        cursor = connection.execute(sql.KEY_OPERATION, {"id": key_id})
+        row = cursor.fetchone()
     return None if row is None else (row[0], row[1])
 
 
-async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
+def fence(tx: Transaction, key: KeyRef) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock."""
     with _waiting_for_key:
-        row = await tx.begin_with(sql.fence_by_ctid(key.ctid, key.id, key.token))
+        row = tx.begin_with(sql.fence_by_ctid(key.ctid, key.id, key.token))
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = await tx.fetchone(sql.FENCE_BY_ID, {"id": key.id, "token": key.token})
+            row = tx.fetchone(sql.FENCE_BY_ID, {"id": key.id, "token": key.token})
     written(key, row)
     key.locked_by = tx
 
 
-def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
+def held(tx: Transaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
     key.ctid, key.xid, key.locked_by = record.ctid, record.xid, tx
 
 
-async def advance(
-    tx: AsyncTransaction,
+def advance(
+    tx: Transaction,
     key: KeyRef,
     jobs: Sequence[StagedJob],
     from_point: str,
@@ -86,11 +86,11 @@ async def advance(
 ) -> Any:
     """Record ``point`` and ``state`` and commit; return the state as stored."""
     params = {"from_point": from_point, "point": point, "state": state_json}
-    return await _commit_fenced(tx, key, sql.ADVANCE, params, jobs)
+    return _commit_fenced(tx, key, sql.ADVANCE, params, jobs)
 
 
-async def finish(
-    tx: AsyncTransaction,
+def finish(
+    tx: Transaction,
     key: KeyRef,
     jobs: Sequence[StagedJob],
     *,
@@ -101,17 +101,17 @@ async def finish(
 ) -> Any:
     """Finish the key with its response and commit; return the body as stored."""
     params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
-    return await _commit_fenced(tx, key, sql.FINISH, params, jobs)
+    return _commit_fenced(tx, key, sql.FINISH, params, jobs)
 
 
-async def release(db: sa_async.AsyncEngine, key: KeyRef, error: str, retry_in: float) -> bool:
+def release(db: sa.Engine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
-    return await _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})
+    return _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})
 
 
-async def withdraw(db: sa_async.AsyncEngine, key: KeyRef) -> bool:
+def withdraw(db: sa.Engine, key: KeyRef) -> bool:
     """Delete the key if it is still at ``started`` and ours; ``False`` if it was not."""
-    return await _fenced_alone(db, key, sql.WITHDRAW, {})
+    return _fenced_alone(db, key, sql.WITHDRAW, {})
 
 
 class PhaseEndedTransaction(Exception):
@@ -142,16 +142,16 @@ class _WaitingForKey:
 _waiting_for_key = _WaitingForKey()
 
 
-async def _fetch_record(
-    tx: AsyncTransaction, statement: sql.Statement, params: dict[str, Any]
+def _fetch_record(
+    tx: Transaction, statement: sql.Statement, params: dict[str, Any]
 ) -> KeyRecord | None:
     with _waiting_for_key:
-        row = await tx.fetch(statement, params)
+        row = tx.fetch(statement, params)
     return None if row is None else KeyRecord.parse(row)
 
 
-async def _commit_fenced(
-    tx: AsyncTransaction,
+def _commit_fenced(
+    tx: Transaction,
     key: KeyRef,
     statement: sql.Fenced,
     params: dict[str, Any],
@@ -168,9 +168,7 @@ async def _commit_fenced(
             params["job_keys"] = [job.job_key for job in jobs]
             params["job_traces"] = [job.trace_context for job in jobs]
         try:  # the phase and its recovery point, committed together
-            row = await tx.fetch_and_commit(
-                statement.held_staging if jobs else statement.held, params
-            )
+            row = tx.fetch_and_commit(statement.held_staging if jobs else statement.held, params)
         except psycopg.Error as exc:
             # The write missed the row its own transaction locked (it raises then, so that
             # COMMIT never runs): the phase itself changed the key row, or ended the
@@ -186,24 +184,23 @@ async def _commit_fenced(
         return written(key, row)[2]
     # A foreign step's result, committed on its own: it stages no jobs.
     with _waiting_for_key:
-        row = await tx.fetchone(statement.by_ctid, params)
+        row = tx.fetchone(statement.by_ctid, params)
         if row is None:
-            row = await tx.fetchone(statement.by_id, params)
+            row = tx.fetchone(statement.by_id, params)
     if row is not None:
-        await tx.commit()
+        tx.commit()
     return written(key, row)[2]
 
 
-async def _fenced_alone(
-    db: sa_async.AsyncEngine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
+def _fenced_alone(
+    db: sa.Engine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
 ) -> bool:
     """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
     params = {**params, "id": key.id, "token": key.token, "ctid": key.ctid}
-    async with borrowed(db) as (_, connection):
-        with _waiting_for_key:
-            cursor = await connection.execute(statement.by_ctid, params)
-            row = await cursor.fetchone()
-            if row is None:
-                cursor = await connection.execute(statement.by_id, params)
-                row = await cursor.fetchone()
+    with borrowed(db) as (_, connection), _waiting_for_key:
+        cursor = connection.execute(statement.by_ctid, params)
+        row = cursor.fetchone()
+        if row is None:
+            cursor = connection.execute(statement.by_id, params)
+            row = cursor.fetchone()
     return row is not None

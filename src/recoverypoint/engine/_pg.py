@@ -1,17 +1,19 @@
+# Generated from src/recoverypoint/engine/_pg_async.py by tools/async_to_sync.py:
+# edit engine/_pg_async.py, then run tools/async_to_sync.py.
 """The psycopg transaction under every request: BEGIN, COMMIT, and the retry of a
 transaction that hit a serialization failure or a deadlock.
 
 The request path borrows a connection from the SQLAlchemy engine's pool (the application's
 own settings apply) and hands it back as it came. psycopg sends no BEGIN of its own on it,
-and the transaction (:class:`AsyncTransaction`) writes out:
+and the transaction (:class:`Transaction`) writes out:
 
-- a statement before the transaction (:meth:`AsyncTransaction.lookup`) runs on its own, the
+- a statement before the transaction (:meth:`Transaction.lookup`) runs on its own, the
   way a replay needs it: one round trip, nothing to commit;
 - ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes with the transaction's first statement
-  (:meth:`AsyncTransaction.fetch`, :meth:`AsyncTransaction.begin_with`) or just before
-  it (:meth:`AsyncTransaction.execute`, :meth:`AsyncTransaction.fetchone`);
+  (:meth:`Transaction.fetch`, :meth:`Transaction.begin_with`) or just before
+  it (:meth:`Transaction.execute`, :meth:`Transaction.fetchone`);
 - ``COMMIT`` goes with the write that records the phase
-  (:meth:`AsyncTransaction.fetch_and_commit`), or alone (:meth:`AsyncTransaction.commit`).
+  (:meth:`Transaction.fetch_and_commit`), or alone (:meth:`Transaction.commit`).
 
 The sync engine sends its own statements through libpq (:mod:`recoverypoint._libpq`):
 prepared once per connection, BEGIN and COMMIT in one pipeline with the statement beside
@@ -21,31 +23,29 @@ trip each, in autocommit while borrowed; psycopg's own pipeline costs more clien
 the round trips it saves (benchmarks/README.md, "Round trips or CPU").
 
 Phase code that wants SQLAlchemy gets a ``Connection`` on the same transaction, made on first
-use (:meth:`AsyncTransaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
+use (:meth:`Transaction.sqlalchemy`); it may not commit or roll back (see phase_guard).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar, cast
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
-import sqlalchemy.ext.asyncio as sa_async
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import tuple_row
-from sqlalchemy.util import greenlet_spawn
 
+from ..backoff import backoff_delay
+from ..errors import ConcurrentUpdate
+from ..observe import NO_OBSERVER, Observer
+from ..outage import drop_older_connections
 from . import _libpq, sql
-from .backoff import backoff_delay
-from .errors import ConcurrentUpdate
-from .observe import NO_OBSERVER, Observer
-from .outage import drop_older_connections
 
 T = TypeVar("T")
 TextRow = tuple[str | None, ...]
@@ -77,12 +77,10 @@ _deallocates_kept = functools.lru_cache(maxsize=1024)(_deallocates)
 _KEPT_LENGTH = 2048
 
 
-class AsyncTransaction:
+class Transaction:
     """One SERIALIZABLE transaction on a borrowed connection; made by :func:`serializable`."""
 
-    def __init__(
-        self, db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any]
-    ) -> None:
+    def __init__(self, db: sa.Engine, pooled: Any, connection: psycopg.Connection[Any]) -> None:
         self.connection = connection
         self.db = db
         self._pooled = pooled
@@ -90,10 +88,10 @@ class AsyncTransaction:
         self._committed = False
         self._deallocated = False
         self._sqlalchemy: sa.Connection | None = None
-        self._engine_cursor: psycopg.AsyncCursor[Any] | None = None
+        self._engine_cursor: psycopg.Cursor[Any] | None = None
 
     @property
-    def _cursor(self) -> psycopg.AsyncCursor[Any]:
+    def _cursor(self) -> psycopg.Cursor[Any]:
         # The engine's own statements share one cursor, made on first use: making one costs
         # about half as much client CPU as running a statement, and the sync engine sends
         # most of its statements through libpq. Phase code gets a cursor of its own per
@@ -108,50 +106,38 @@ class AsyncTransaction:
         # libpq's own status: the enum psycopg wraps it in costs more than the comparison.
         return self.connection.pgconn.transaction_status == TransactionStatus.INTRANS
 
-    async def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+    def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
         replay's lookup); its first row, as text."""
         assert not self._began, "a lookup runs before the transaction"
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params, begin=False))
-        else:
-            return _libpq.execute(self._pooled, self.connection, statement, params)
+        return _libpq.execute(self._pooled, self.connection, statement, params)
 
-    async def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+    def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements in the transaction, BEGIN with it if it is the
         first; its first row, as text."""
-        if True:  # ASYNC
-            return cast("TextRow | None", await self.fetchone(statement.text, params))
-        else:
-            began, self._began = self._began, True
-            return _libpq.execute(self._pooled, self.connection, statement, params, begin=not began)
+        began, self._began = self._began, True
+        return _libpq.execute(self._pooled, self.connection, statement, params, begin=not began)
 
-    async def fetch_and_commit(
-        self, statement: sql.Statement, params: dict[str, Any]
-    ) -> TextRow | None:
+    def fetch_and_commit(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
         as text. The statement raises when it misses its row, so nothing then commits."""
-        if True:  # ASYNC
-            row = cast("TextRow | None", await self.fetchone(statement.text, params))
-            await self.commit()
-        else:
-            began, self._began = self._began, True
-            if self._deallocated:
-                _libpq.forget(self._pooled)
-            row = _libpq.execute(
-                self._pooled, self.connection, statement, params, begin=not began, commit=True
-            )
+        began, self._began = self._began, True
+        if self._deallocated:
+            _libpq.forget(self._pooled)
+        row = _libpq.execute(
+            self._pooled, self.connection, statement, params, begin=not began, commit=True
+        )
         self._committed = True
         return row
 
-    async def execute(
+    def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
-    ) -> psycopg.AsyncCursor[Any]:
+    ) -> psycopg.Cursor[Any]:
         """Run one statement of phase code in the transaction, on a cursor of its own."""
         if not self._began:
-            await self._begin()
+            self._begin()
         self.note(query)
-        return await self.connection.cursor().execute(query, params)
+        return self.connection.cursor().execute(query, params)
 
     def note(self, statement: object) -> None:
         """A statement of phase code. After one that makes psycopg deallocate every prepared
@@ -164,46 +150,38 @@ class AsyncTransaction:
         ):
             self._deallocated = True
 
-    async def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:
+    def fetchone(self, query: str, params: dict[str, Any], *, begin: bool = True) -> Any:
         """Run one of the engine's statements on a cursor, in the transaction unless
         ``begin`` is false; its first row."""
         if begin:
-            await self._begin()
-        await self._cursor.execute(query, params)
-        return await self._cursor.fetchone()
+            self._begin()
+        self._cursor.execute(query, params)
+        return self._cursor.fetchone()
 
-    async def begin_with(self, query: str) -> tuple[Any, ...] | None:
+    def begin_with(self, query: str) -> tuple[Any, ...] | None:
         """BEGIN and one of the engine's statements, written out without parameters (see
         :func:`recoverypoint.sql.fence_by_ctid`), in one round trip; its first row."""
         assert not self._began, "begin_with opens the transaction"
         self._began = True
-        if True:  # ASYNC
-            await self._cursor.execute(sql.BEGIN.decode() + "; " + query)
-            self._cursor.nextset()  # past BEGIN's own result
-            return await self._cursor.fetchone()
-        else:
-            # libpq answers with the last statement's result: the row, or the error.
-            result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
-            if result.status != ExecStatus.TUPLES_OK:
-                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
-            return _libpq.first_row(result, "utf-8")  # an address and a transaction id
+        # libpq answers with the last statement's result: the row, or the error.
+        result = self.connection.pgconn.exec_(sql.BEGIN + b"; " + query.encode())
+        if result.status != ExecStatus.TUPLES_OK:
+            raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+        return _libpq.first_row(result, "utf-8")  # an address and a transaction id
 
-    async def commit(self) -> None:
+    def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no
         round trip."""
         if self._began and not self._committed:
-            await self.connection.commit()
+            self.connection.commit()
             self._committed = True
 
-    async def _begin(self) -> None:
+    def _begin(self) -> None:
         if not self._began:
-            if True:  # ASYNC
-                await self._cursor.execute(sql.BEGIN)
-            else:
-                # Through libpq: a cursor would cost as much client CPU as a statement.
-                result = self.connection.pgconn.exec_(sql.BEGIN)
-                if result.status != ExecStatus.COMMAND_OK:
-                    raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
+            # Through libpq: a cursor would cost as much client CPU as a statement.
+            result = self.connection.pgconn.exec_(sql.BEGIN)
+            if result.status != ExecStatus.COMMAND_OK:
+                raise psycopg.errors.error_from_result(result, self.connection.info.encoding)
             self._began = True
 
     @property
@@ -220,30 +198,24 @@ class AsyncTransaction:
         if self._sqlalchemy is None:
             # Phases run once the claim or the fence began the transaction.
             assert self._began, "a SQLAlchemy Connection joins a transaction already begun"
-            if True:  # ASYNC
-                conn = sa.Connection(self.db.sync_engine, connection=self._pooled)
-            else:
-                conn = sa.Connection(self.db, connection=self._pooled)
+            conn = sa.Connection(self.db, connection=self._pooled)
             conn.begin()  # SQLAlchemy's view of the transaction already open; sends nothing
             self._sqlalchemy = conn
         return self._sqlalchemy
 
-    async def _end_sqlalchemy(self) -> None:
+    def _end_sqlalchemy(self) -> None:
         # After COMMIT or ROLLBACK psycopg is idle, so SQLAlchemy's own commit sends nothing;
         # it only closes SQLAlchemy's view of the transaction. The pooled connection is
         # checked in by `serializable`, not by this Connection.
         # One that SQLAlchemy invalidated (an interrupted statement) has nothing to close.
         if self._sqlalchemy is not None and not self._sqlalchemy.invalidated:
-            if True:  # ASYNC
-                await greenlet_spawn(sa.Connection.commit, self._sqlalchemy)
-            else:
-                sa.Connection.commit(self._sqlalchemy)
+            sa.Connection.commit(self._sqlalchemy)
         self._sqlalchemy = None
 
 
-async def serializable(
-    db: sa_async.AsyncEngine,
-    work: Callable[[AsyncTransaction], Awaitable[T]],
+def serializable(
+    db: sa.Engine,
+    work: Callable[[Transaction], T],
     retries: int,
     observer: Observer = NO_OBSERVER,
 ) -> T:
@@ -251,20 +223,17 @@ async def serializable(
     on serialization failure or deadlock with capped, jittered backoff, then
     :class:`ConcurrentUpdate`. ``work`` commits once it recorded its phase, or it is
     committed for it when it returns. ``observer`` hears of each retry and of running out."""
-    if True:  # ASYNC  # noqa: SIM108
-        autocommit = True  # the lookup runs on a cursor, which would begin a transaction
-    else:
-        # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
-        # first (libpq), and psycopg sends none of its own inside it.
-        autocommit = False
+    # Nothing psycopg would begin a transaction for runs outside one: BEGIN goes out
+    # first (libpq), and psycopg sends none of its own inside it.
+    autocommit = False
     # Not through borrowed(): its generator would cost a dozen calls per transaction.
-    pooled, connection, switched = await _borrow(db, autocommit)
+    pooled, connection, switched = _borrow(db, autocommit)
     try:
         for attempt in range(retries + 1):
-            tx = AsyncTransaction(db, pooled, connection)
+            tx = Transaction(db, pooled, connection)
             try:
-                result = await work(tx)
-                await tx.commit()
+                result = work(tx)
+                tx.commit()
                 return result
             except _libpq.Deallocated:
                 if attempt == retries:
@@ -278,14 +247,11 @@ async def serializable(
                     raise ConcurrentUpdate() from exc
                 observer.serialization_retry(attempt + 1, state)
             finally:
-                if True:  # ASYNC
-                    await shielded(_roll_back_leftovers(tx))
-                else:
-                    _roll_back_leftovers(tx)
+                _roll_back_leftovers(tx)
             if attempt:  # the first retry at once: most conflicts are false positives
-                await asyncio.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
+                time.sleep(backoff_delay(attempt - 1, base=0.005, cap=0.25))
     finally:
-        await _give_back(db, pooled, connection, switched)
+        _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
 
 
@@ -295,68 +261,57 @@ def sqlstate(exc: psycopg.Error | sa.exc.DBAPIError) -> str | None:
     return getattr(error, "sqlstate", None)
 
 
-async def _roll_back_leftovers(tx: AsyncTransaction) -> None:
+def _roll_back_leftovers(tx: Transaction) -> None:
     """Roll back whatever the transaction left open (an error, a refused request)."""
     connection = tx.connection
     if not connection.closed and connection.pgconn.transaction_status != TransactionStatus.IDLE:
         # A connection that broke cannot roll back: borrowed() drops it from the pool.
         with contextlib.suppress(psycopg.Error):
-            await connection.rollback()
+            connection.rollback()
         # psycopg then deallocates every statement prepared on the connection, the sync
         # engine's own among them.
         _libpq.forget(tx._pooled)
     if tx.sqlalchemy_made is not None:
-        await tx._end_sqlalchemy()
+        tx._end_sqlalchemy()
 
 
-@asynccontextmanager
-async def borrowed(
-    db: sa_async.AsyncEngine, *, autocommit: bool = True
-) -> AsyncIterator[tuple[Any, psycopg.AsyncConnection[Any]]]:
+@contextmanager
+def borrowed(
+    db: sa.Engine, *, autocommit: bool = True
+) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
     """A connection of ``db``'s pool, in autocommit mode if asked (a statement on a cursor
     then commits on its own), handed back as the pool gave it (an application's engine may
     be in autocommit itself), or dropped if it broke."""
-    pooled, connection, switched = await _borrow(db, autocommit)
+    pooled, connection, switched = _borrow(db, autocommit)
     try:
         yield pooled, connection
     finally:
-        await _give_back(db, pooled, connection, switched)
+        _give_back(db, pooled, connection, switched)
 
 
-async def _borrow(
-    db: sa_async.AsyncEngine, autocommit: bool
-) -> tuple[Any, psycopg.AsyncConnection[Any], bool]:
+def _borrow(db: sa.Engine, autocommit: bool) -> tuple[Any, psycopg.Connection[Any], bool]:
     """A pooled connection, its psycopg connection, and whether autocommit was switched on
     for the borrower (see :func:`borrowed`)."""
-    pooled: Any = await db.raw_connection()  # its driver_connection is psycopg's
-    connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
+    pooled: Any = db.raw_connection()  # its driver_connection is psycopg's
+    connection: psycopg.Connection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
     if switched:
         try:
-            if True:  # ASYNC
-                await connection.set_autocommit(True)
-            else:
-                connection.autocommit = True
+            connection.autocommit = True
         except BaseException:
-            await _give_back(db, pooled, connection, switched)
+            _give_back(db, pooled, connection, switched)
             raise
     return pooled, connection, switched
 
 
-async def _give_back(
-    db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
+def _give_back(
+    db: sa.Engine, pooled: Any, connection: psycopg.Connection[Any], switched: bool
 ) -> None:
-    if True:  # ASYNC
-        # The pool's own code runs in SQLAlchemy's greenlet.
-        await shielded(greenlet_spawn(_hand_back, db.pool, pooled, connection, switched))
-    else:
-        _hand_back(db.pool, pooled, connection, switched)
+    _hand_back(db.pool, pooled, connection, switched)
 
 
-def _hand_back(
-    pool: Any, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
-) -> None:
+def _hand_back(pool: Any, pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
     if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
         if switched:
             # Through the pool's own connection object: in the async pool it is
@@ -376,33 +331,8 @@ def _hand_back(
     pooled.close()
 
 
-async def run_alone(
-    db: sa_async.AsyncEngine, query: str, params: dict[str, Any]
-) -> tuple[Any, ...] | None:
+def run_alone(db: sa.Engine, query: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
     """One statement in a transaction of its own (autocommit); its first row."""
-    async with borrowed(db) as (_, connection):
-        cursor = await connection.execute(query, params)
-        return await cursor.fetchone()
-
-
-if True:  # ASYNC
-
-    async def shielded(cleanup: Awaitable[T]) -> T:
-        """Run ``cleanup`` to its end even when the caller is cancelled meanwhile, once or
-        again and again (as anyio's cancel scopes do); the cancellation is raised after it.
-
-        A cancelled request (a timeout, a client gone) still rolls back, gives its lease up
-        and hands its connection back this way."""
-        task = asyncio.ensure_future(cleanup)
-        cancelled: asyncio.CancelledError | None = None
-        while True:
-            try:
-                result = await asyncio.shield(task)
-            except asyncio.CancelledError as exc:
-                if task.done():  # the cleanup itself was cancelled (the loop is closing)
-                    raise
-                cancelled = exc
-                continue
-            if cancelled is not None:
-                raise cancelled
-            return result
+    with borrowed(db) as (_, connection):
+        cursor = connection.execute(query, params)
+        return cursor.fetchone()

@@ -15,14 +15,14 @@ from datetime import datetime, timezone
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from .errors import (
+from ..errors import (
     DeclarationError,
     InvalidParams,
     LockLost,
     OperationNotRegistered,
     ParamsMismatch,
 )
-from .keys import (
+from ..keys import (
     canonical_json,
     check_size,
     fingerprint,
@@ -32,7 +32,7 @@ from .keys import (
     validate_request,
     validate_scope,
 )
-from .operation import Operation, Outcome, Phase, Request, Response, problem_response
+from ..operation import Operation, Outcome, Phase, Request, Response, problem_response
 
 logger = logging.getLogger("recoverypoint")
 

@@ -1,3 +1,5 @@
+# Generated from src/recoverypoint/engine/context/atomic_async.py by tools/async_to_sync.py:
+# edit engine/context/atomic_async.py, then run tools/async_to_sync.py.
 """What an atomic phase receives: its transaction, next to its state and staged jobs."""
 
 from __future__ import annotations
@@ -6,16 +8,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
-import sqlalchemy.ext.asyncio as sa_async
+import sqlalchemy as sa
+import sqlalchemy.orm as sa_orm
 from psycopg import sql
 
+from ...observe import NO_OBSERVER, Observer
 from .. import phase_guard
-from .._pg_async import AsyncTransaction
-from ..observe import NO_OBSERVER, Observer
+from .._pg import Transaction
 from .common import KeyIdentity, Staging
 
 
-class AsyncAtomicContext(Staging):
+class AtomicContext(Staging):
     """Handed to an atomic phase; everything it touches commits together or not at all.
 
     Run SQL with :meth:`execute` (psycopg, the fast path) or through :attr:`connection` and
@@ -26,7 +29,7 @@ class AsyncAtomicContext(Staging):
 
     def __init__(
         self,
-        tx: AsyncTransaction,
+        tx: Transaction,
         state: dict[str, Any],
         identity: KeyIdentity,
         point: str,
@@ -34,63 +37,60 @@ class AsyncAtomicContext(Staging):
     ) -> None:
         super().__init__(state, identity, point, observer)
         self._tx = tx
-        self._session: sa_async.AsyncSession | None = None
-        self._connection: sa_async.AsyncConnection | None = None
+        self._session: sa_orm.Session | None = None
+        self._connection: sa.Connection | None = None
 
-    async def execute(
+    def execute(
         self, query: str | sql.Composable, params: Mapping[str, Any] | Sequence[Any] | None = None
-    ) -> psycopg.AsyncCursor[Any]:
+    ) -> psycopg.Cursor[Any]:
         """Run ``query`` in the phase's transaction with psycopg's placeholders (``%s``,
         ``%(name)s``) and return its cursor; psycopg prepares the statements run often::
 
-            cursor = await tx.execute(
+            cursor = tx.execute(
                 "INSERT INTO rides (origin) VALUES (%(origin)s) RETURNING id", params
             )
-            ride_id = (await cursor.fetchone())[0]
+            ride_id = (cursor.fetchone())[0]
         """
         # Once the transaction ended (a Session's rollback...), a statement would commit
         # on its own (in autocommit) or begin a transaction nothing commits.
         phase_guard.check_still_open(self._tx, self._point)
         phase_guard.check_statement(query, self._point)
-        return await self._tx.execute(query, params)  # type: ignore[arg-type]
+        return self._tx.execute(query, params)  # type: ignore[arg-type]
 
-    async def scalar(
+    def scalar(
         self, query: str | sql.Composable, params: Mapping[str, Any] | Sequence[Any] | None = None
     ) -> Any:
         """The first column of the first row :meth:`execute` returns; ``None`` without rows."""
-        cursor = await self.execute(query, params)
-        row = await cursor.fetchone()
+        cursor = self.execute(query, params)
+        row = cursor.fetchone()
         return None if row is None else row[0]
 
-    def cursor(self) -> psycopg.AsyncCursor[Any]:
+    def cursor(self) -> psycopg.Cursor[Any]:
         """A psycopg cursor in the phase's transaction, for ``executemany``, ``copy``…"""
         return self._tx.connection.cursor()
 
     @property
-    def connection(self) -> sa_async.AsyncConnection:
+    def connection(self) -> sa.Connection:
         """A SQLAlchemy Connection in the phase's transaction (made on first use). Its
         ``commit()`` and ``rollback()`` raise :class:`~recoverypoint.TransactionEnded`."""
         if self._connection is None:
-            if True:  # ASYNC
-                made = phase_guard.AsyncConnection(self._tx.db, self._tx.sqlalchemy())
-            else:
-                made = self._tx.sqlalchemy()
+            made = self._tx.sqlalchemy()
             self._connection = phase_guard.refusing_to_end(made, self._point)
         return self._connection
 
     @property
-    def session(self) -> sa_async.AsyncSession:
+    def session(self) -> sa_orm.Session:
         """An ORM Session joined to the phase's transaction (made on first use).
 
         Its ``commit()`` does not end the phase's transaction; the engine commits once the
         phase returns.
         """
         if self._session is None:
-            self._session = sa_async.AsyncSession(bind=self.connection)
+            self._session = sa_orm.Session(bind=self.connection)
         return self._session
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Flush ORM changes into the transaction before the engine commits it."""
         if self._session is not None:
-            await self._session.flush()
-            await self._session.close()
+            self._session.flush()
+            self._session.close()

@@ -9,8 +9,8 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from ..keys import canonical_json, derived_key_of, record_material
-from ..observe import NO_OBSERVER, Observer
+from ...keys import canonical_json, derived_key_of, record_material
+from ...observe import NO_OBSERVER, Observer
 
 
 class KeyIdentity:

@@ -1,5 +1,5 @@
-# Generated from src/recoverypoint/engine_async.py by tools/async_to_sync.py:
-# edit engine_async.py, then run tools/async_to_sync.py.
+# Generated from src/recoverypoint/engine/run_async.py by tools/async_to_sync.py:
+# edit engine/run_async.py, then run tools/async_to_sync.py.
 """The engine: claim a key, run its phases from the recovery point, replay what finished.
 
 A request, top to bottom: :meth:`Engine.run` validates it and claims its key in one
@@ -26,7 +26,34 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from . import _pg, _pooler, phase_guard, sql, store
+from .. import _pooler
+from ..backoff import backoff_delay
+from ..database import create_engine
+from ..errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
+from ..jobs import JobBackend
+from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
+from ..observe import (
+    CLIENT,
+    COMPLETER,
+    NO_OBSERVER,
+    NO_RUN,
+    Observer,
+    RunObservation,
+    isolated,
+)
+from ..operation import (
+    STARTED,
+    Operation,
+    Outcome,
+    Phase,
+    RecoveryPoint,
+    Request,
+    Response,
+    Withdrawn,
+)
+from ..outage import is_outage, unavailable
+from ..testing import faults
+from . import _pg, phase_guard, sql, store
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -42,33 +69,7 @@ from ._decide import (
     step_result,
 )
 from ._pg import Transaction
-from .backoff import backoff_delay
 from .context import AtomicContext, KeyIdentity, StagedJob, StepContext
-from .database import create_engine
-from .errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
-from .jobs import JobBackend
-from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
-from .observe import (
-    CLIENT,
-    COMPLETER,
-    NO_OBSERVER,
-    NO_RUN,
-    Observer,
-    RunObservation,
-    isolated,
-)
-from .operation import (
-    STARTED,
-    Operation,
-    Outcome,
-    Phase,
-    RecoveryPoint,
-    Request,
-    Response,
-    Withdrawn,
-)
-from .outage import is_outage, unavailable
-from .testing import faults
 
 logger = logging.getLogger("recoverypoint")
 
@@ -184,7 +185,7 @@ class Engine(Registry):
         self._check_schema()
 
     def _check_schema(self) -> None:
-        from .migrate import check_schema  # Alembic: imported only when checking
+        from ..migrate import check_schema  # Alembic: imported only when checking
 
         check_schema(self.db)
 

@@ -31,7 +31,7 @@ import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy import Connection, event
 
-from .errors import TransactionEnded
+from ..errors import TransactionEnded
 
 C = TypeVar("C")
 

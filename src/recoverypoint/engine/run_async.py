@@ -26,7 +26,34 @@ import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
-from . import _pg_async, _pooler, phase_guard, sql, store_async
+from .. import _pooler
+from ..backoff import backoff_delay
+from ..database import create_engine, normalize_url
+from ..errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
+from ..jobs import JobBackend
+from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
+from ..observe import (
+    CLIENT,
+    COMPLETER,
+    NO_OBSERVER,
+    NO_RUN,
+    Observer,
+    RunObservation,
+    isolated,
+)
+from ..operation import (
+    STARTED,
+    Operation,
+    Outcome,
+    Phase,
+    RecoveryPoint,
+    Request,
+    Response,
+    Withdrawn,
+)
+from ..outage import is_outage, unavailable
+from ..testing import faults
+from . import _pg_async, phase_guard, sql, store_async
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -42,33 +69,7 @@ from ._decide import (
     step_result,
 )
 from ._pg_async import AsyncTransaction
-from .backoff import backoff_delay
 from .context import AsyncAtomicContext, KeyIdentity, StagedJob, StepContext
-from .database import create_engine, normalize_url
-from .errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
-from .jobs import JobBackend
-from .keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
-from .observe import (
-    CLIENT,
-    COMPLETER,
-    NO_OBSERVER,
-    NO_RUN,
-    Observer,
-    RunObservation,
-    isolated,
-)
-from .operation import (
-    STARTED,
-    Operation,
-    Outcome,
-    Phase,
-    RecoveryPoint,
-    Request,
-    Response,
-    Withdrawn,
-)
-from .outage import is_outage, unavailable
-from .testing import faults
 
 logger = logging.getLogger("recoverypoint")
 
@@ -202,7 +203,7 @@ class AsyncEngine(Registry):
         await self._check_schema()
 
     async def _check_schema(self) -> None:
-        from .migrate import check_schema  # Alembic: imported only when checking
+        from ..migrate import check_schema  # Alembic: imported only when checking
 
         if True:  # ASYNC
             await asyncio.to_thread(check_schema, self.db)

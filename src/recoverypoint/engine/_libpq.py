@@ -23,8 +23,8 @@ import psycopg
 from psycopg import pq
 from psycopg.pq import ExecStatus, TransactionStatus
 
+from .._pooler import UNPREPARED
 from . import sql
-from ._pooler import UNPREPARED
 
 # Where a pooled connection keeps the names of the statements prepared on it: the
 # SQLAlchemy pool's per-connection dict, which lives and dies with the connection.

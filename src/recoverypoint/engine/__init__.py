@@ -1,0 +1,29 @@
+"""The request path: from :meth:`AsyncEngine.run` (or :meth:`Engine.run`) to the COMMIT that
+records a phase. Everything a request runs lives here; the top level keeps what every
+layer uses (:mod:`recoverypoint.operation`, :mod:`~recoverypoint.keys`,
+:mod:`~recoverypoint.errors`) and the kits built on the engine.
+
+Read it in this order, each module using only those before it:
+
+1. ``_decide``: the pure part, no IO: the registry of operations, the records a claim
+   reads, and what a claim or a phase's result decides;
+2. ``sql``: every statement of the request path, named after its intent, with the locks it
+   takes;
+3. ``_libpq``: the sync engine's wire, those statements on libpq;
+4. ``_pg_async`` (``_pg``): the SERIALIZABLE transaction, its BEGIN and COMMIT, and the
+   retry after a serialization failure;
+5. ``phase_guard``: keeping phase code from ending the engine's transaction;
+6. ``context/``: what a phase receives;
+7. ``store_async`` (``store``): the statements run in those transactions, by intent;
+8. ``run_async`` (``run``): :class:`AsyncEngine` (:class:`Engine`), which claims a key and
+   runs its phases from the recovery point.
+
+``*_async.py`` (and ``context/atomic_async.py``) are the sources; their sync twins
+(``_pg.py``, ``store.py``, ``run.py``, ``context/atomic.py``) are generated from them by
+``tools/async_to_sync.py``: edit the async module, then run the tool.
+"""
+
+from .run import Engine
+from .run_async import AsyncEngine
+
+__all__ = ["AsyncEngine", "Engine"]
