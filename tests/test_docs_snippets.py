@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 from docs_snippets import ROOT, Block, blocks, pages
+from hypothesis import given
+from hypothesis import strategies as st
 
 from recoverypoint import migrate
 from recoverypoint.testing import temporary_database
@@ -108,3 +110,47 @@ def test_the_readmes_links_into_the_docs_exist() -> None:
     assert len(links) > 10
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing, missing
+
+
+# A line of a block: any text a UTF-8 file holds (no surrogates), but a fence.
+_LINE = st.text(
+    st.characters(
+        exclude_categories=("Cs",),
+        exclude_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029",
+    ),
+    max_size=40,
+).filter(lambda line: not line.strip().startswith("```"))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["python", "bash", "text", ""]),
+            st.sampled_from(["", "test: tests/test_x.py", "not-run: a reason given"]),
+            st.lists(_LINE, max_size=6),
+            st.sampled_from(["", "  ", "    "]),
+        ),
+        max_size=5,
+    )
+)
+def test_blocks_are_read_back_as_written(
+    tmp_path_factory: pytest.TempPathFactory,
+    written: list[tuple[str, str, list[str], str]],
+) -> None:
+    """Whatever a block holds (odd unicode, NUL, lines like HTML comments), it is read back
+    whole, with its language and its mark, and nothing else is taken for a block."""
+    text = ["# A page", ""]
+    for lang, mark, lines, indent in written:
+        text += ["Some prose.", ""]
+        if mark:
+            text.append(f"{indent}<!-- {mark} -->")
+        text += [f"{indent}```{lang}", *(indent + line for line in lines), f"{indent}```", ""]
+    page = tmp_path_factory.mktemp("page") / "page.md"
+    page.write_text("\n".join(text))
+    found = blocks(page)
+    assert [(b.lang, b.mark, b.mark_value) for b in found] == [
+        (lang, *(mark.split(": ", 1) if mark else ("", ""))) for lang, mark, _, _ in written
+    ]
+    assert [b.body for b in found] == [
+        "".join(line + "\n" for line in lines) or "\n" for _, _, lines, _ in written
+    ]
