@@ -33,6 +33,8 @@ from recoverypoint.testing import temporary_database
 
 from rides import Faults, Provider  # noqa: E402  (tests/ is on sys.path)
 
+pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest as a user does
+
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 
 
