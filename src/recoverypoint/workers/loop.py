@@ -48,9 +48,11 @@ class Result:
     """What one pass did; true when it did anything. Subclasses add their counts."""
 
     batches: int = 0
+    # Counts that describe the pass without being work it did.
+    _not_work: ClassVar[tuple[str, ...]] = ("batches",)
 
     def __bool__(self) -> bool:
-        return any(value for name, value in self.counts().items() if name != "batches")
+        return any(value for name, value in self.counts().items() if name not in self._not_work)
 
     def counts(self) -> dict[str, int]:
         return dataclasses.asdict(self)
