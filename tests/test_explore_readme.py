@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from recoverypoint.integrations.pytest_plugin import SERVER_URL_ENV
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = README.read_text().split("## Prove your operation crash-safe\n", 1)[1].split("\n## ")[0]
 BLOCKS = [textwrap.dedent(b) for b in re.findall(r"```\w+\n(.*?)```", SECTION, re.DOTALL)]
@@ -114,9 +116,7 @@ def test_the_command_gives_the_report_shown(server_url: str, tmp_path: Path) -> 
 def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) -> None:
     write_app(tmp_path)
     test = next(b for b in BLOCKS if "def test_checkout_is_crash_safe" in b)
-    (tmp_path / "test_checkout.py").write_text(
-        test.replace("postgresql://postgres@localhost/postgres", server_url)
-    )
+    (tmp_path / "test_checkout.py").write_text(test)
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_checkout.py"],
         capture_output=True,
@@ -124,7 +124,8 @@ def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) ->
         timeout=300,
         check=False,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # The plugin's rp_server_url: the server the README's user names.
+        env={**os.environ, "PYTHONPATH": str(tmp_path), SERVER_URL_ENV: server_url},
     )
 
     assert ran.returncode == 1, ran.stdout + ran.stderr
