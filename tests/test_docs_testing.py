@@ -1,29 +1,43 @@
 """docs/how-to/testing.md, "Fault injection in your own tests": its test file, written as
-shown, passes under pytest against a migrated database, and passes again when run a second
-time against the same database (its keys are its own)."""
+shown, passes under the page's pytest command with the plugin's fixtures, and passes again
+when run a second time (each run has its own database, each test its own key)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from docs_snippets import section
+from sqlalchemy.engine import make_url
+
+DOC_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
-def test_the_test_file_passes_twice(database_url: str, tmp_path: Path) -> None:
-    [block] = [
+def test_the_test_file_passes_twice(server_url: str, tmp_path: Path) -> None:
+    test_file, command = [
         b
         for b in section("how-to/testing.md", "Fault injection in your own tests")
         if b.mark_value == "tests/test_docs_testing.py"
     ]
-    assert block.file_name == "test_rides.py"
-    (tmp_path / block.file_name).write_text(block.body)
-    env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": database_url}
+    assert test_file.file_name == "test_rides.py"
+    (tmp_path / test_file.file_name).write_text(test_file.body)
+    assignment, *argv = shlex.split(command.body)
+    name, value = assignment.split("=", 1)
+    assert (name, value, argv) == (
+        "RECOVERYPOINT_TEST_DATABASE_URL",
+        DOC_SERVER,
+        ["pytest", "test_rides.py"],
+    )
+    server = make_url(server_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECOVERYPOINT_")}
+    env[name] = server  # the test's server, wherever it is
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     for run in (1, 2):
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", block.file_name],
+            [*argv, "-p", "no:cacheprovider"],
             cwd=tmp_path,
             env=env,
             capture_output=True,

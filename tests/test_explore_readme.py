@@ -11,6 +11,8 @@ from pathlib import Path
 
 from docs_snippets import section
 
+from recoverypoint.integrations.pytest_plugin import SERVER_URL_ENV
+
 BLOCKS = [b.body for b in section("how-to/testing.md", "Prove your operation crash-safe")]
 
 # The user's own operation, as the page supposes it: a provider (a table) that charges
@@ -112,9 +114,7 @@ def test_the_command_gives_the_report_shown(server_url: str, tmp_path: Path) -> 
 def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) -> None:
     write_app(tmp_path)
     test = next(b for b in BLOCKS if "def test_checkout_is_crash_safe" in b)
-    (tmp_path / "test_checkout.py").write_text(
-        test.replace("postgresql://postgres@localhost/postgres", server_url)
-    )
+    (tmp_path / "test_checkout.py").write_text(test)
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_checkout.py"],
         capture_output=True,
@@ -122,7 +122,8 @@ def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) ->
         timeout=300,
         check=False,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # The plugin's rp_server_url: the server the README's user names.
+        env={**os.environ, "PYTHONPATH": str(tmp_path), SERVER_URL_ENV: server_url},
     )
 
     assert ran.returncode == 1, ran.stdout + ran.stderr

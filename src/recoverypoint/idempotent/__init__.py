@@ -50,7 +50,7 @@ from pydantic_core import PydanticSerializationError
 
 from ..engine import Engine
 from ..engine.context import StepContext
-from ..errors import AbandonedCall, InvalidParams, Retryable
+from ..errors import AbandonedCall, InvalidParams, ParamsMismatch, Retryable
 from ..operation import FINISHED, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
@@ -266,6 +266,14 @@ class _Calls:
         reset = _CALL.set(call)
         try:
             yield
+        except ParamsMismatch as exc:
+            # The engine's text speaks of requests; this was a call with other arguments.
+            raise ParamsMismatch(
+                f"this idempotency key was already used to call {self.shape.qualname} with "
+                "other arguments: to get that call's result, call it again with the same "
+                "arguments; use a new key only for a different call",
+                key=exc.key,
+            ) from None
         except PydanticSerializationError as exc:
             if call.entered:
                 raise  # the function's own

@@ -96,6 +96,25 @@ _UNREGISTERED = text(
     """
 )
 
+# Unfinished keys of registered operations a pass left alone, by why (as _DUE and the
+# claim's lease rule decide): read only, after the pass, so that what it took is not counted.
+_HELD_BACK = text(
+    f"""
+    WITH {REGISTERED}
+    SELECT
+        count(*) FILTER (WHERE k.next_attempt_at > now()) AS backing_off,
+        count(*) FILTER (WHERE k.next_attempt_at <= now()
+                           AND k.last_run_at > now() - make_interval(secs => :min_age))
+            AS too_recent,
+        count(*) FILTER (WHERE k.next_attempt_at <= now()
+                           AND k.last_run_at <= now() - make_interval(secs => :min_age)
+                           AND NOT {lease_free("r.lock_timeout")}) AS leased
+    FROM idempotency_keys AS k
+    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+    WHERE k.finished_at IS NULL
+    """
+)
+
 # Hand back leases taken but not used (the completer is stopping); no attempt is counted.
 _RELEASE_UNSTARTED = text(
     """
@@ -119,6 +138,15 @@ class CompleterResult(Result):
     """Due keys of operations (or versions) this engine does not have; left alone."""
     errors: int = 0
     """Keys, and operations' claims, that failed in an unexpected way; each is logged."""
+    too_recent: int = 0
+    """Due keys left alone, their last run younger than ``min_age``: their own clients
+    may still retry them."""
+    backing_off: int = 0
+    """Unfinished keys left alone, their next attempt not due yet (after a failed one)."""
+    leased: int = 0
+    """Due keys left alone, a live request holding their lease."""
+
+    _not_work: ClassVar[tuple[str, ...]] = ("batches", "too_recent", "backing_off", "leased")
 
 
 @dataclass(frozen=True)
@@ -183,8 +211,16 @@ class Completer(Worker[CompleterResult]):
                     self._release([k.id for k in batch if k.id not in done], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
+        self._count_held_back(operations, result)
         self.engines.observer.worker_pass(self.name)
         return result
+
+    def _count_held_back(self, operations: list[Operation[Any]], result: CompleterResult) -> None:
+        """Why the keys the pass left unfinished were left: an operator running one pass
+        by hand is told, rather than seeing nothing done."""
+        with self.db.connect() as conn:
+            row = conn.execute(_HELD_BACK, self._registered(operations)).one()
+        result.backing_off, result.too_recent, result.leased = row
 
     def run_forever(self, interval: float | None = None, jitter: float | None = None) -> None:
         try:
