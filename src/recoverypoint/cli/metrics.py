@@ -2,8 +2,8 @@
 
 The gauges every process shares (keys in flight, stuck, abandoned; staged jobs) are read
 from the database at each scrape. The counters of a process (requests, phases, jobs) live
-in that process: mount ``make_asgi_app(registry)`` in your application for those (see
-:mod:`recoverypoint.integrations.prometheus`).
+in that process: route ``/metrics`` to ``MetricsApp(registry)`` in your application for
+those (see :mod:`recoverypoint.integrations.prometheus`).
 """
 
 from __future__ import annotations
