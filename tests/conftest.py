@@ -14,12 +14,15 @@ The header of the pytest report says which one was used.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
+import threading
+import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -32,6 +35,8 @@ from recoverypoint import migrate
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.testing import temporary_database
+
+pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest as a user does
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 
@@ -241,3 +246,75 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("failover figures")
         for table in tables:
             terminalreporter.write_line(str(table))
+
+
+# -- saying what the suite is doing ----------------------------------------------------------
+
+STILL_RUNNING_AFTER = 20.0
+"""Seconds a test runs before the terminal is told which one it is, then again every
+STILL_RUNNING_EVERY: most tests take well under a second, a few take minutes."""
+STILL_RUNNING_EVERY = 30.0
+
+
+class _Narrator:
+    """Says on the terminal what the suite is doing, where pytest alone would not."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.file: str | None = None
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        """Under ``-q`` (CI's), where pytest prints dots only, each test file's name as
+        its first test starts: which file a run of dots belongs to."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or self.config.get_verbosity() >= 0 or self.file == location[0]:
+            return  # without -q, pytest names the file itself
+        self.file = location[0]
+        reporter.write_ensure_prefix(f"{self.file} ")  # on a line of its own
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        """A test running longer than STILL_RUNNING_AFTER is named, with its time so far,
+        until it ends; then its time in all."""
+        began = time.monotonic()
+        ended = threading.Event()
+
+        def tell() -> None:
+            wait = STILL_RUNNING_AFTER
+            while not ended.wait(wait):
+                self.say(f"  ... {item.nodeid} running, {time.monotonic() - began:.0f}s")
+                wait = STILL_RUNNING_EVERY
+
+        teller = threading.Thread(target=tell, name="still-running", daemon=True)
+        teller.start()
+        try:
+            return (yield)
+        finally:
+            ended.set()
+            teller.join()
+            took = time.monotonic() - began
+            if took > STILL_RUNNING_AFTER:
+                self.say(f"  ... {item.nodeid} took {took:.0f}s")
+
+    def say(self, line: str) -> None:
+        """``line`` on the terminal, past the test's output capture (as live logs are)."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None:
+            return
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line(line)
+        self.file = None  # the dots that follow get their file's name again
+
+
+@pytest.fixture
+def say(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """``say(line)`` shows ``line`` on the terminal at once, while the test runs: for tests
+    that take minutes (tests/test_chaos.py) to report their progress."""
+    narrator = pytestconfig.pluginmanager.get_plugin("recoverypoint-narrator")
+    assert isinstance(narrator, _Narrator)
+    return narrator.say
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_Narrator(config), "recoverypoint-narrator")

@@ -68,7 +68,7 @@ def engine_for(db: sa.Engine, provider: Provider) -> rp.Engine:
 
 
 def app_for(engine: rp.Engine | Any, **options: Any) -> FastAPI:
-    """The README's mount, word for word in spirit: a FastAPI app with the console in it."""
+    """The documented mount (docs/how-to/operating.md), in spirit: a FastAPI app with the console in it."""
     app = FastAPI()
     app.mount(MOUNT, console(engine, authorize=options.get("authorize", authorize)))
     return app

@@ -1,10 +1,10 @@
-"""README, "Async": its example runs word for word against a migrated database; so does the
-asyncio application of "Running the workers", with its own command."""
+"""docs/how-to/async.md: its example runs word for word against a migrated database; so
+do the two applications of docs/how-to/workers.md (Celery's, and the asyncio one), with
+the page's worker command."""
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -12,19 +12,20 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from docs_snippets import Block, blocks, page
 from workload import plant_keys, rows
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+
+def claimed(name: str) -> list[Block]:
+    return [b for b in blocks(page(name)) if b.mark_value == "tests/test_async_readme.py"]
 
 
 def test_the_async_example_runs_as_written(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    section = README.read_text().split("## Async\n", 1)[1].split("\n## ", 1)[0]
-    example = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert example is not None
+    [example] = claimed("how-to/async.md")
     monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
-    exec(compile(example.group(1), "README.md", "exec"), {"__name__": "readme_async"})
+    exec(compile(example.body, example.where, "exec"), {"__name__": "docs_async"})
 
 
 OPERATIONS = """
@@ -49,22 +50,41 @@ async def finish(tx: rp.AsyncAtomicContext, params: dict) -> rp.Response:
 """
 
 
-def test_the_workers_of_the_async_application_run_as_written(
-    worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
+SYNC_OPERATIONS = """
+import recoverypoint as rp
+
+rides = rp.Operation("create_ride")
+
+
+@rides.atomic_phase("finished")
+def finish(tx: rp.AtomicContext, params: dict) -> rp.Response:
+    return rp.Response(201, {"order_id": 1})
+"""
+
+TASKS = """
+from celery import Celery
+
+celery_app = Celery("myapp", broker="amqp://guest:guest@127.0.0.1:5672//")
+"""
+
+
+@pytest.mark.parametrize("kind", ["celery", "asyncio"])
+def test_the_workers_of_the_application_run_as_written(
+    kind: str, worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
 ) -> None:
-    section = README.read_text().split("## Running the workers\n", 1)[1].split("\n## ", 1)[0]
-    asynchronous = section.split("An asyncio application names its", 1)[1]
-    found = re.search(
-        r"```python\n(.*?)```\s*```\n(recoverypoint worker .*?)\n```", asynchronous, re.DOTALL
-    )
-    assert found is not None
-    recovery, command = found.groups()
+    found = claimed("how-to/workers.md")
+    assert [b.lang for b in found] == ["python", "python", ""]
+    celery_recovery, async_recovery, command = (b.body for b in found)
+    command = command.strip()
+    recovery = celery_recovery if kind == "celery" else async_recovery
+    operation = "create_ride" if kind == "celery" else "place_order"
     app = tmp_path / "myapp"
     app.mkdir()
     (app / "__init__.py").write_text("")
-    (app / "operations.py").write_text(OPERATIONS)
+    (app / "operations.py").write_text(SYNC_OPERATIONS if kind == "celery" else OPERATIONS)
+    (app / "tasks.py").write_text(TASKS)
     (app / "recovery.py").write_text(recovery)
-    [key_id] = plant_keys(worker_db, "place_order", 1)
+    [key_id] = plant_keys(worker_db, operation, 1)
 
     worker = subprocess.run(
         [

@@ -150,3 +150,5 @@ def test_every_error_is_an_idempotency_error_with_a_status() -> None:
         assert isinstance(error, rp.IdempotencyError)
         assert error.http_status == status
         assert str(error)  # the docstring is the default message
+        # ... as one line, as a log or an HTTP answer shows it.
+        assert str(error) == " ".join(str(error).split()), repr(str(error))

@@ -6,11 +6,12 @@ planted violations.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,9 @@ from sqlalchemy.pool import NullPool
 from recoverypoint.database import create_engine
 from recoverypoint.demo.checks import check
 from recoverypoint.demo.faults import FaultMix
-from recoverypoint.demo.harness import DemoConfig, prepare, run
+from recoverypoint.demo.harness import DemoConfig, Progress, prepare, run
 from recoverypoint.demo.load import LoadResult, Sent
+from recoverypoint.demo.progress import ProgressBar
 from recoverypoint.demo.report import Report
 from recoverypoint.embedded import embedded_server
 from recoverypoint.testing import temporary_database
@@ -34,6 +36,33 @@ MIXES = {
     "provider-and-enqueuer": FaultMix(provider_before=0.2, provider_after=0.2, enqueuer_exit=0.05),
     "everything-at-20%": FaultMix.from_percent(20),
 }
+
+
+class _TerminalLines:
+    """A text stream whose lines go to pytest's terminal at once, each naming the test:
+    a run takes a minute or more, which pytest would otherwise show as one silent dot."""
+
+    def __init__(self, say: Callable[[str], None], name: str) -> None:
+        self.say, self.name = say, name
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.say(f"  {self.name}: {line.strip()}")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def progress(request: pytest.FixtureRequest, say: Callable[[str], None]) -> ProgressBar:
+    """The run's progress, a line per stage and per quarter of the load."""
+    return ProgressBar(_TerminalLines(say, request.node.name), steps=4)  # type: ignore[arg-type]
 
 
 def assert_sound(report: Report) -> None:
@@ -59,10 +88,12 @@ def assert_workers_never_crashed(report: Report, workdir: Path) -> None:
 
 
 @pytest.mark.parametrize("mix", MIXES.values(), ids=MIXES.keys())
-def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_path: Path) -> None:
+def test_every_invariant_holds_under_faults(
+    mix: FaultMix, server_url: str, tmp_path: Path, progress: ProgressBar
+) -> None:
     config = DemoConfig(requests=REQUESTS, concurrency=6, faults=mix, seed=11)
     with temporary_database(server_url, prefix="rp_chaos") as url:
-        report = run(config, url, tmp_path)
+        report = run(config, url, tmp_path, progress=progress)
 
     assert_sound(report)
     figures = report.figures()
@@ -72,7 +103,9 @@ def test_every_invariant_holds_under_faults(mix: FaultMix, server_url: str, tmp_
     assert figures["other process exits"] == 0, report.process_exits
 
 
-def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_path: Path) -> None:
+def test_every_invariant_holds_with_the_api_on_asyncengine(
+    server_url: str, tmp_path: Path, progress: ProgressBar
+) -> None:
     """``api --async``: the operation's phases are ``async def`` on ``rp.AsyncEngine``, and
     the completer and the enqueuer take ``--app …workers:async_engine`` alone."""
     config = DemoConfig(
@@ -83,7 +116,7 @@ def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_
         asynchronous=True,
     )
     with temporary_database(server_url, prefix="rp_chaos") as url:
-        report = run(config, url, tmp_path)
+        report = run(config, url, tmp_path, progress=progress)
 
     assert_sound(report)
     assert_workers_never_crashed(report, tmp_path)
@@ -93,7 +126,9 @@ def test_every_invariant_holds_with_the_api_on_asyncengine(server_url: str, tmp_
     assert report.figures()["other process exits"] == 0, report.process_exits
 
 
-def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> None:
+def test_every_invariant_holds_across_a_postgresql_restart(
+    tmp_path: Path, progress: ProgressBar
+) -> None:
     """A server of the test's own, crashed (immediate shutdown) and started again when
     half the rides are booked, with faults at 10% all along."""
     config = DemoConfig(requests=REQUESTS, concurrency=6, faults=FaultMix.from_percent(10), seed=5)
@@ -104,7 +139,7 @@ def test_every_invariant_holds_across_a_postgresql_restart(tmp_path: Path) -> No
             server.restart(downtime=2.0)
             restarts.append(2.0)
 
-        report = run(config, server.url, tmp_path, midway=restart)
+        report = run(config, server.url, tmp_path, progress=progress, midway=restart)
 
     assert restarts == [2.0]
     assert_sound(report)
@@ -195,3 +230,20 @@ def test_the_checks_catch_what_they_promise_to(rocket_rides_db: sa.Engine) -> No
         "receipts published twice": 1,  # 'j' twice by survivors; 'k' once after a crash
     }
     assert not checked.ok
+
+
+def test_the_progress_names_each_stage_and_steps_through_the_load() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(out, steps=4)
+    bar(Progress("prepare", 0, 0))
+    bar(Progress("start", 0, 0))
+    for done in range(1, 81):
+        bar(Progress("load", done, 80, retries=done // 4))
+    bar(Progress("completing", 0, 2, unfinished=2))
+    bar(Progress("check", 0, 0))
+    lines = out.getvalue().splitlines()
+    assert [line.split()[0] for line in lines] == [
+        "prepare", "start", *["load"] * 5, "completing", "check"
+    ]
+    assert "80/80 rides  20 retries" in lines[-3]
+    assert "checking the database" in lines[-1]

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from http_servers import serve_asgi
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from recoverypoint import client as client_module
-from recoverypoint.client import AsyncClient, Attempts, Client, Retry, RetryPolicy
+from recoverypoint.client import AsyncClient, Attempts, Client, Retry, RetryPolicy, _headers
 
 FAST = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, total_timeout=30)
 
@@ -271,3 +273,65 @@ def test_what_is_never_retried() -> None:
     assert state.after_response(500, None) is not None
     assert state.after_error(httpx.UnsupportedProtocol("ftp://")) is None
     assert state.after_error(httpx.ReadTimeout("slow")) is not None
+
+
+class MedianRandom(random.Random):
+    """Jitter at its mean: the wait a default client makes on average."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return (a + b) / 2
+
+
+def test_by_default_a_server_away_for_20_seconds_is_waited_for() -> None:
+    clock = FakeClock()
+    state = Attempts(RetryPolicy(), "k", clock=clock, rng=MedianRandom())
+    waited = 0.0
+    while True:
+        state.begin()
+        retry = state.after_error(httpx.ConnectError("refused"))
+        if retry is None:
+            break
+        clock.now += retry.delay
+        waited += retry.delay
+    assert waited >= 20.0
+    assert waited <= RetryPolicy().total_timeout
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize(
+    "headers",
+    [{"Authorization": "Bearer …"}, [("Authorization", "Bearer é")], {"X-Naïve": "yes"}],
+)
+def test_a_header_that_is_not_ascii_is_named_before_anything_is_sent(
+    script_server: tuple[str, Script], kind: str, headers: object
+) -> None:
+    base_url, script = script_server
+    sent_before = len(script.keys)
+    with pytest.raises(ValueError, match=r"header 'X-Naïve'|header 'Authorization'") as caught:
+        if kind == "sync":
+            with Client(base_url, policy=FAST) as client:
+                client.post("/script/200", headers=headers)
+        else:
+
+            async def send() -> None:
+                async with AsyncClient(base_url, policy=FAST) as client:
+                    await client.post("/script/200", headers=headers)
+
+            asyncio.run(send())
+    assert "U+" in str(caught.value) and "ASCII" in str(caught.value)
+    assert len(script.keys) == sent_before
+
+
+def test_default_headers_are_checked_too() -> None:
+    with pytest.raises(ValueError, match="header 'Authorization'"):
+        Client("http://127.0.0.1:1", headers={"Authorization": "Bearer …"})
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=4))
+def test_any_header_text_is_sent_or_refused_with_a_value_error(headers: dict[str, str]) -> None:
+    try:
+        built = _headers(headers)
+    except ValueError:
+        assert any(not (k.isascii() and v.isascii()) for k, v in headers.items())
+    else:
+        assert len(built) <= len(headers)

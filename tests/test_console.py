@@ -467,17 +467,16 @@ def test_the_wheel_ships_the_templates_and_the_stylesheet(tmp_path: Any) -> None
     assert shipped and shipped <= names
 
 
-def test_the_readmes_mount_works_word_for_word(
+def test_the_docs_mount_works_word_for_word(
     db: sa.Engine, module_database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pathlib import Path
+    from docs_snippets import section
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Web console", 1)[1]
-    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    [mount] = [b for b in section("how-to/operating.md", "Web console") if b.lang == "python"]
+    assert mount.mark_value == "tests/test_console.py"
     monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", module_database_url)
     scope: dict[str, Any] = {}
-    exec(compile(source, "README.md", "exec"), scope)
+    exec(compile(mount.body, mount.where, "exec"), scope)
     [key_id] = plant(db, "from-readme", **STUCK)
     app = scope["app"]
     try:

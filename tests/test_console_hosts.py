@@ -205,3 +205,46 @@ def test_a_key_changes_only_when_host_origin_and_token_are_all_its_own(
     legitimate = own_host(host) and sent_from(origin or referer) == host and cookie == TOKEN
     legitimate = legitimate and submitted == TOKEN
     assert unfinished(db, key_id) != legitimate, (sent.status_code, sent.text[:300])
+
+
+# -- the token's login page ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def locked(db: sa.Engine) -> Any:
+    ops = admin.Admin(db, via="console")
+    return standalone(ops, token=TOKEN, read_only=False, hosts=trusted_hosts("127.0.0.1", []))
+
+
+def test_the_login_page_is_styled_before_the_token_is_given(locked: Any) -> None:
+    with TestClient(locked, base_url=f"http://{OWN}", follow_redirects=False) as stranger:
+        login = stranger.get("/keys")
+        assert login.status_code == 401 and 'name="token"' in login.text
+        [href] = re.findall(r'<link rel="stylesheet" href="([^"]+)"', login.text)
+        css = stranger.get(href)
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+        assert ".login" in css.text  # the rules the login form is drawn with
+        assert stranger.head(href).status_code == 200
+
+
+@HOSTILE
+@given(
+    path=st.one_of(
+        st.sampled_from(["/static/console.css/", "/static/console.css/../keys", "/static/",
+                         "/static/../keys", "/static//console.css", "/static/console.css%00",
+                         "/STATIC/console.css", "/static/console.css;/keys", "/keys", "/"]),
+        st.text(LATIN_1, max_size=30).map(lambda tail: "/static/" + tail),
+    ),
+    method=st.sampled_from(["GET", "HEAD", "POST", "PUT", "DELETE"]),
+)  # fmt: skip
+def test_nothing_else_passes_without_the_token(locked: Any, path: str, method: str) -> None:
+    with TestClient(locked, base_url=f"http://{OWN}", follow_redirects=False) as stranger:
+        try:
+            answer = stranger.request(method, path)
+        except Exception:  # a path no client can send is no request
+            return
+    if answer.status_code != 401:
+        assert method in ("GET", "HEAD") and answer.request.url.path == "/static/console.css"
+        assert answer.status_code == 200
+    else:
+        assert method == "HEAD" or 'name="token"' in answer.text

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import sqlalchemy as sa
+from console_site import TestClient  # imported there without Starlette's warning
 from test_admin import OVERDUE, plant
 from workload import stage_jobs
 
@@ -142,3 +143,45 @@ def test_each_workers_last_pass_is_reported(
     assert found["workers"]["status"] == "warn"
     assert "reaper late" in found["workers"]["detail"]
     assert "failing: OperationalError: connection refused" in found["workers"]["detail"]
+
+
+def test_a_worker_is_late_after_a_few_of_its_own_intervals(worker_db: sa.Engine) -> None:
+    import threading
+
+    import recoverypoint as rp
+    from recoverypoint.console import console
+    from recoverypoint.workers import Completer
+
+    engine = rp.Engine(worker_db)
+    completer = Completer(engine)
+    threading.Timer(0.5, completer.stop).start()
+    completer.run_forever(interval=5.0, jitter=0.5)  # one pass, then the stop
+    ops = admin.Admin(worker_db)
+    [recorded] = [w for k, w in admin.overview(ops).workers.items() if k == "completer"]
+    assert recorded.interval_seconds == 5.5 and not recorded.late
+    with worker_db.begin() as conn:  # a reaper of an older release: no interval recorded
+        conn.execute(
+            sa.text(
+                "INSERT INTO worker_passes (worker, host, pid, last_pass_at) "
+                "VALUES ('reaper', 'old-host', 1, now() - interval '60 seconds')"
+            )
+        )
+    page = console(ops, authorize=lambda request, action: "ann")
+
+    def badges() -> dict[str, str]:
+        with TestClient(page) as browser:
+            html = browser.get("/").text
+        rows = re.findall(r"<td>(\w+)</td>\s*<td><span class=\"badge (\w+)\"", html)
+        return dict(rows)
+
+    assert badges() == {"completer": "ok", "enqueuer": "fail", "reaper": "ok"}
+    with worker_db.begin() as conn:  # stopped a minute ago: 3 x 5.5 s + 30 s have passed
+        conn.execute(
+            sa.text(
+                "UPDATE worker_passes SET last_pass_at = now() - interval '60 seconds' "
+                "WHERE worker = 'completer'"
+            )
+        )
+    assert badges() == {"completer": "fail", "enqueuer": "fail", "reaper": "ok"}
+    [late] = [c for c in admin.diagnose(ops) if c.name == "workers"]
+    assert "completer late" in late.detail and "reaper late" not in late.detail

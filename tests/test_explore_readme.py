@@ -1,21 +1,21 @@
-"""README, "Prove your operation crash-safe": its subject, written as shown next to an
-operation whose provider ignores idempotency keys, gives the report the README shows,
+"""docs/how-to/testing.md, "Prove your operation crash-safe": its subject, written as shown
+next to an operation whose provider ignores idempotency keys, gives the report the page shows,
 from the command line and from the pytest fixture."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = README.read_text().split("## Prove your operation crash-safe\n", 1)[1].split("\n## ")[0]
-BLOCKS = [textwrap.dedent(b) for b in re.findall(r"```\w+\n(.*?)```", SECTION, re.DOTALL)]
+from docs_snippets import section
 
-# The user's own operation, as the README supposes it: a provider (a table) that charges
+from recoverypoint.integrations.pytest_plugin import SERVER_URL_ENV
+
+BLOCKS = [b.body for b in section("how-to/testing.md", "Prove your operation crash-safe")]
+
+# The user's own operation, as the page supposes it: a provider (a table) that charges
 # again for a key it has seen.
 CHECKOUT = '''
 import sqlalchemy as sa
@@ -77,8 +77,8 @@ def write_app(root: Path) -> None:
 
 
 def shown_lines(block: str) -> list[str]:
-    """The report's lines the README shows whole: not those with a shortened key, the
-    timing, or the hint, which the README wraps."""
+    """The report's lines the page shows whole: not those with a shortened key, the
+    timing, or the hint, which the page wraps."""
     hint = ("why:", "provider acted twice", "key (see")
     return [
         line.strip()
@@ -114,9 +114,7 @@ def test_the_command_gives_the_report_shown(server_url: str, tmp_path: Path) -> 
 def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) -> None:
     write_app(tmp_path)
     test = next(b for b in BLOCKS if "def test_checkout_is_crash_safe" in b)
-    (tmp_path / "test_checkout.py").write_text(
-        test.replace("postgresql://postgres@localhost/postgres", server_url)
-    )
+    (tmp_path / "test_checkout.py").write_text(test)
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_checkout.py"],
         capture_output=True,
@@ -124,7 +122,8 @@ def test_the_fixture_fails_the_test_as_shown(server_url: str, tmp_path: Path) ->
         timeout=300,
         check=False,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # The plugin's rp_server_url: the server the README's user names.
+        env={**os.environ, "PYTHONPATH": str(tmp_path), SERVER_URL_ENV: server_url},
     )
 
     assert ran.returncode == 1, ran.stdout + ran.stderr

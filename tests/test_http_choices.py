@@ -6,18 +6,17 @@ status classes stored, an optional key, and the scope (a function that names an 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 from choices_apps import HOLDS, KEY_HEADER, REPLAYED_HEADER, SCHEMA, fastapi_app, flask_app
+from docs_snippets import blocks, page
 from http_servers import serve_asgi, serve_wsgi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -364,19 +363,20 @@ def test_a_scope_function_never_raises_and_never_yields_an_empty_scope(returned:
         assert scope == returned and scope != ""
 
 
-# -- README, "HTTP: FastAPI and Flask", its choices' example, word for word -------------------
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+# -- docs/how-to/http.md, its choices' example, word for word --------------------------------
 
 
-def test_the_readme_choices_example(
+def test_the_docs_choices_example(
     database_url: str, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    section = README.read_text().split("## HTTP: FastAPI and Flask\n", 1)[1].split("\n## ", 1)[0]
-    [example] = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "UNSCOPED" in b]
+    [example] = [
+        b.body
+        for b in blocks(page("how-to/http.md"))
+        if b.mark_value == "tests/test_http_choices.py"
+    ]
     monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
     namespace: dict[str, Any] = {"__name__": "readme_choices"}
-    exec(compile(example, "README.md", "exec"), namespace)
+    exec(compile(example, "how-to/http.md", "exec"), namespace)
     with serve_wsgi(namespace["app"]) as base_url:
         key = uuid.uuid4().hex
         sent = {"X-Request-Id": key}

@@ -1,11 +1,10 @@
-"""README, "Any function: @idempotent", run word for word: its three examples execute as
+"""docs/how-to/idempotent.md run word for word: its four examples execute as
 written against a real database, the payment API of ``idempotent_payments`` on loopback,
 and (the Celery task) a real Celery worker on RabbitMQ."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -17,10 +16,8 @@ from typing import IO, Any
 
 import pytest
 import sqlalchemy as sa
+from docs_snippets import blocks, page
 from idempotent_payments import Payments, payments_api
-
-README = Path(__file__).resolve().parents[1] / "README.md"
-TITLE = "## Any function: @idempotent"
 
 # Long enough for a worker on a machine busy with other suites; a worker that takes longer
 # has hung.
@@ -28,12 +25,15 @@ HUNG_WORKER = 600
 
 
 def examples() -> list[str]:
-    text = README.read_text()
-    start = text.index(TITLE)
-    end = text.index("\n## ", start + len(TITLE))
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) == 5 and "scope=..." in blocks[4]  # the last is a one-line sketch
-    return blocks[:4]
+    """The page's four examples: the Celery task, the async payment, the agent's tool, the
+    lookup with an optional key that counts its replays."""
+    found = [
+        b.body
+        for b in blocks(page("how-to/idempotent.md"))
+        if b.mark_value == "tests/test_idempotent_readme.py"
+    ]
+    assert len(found) == 4
+    return found
 
 
 @pytest.fixture
@@ -61,33 +61,34 @@ def test_the_async_payment_example(
     payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     api, _ = payments
-    exec(compile(examples()[1], "README.md", "exec"), {"__name__": "readme_async"})
+    exec(compile(examples()[1], "how-to/idempotent.md", "exec"), {"__name__": "readme_async"})
     assert capsys.readouterr().out == "order 42 was already paid with another amount\n"
     [row] = key_rows(db, "process_payment")
     assert (row.idempotency_key, row.response_status) == ("order:42", 200)
     assert list(api.calls.values()) == [1]  # one charge request for the two calls
 
 
-def test_the_optional_key_and_replay_hook_example(
-    payments: tuple[Payments, str], db: sa.Engine, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level("INFO", logger="recoverypoint"):
-        exec(compile(examples()[3], "README.md", "exec"), {"__name__": "readme_reserve"})
-    [row] = key_rows(db, "stock.reserve")
-    assert (row.idempotency_key, row.response_body) == ("r-1", 1)
-    unprotected = [r for r in caplog.records if getattr(r, "idempotency", None) == "unprotected"]
-    assert len(unprotected) == 1
-
-
 def test_the_agent_tool_example(
     payments: tuple[Payments, str], db: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     namespace: dict[str, Any] = {"__name__": "readme_tool"}
-    exec(compile(examples()[2], "README.md", "exec"), namespace)
+    exec(compile(examples()[2], "how-to/idempotent.md", "exec"), namespace)
     assert capsys.readouterr().out == "sent to ada@example.com\nsent to ada@example.com\n"
     [row] = key_rows(db, "tools.send_email")
     assert (row.scope, row.idempotency_key) == ("conv_17", "call_8f2e")
     namespace["engine"].dispose()
+
+
+def test_the_optional_key_and_replay_hook_example(
+    payments: tuple[Payments, str], db: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="recoverypoint"):
+        namespace: dict[str, Any] = {"__name__": "readme_reserve"}
+        exec(compile(examples()[3], "how-to/idempotent.md", "exec"), namespace)
+    [row] = key_rows(db, "stock.reserve")
+    assert (row.idempotency_key, row.response_body) == ("r-1", 1)
+    unprotected = [r for r in caplog.records if getattr(r, "idempotency", None) == "unprotected"]
+    assert len(unprotected) == 1
 
 
 def test_the_celery_example_charges_once_for_a_message_delivered_twice(

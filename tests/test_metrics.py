@@ -329,3 +329,37 @@ def test_importing_recoverypoint_imports_neither_extra() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_operation_met_once_keeps_its_series_at_zero(
+    served: tuple[CollectorRegistry, str], worker_db: sa.Engine
+) -> None:
+    registry, url = served
+    registry.register(DatabaseCollector(worker_db))  # no operation told: as metrics serve
+    [key_id] = plant_keys(
+        worker_db, "vanishing", 1, locked_at="now()", lock_token="gen_random_uuid()"
+    )
+    samples = scrape(url)
+    assert value(samples, "recoverypoint_keys_in_flight", operation="vanishing") == 1
+    with worker_db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM idempotency_keys WHERE id = :id"), {"id": key_id})
+    samples = scrape(url)
+    for name in ("in_flight", "unfinished", "stuck", "abandoned"):
+        assert value(samples, f"recoverypoint_keys_{name}", operation="vanishing") == 0
+
+
+def test_the_readmes_metrics_route_answers_at_metrics(worker_db: sa.Engine) -> None:
+    from console_site import TestClient  # imported there without Starlette's warning
+    from fastapi import FastAPI
+
+    from recoverypoint.integrations.prometheus import MetricsApp
+
+    registry = CollectorRegistry()
+    engine = rp.Engine(worker_db, observer=PrometheusObserver(registry))
+    registry.register(DatabaseCollector(engine.db, engine.operations))
+    app = FastAPI()
+    app.add_route("/metrics", MetricsApp(registry))
+    with TestClient(app, follow_redirects=False) as scraper:
+        answer = scraper.get("/metrics")
+        assert answer.status_code == 200, answer.headers
+        assert "recoverypoint_collector_up 1.0" in answer.text

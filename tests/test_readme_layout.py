@@ -1,4 +1,4 @@
-"""README's "How the code is laid out" map matches the tree: every file and folder it names
+"""The "How the code is laid out" map (docs/contributing.md) matches the tree: every file and folder it names
 exists, and every module and package of the library and of its request path is named."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ PACKAGE = ROOT / "src" / "recoverypoint"
 
 
 def the_map() -> str:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## How the code is laid out", 1)[1]
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    section = page.split("## How the code is laid out", 1)[1]
     return section.split("```text\n", 1)[1].split("```", 1)[0]
 
 
@@ -36,10 +36,10 @@ def test_everything_the_map_names_exists() -> None:
     missing = sorted(
         name for name in named(the_map()) if not any((home / name).exists() for home in homes)
     )
-    assert not missing, f"README's map names what is not there: {missing}"
+    assert not missing, f"the map names what is not there: {missing}"
 
 
 def test_the_map_names_every_module_of_the_library_and_its_request_path() -> None:
     names = named(the_map())
     unnamed = sorted((listed(PACKAGE) | listed(PACKAGE / "engine")) - names)
-    assert not unnamed, f"add these to README's 'How the code is laid out': {unnamed}"
+    assert not unnamed, f"add these to 'How the code is laid out' in docs/contributing.md: {unnamed}"

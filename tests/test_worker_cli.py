@@ -201,3 +201,38 @@ def test_the_log_level_reaches_the_loggers(worker_db: sa.Engine, worker_database
     assert process.returncode == 0
     assert stderr == ""  # the pass (INFO) was not logged
     assert rows(worker_db, "SELECT * FROM idempotency_keys") == []  # yet it happened
+
+
+def test_a_pass_by_hand_says_why_it_left_keys_alone(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    # As `keys retry` leaves a key a client ran a moment ago: due now, its last run recent.
+    recent = plant_keys(worker_db, "steps", 1)
+    later = plant_keys(worker_db, "steps", 2, last_run_at="now() - interval '1 hour'",
+                       next_attempt_at="now() + interval '1 hour'")  # fmt: skip
+    held = plant_keys(worker_db, "steps", 1, last_run_at="now() - interval '1 hour'",
+                      locked_at="now()", lock_token="gen_random_uuid()")  # fmt: skip
+    process = worker(
+        "completer", "--app", "worker_app:engine", "--once", database_url=worker_database_url
+    )
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    pass_ = events(stderr, "pass")["completer"]
+    assert (pass_["finished"], pass_["too_recent"], pass_["backing_off"], pass_["leased"]) == (
+        "0", "1", "2", "1"
+    )
+    assert (
+        "completer: skipped 1 key younger than --min-age 60s, which leaves their clients time "
+        "to retry (--min-age 0 takes them now); 2 keys whose next attempt is not due yet "
+        "(recoverypoint keys retry ID makes it due now); 1 key a running request holds"
+    ) in stderr
+    unfinished = rows(worker_db, "SELECT id FROM idempotency_keys WHERE finished_at IS NULL")
+    assert sorted(r.id for r in unfinished) == sorted([*recent, *later, *held])
+
+    process = worker(
+        "completer", "--app", "worker_app:engine", "--once", "--min-age", "0",
+        database_url=worker_database_url,
+    )  # fmt: skip
+    _, stderr = process.communicate(timeout=60)
+    assert events(stderr, "pass")["completer"]["finished"] == "1"
+    assert "younger than --min-age" not in stderr

@@ -55,10 +55,17 @@ def retriable_status(status: int) -> bool:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a logical request is retried; every duration is in seconds."""
+    """How a logical request is retried; every duration is in seconds.
 
-    max_attempts: int = 5
-    base_delay: float = 0.25
+    The defaults ride out a server that is away for about half a minute (a restart, a
+    deploy, a failover): up to 10 attempts, the waits' ceiling doubling from 0.5 s to
+    10 s, about 28 s of waiting in all on average (55 s at most), all within a minute
+    of the first attempt. An interactive caller that would rather fail fast sets fewer
+    attempts or a shorter ``total_timeout``.
+    """
+
+    max_attempts: int = 10
+    base_delay: float = 0.5
     max_delay: float = 10.0
     total_timeout: float = 60.0
 
@@ -146,9 +153,28 @@ def _parse_retry_after(value: str | None) -> float:
 
 def _with_key(kwargs: dict[str, Any], key: str | None) -> tuple[str, dict[str, Any]]:
     key = key or str(uuid.uuid4())
-    headers = httpx.Headers(kwargs.pop("headers", None))
+    headers = _headers(kwargs.pop("headers", None))
     headers[IDEMPOTENCY_KEY] = key
     return key, {**kwargs, "headers": headers}
+
+
+def _headers(given: Any) -> httpx.Headers:
+    """``given`` as httpx's headers; text that is not ASCII is refused saying which header
+    and which character (httpx's own error names neither)."""
+    try:
+        return httpx.Headers(given)
+    except UnicodeEncodeError:
+        pairs = given.items() if hasattr(given, "items") else given
+        for name, value in pairs:
+            for what, text in (("name", name), ("value", value)):
+                if isinstance(text, str) and not text.isascii():
+                    at = next(i for i, char in enumerate(text) if not char.isascii())
+                    raise ValueError(
+                        f"the {what} of header {name!r} holds {text[at]!r} (U+{ord(text[at]):04X}) "
+                        f"at position {at}: HTTP headers carry ASCII text, so replace it, "
+                        "or encode the value (percent-encoding, base64) as the server expects"
+                    ) from None
+        raise
 
 
 class Client:
@@ -167,6 +193,8 @@ class Client:
     ) -> None:
         self.policy = policy or RetryPolicy()
         self.on_retry = on_retry
+        if "headers" in httpx_options:
+            httpx_options["headers"] = _headers(httpx_options["headers"])
         self.http = httpx.Client(base_url=base_url, **httpx_options)
 
     def request(
@@ -226,6 +254,8 @@ class AsyncClient:
     ) -> None:
         self.policy = policy or RetryPolicy()
         self.on_retry = on_retry
+        if "headers" in httpx_options:
+            httpx_options["headers"] = _headers(httpx_options["headers"])
         self.http = httpx.AsyncClient(base_url=base_url, **httpx_options)
 
     async def request(

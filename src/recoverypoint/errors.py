@@ -33,7 +33,8 @@ class IdempotencyError(Exception):
     http_status: int = 500
 
     def __init__(self, message: str | None = None, *, key: str | None = None) -> None:
-        self.message = message or (self.__doc__ or "").strip()
+        # The docstring, as one line: it is what str(), logs and HTTP answers show.
+        self.message = message or " ".join((self.__doc__ or "").split())
         self.key = key
         super().__init__(self.message)
 

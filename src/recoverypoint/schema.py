@@ -161,6 +161,8 @@ worker_passes = Table(
     Column("pid", Integer, nullable=False),
     Column("last_pass_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("last_error", Text),
+    # Seconds between the worker's passes (migration 0012); None for a single pass.
+    Column("interval_seconds", Double),
 )
 
 # One row: the namespace of this database's derived keys (recoverypoint.keys.key_seed),

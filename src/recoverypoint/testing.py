@@ -26,7 +26,9 @@ or for a whole process through the environment::
     RECOVERYPOINT_FAULT_EFFECT=exit      # or raise (the default)
     RECOVERYPOINT_FAULT_SEED=42          # repeatable runs
 
-Faults are off by default; when off, each boundary costs one attribute read.
+Faults are off by default; when off, each boundary costs one attribute read. Under pytest,
+the ``rp_faults`` fixture (:mod:`recoverypoint.integrations.pytest_plugin`) is this
+registry, disarmed before and after each test.
 
 :func:`temporary_database` gives a test (or a demo run) an empty database of its own on a
 server you run, and drops it afterwards.

@@ -1,4 +1,4 @@
-"""README, "Django and DRF", run word for word: its blocks are the modules their first
+"""docs/how-to/django.md ("Django and DRF") run word for word: its blocks are the modules their first
 lines name (``myproject.idempotency``, ``orders.views``...), ``rides.models`` is Rocket
 Rides' (examples/django_rides), and ``myproject.payments`` a fake provider that counts its
 calls. Its shell lines run as ``manage.py`` would run them."""
@@ -28,12 +28,11 @@ from examples.django_rides.rides.models import Ride
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-TITLE = "## Django and DRF\n"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "django.md"
 
 
 def section() -> str:
-    return README.read_text().split(TITLE, 1)[1].split("\n## ", 1)[0]
+    return PAGE.read_text()
 
 
 def blocks(language: str) -> list[str]:
@@ -75,7 +74,7 @@ def readme(monkeypatch: pytest.MonkeyPatch, settings: Any) -> dict[str, Any]:
         assert path, f"a block names its file first: {block.splitlines()[0]!r}"
         module = types.ModuleType(f"{path[1]}.{path[2]}")
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(compile(block, "README.md", "exec"), module.__dict__)
+        exec(compile(block, "how-to/django.md", "exec"), module.__dict__)
         modules[module.__name__] = module
     assert list(modules) == [
         "myproject.idempotency",

@@ -26,13 +26,18 @@ MAX_SKEW = 2.0
 OLD_JOB = 300.0
 """Seconds a staged job may wait before the doctor asks whether an enqueuer runs."""
 OLD_PASS = 300.0
-"""Seconds since a kind of worker's last pass before the doctor asks whether it runs."""
+"""Seconds since a kind of worker's last pass before it is late, when its interval is
+unknown (a single pass, or a worker of a release before migration 0012)."""
+LATE_AFTER_INTERVALS = 3
+LATE_GRACE = 30.0
+"""A worker is late after this many of its intervals (interval plus jitter, as it recorded
+them) and these seconds more: a long pass delays the next record, a stopped worker shows."""
 WORKERS = ("completer", "enqueuer", "reaper")
 
 _PASSES = sa.text(
     """
     SELECT worker, host, pid, extract(epoch FROM now() - last_pass_at)::float8 AS age,
-           last_error
+           last_error, interval_seconds
     FROM worker_passes ORDER BY last_pass_at DESC
     """
 )
@@ -193,6 +198,15 @@ class WorkerPass:
     age: float
     """Seconds ago, on the database's clock."""
     last_error: str | None
+    interval_seconds: float | None
+    """The longest wait between its passes, as it recorded it; None for a single pass."""
+
+    @property
+    def late(self) -> bool:
+        """Whether the next pass is overdue: the worker stopped, or hangs."""
+        if self.interval_seconds is None:
+            return self.age > OLD_PASS
+        return self.age > LATE_AFTER_INTERVALS * self.interval_seconds + LATE_GRACE
 
 
 def worker_passes(admin: Admin) -> dict[str, WorkerPass]:
@@ -208,7 +222,7 @@ def worker_passes(admin: Admin) -> dict[str, WorkerPass]:
 def _workers(admin: Admin) -> Check:
     latest = worker_passes(admin)
     missing = [kind for kind in WORKERS if kind not in latest]
-    late = [kind for kind, row in latest.items() if row.age > OLD_PASS]
+    late = [kind for kind, row in latest.items() if row.late]
     failing = [kind for kind, row in latest.items() if row.last_error]
     detail = ", ".join(
         f"{kind} {row.age:.0f}s ago on {row.host} (pid {row.pid})"

@@ -50,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(fail(self.prog.removeprefix("recoverypoint"), EXIT_USAGE, message))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``recoverypoint`` command line, every subcommand included."""
     parser: argparse.ArgumentParser = _Parser(
         prog="recoverypoint",
         description="Idempotency keys with recovery points on PostgreSQL.",
@@ -58,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for add_command in _COMMANDS:
         add_command(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     try:
         status = handler(args)

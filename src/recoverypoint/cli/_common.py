@@ -28,6 +28,15 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
 
 
+def described(doc: str) -> str:
+    """A command module's docstring as its ``--help`` description: the first paragraph,
+    without the ``recoverypoint <command>``: it opens with (the usage line above says it)
+    and without reST markup, which a terminal shows as stray backticks."""
+    first = " ".join(doc.split("\n\n")[0].split())
+    first = re.sub(r"^``recoverypoint [\w -]+``:\s*", "", first).replace("``", "")
+    return first[:1].upper() + first[1:]
+
+
 def add_database_options(parser: argparse.ArgumentParser, *, json: bool = True) -> None:
     parser.add_argument(
         "--database-url",

@@ -25,7 +25,14 @@ from typing import Any
 from ..admin import Admin
 from ..exits import EXIT_OK, EXIT_USAGE, fail
 from ._app import UsageError
-from ._common import Subparsers, add_database_options, add_stuck_after, address, admin_for
+from ._common import (
+    Subparsers,
+    add_database_options,
+    add_stuck_after,
+    address,
+    admin_for,
+    described,
+)
 
 DEFAULT_BIND = "127.0.0.1:8080"
 TOKEN_ENV = "RECOVERYPOINT_CONSOLE_TOKEN"
@@ -35,7 +42,7 @@ def add_console(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "console",
         help="serve the web console of keys and staged jobs",
-        description=__doc__.splitlines()[0].strip("`"),
+        description=described(__doc__),
     )
     parser.add_argument(
         "--bind",

@@ -31,8 +31,8 @@ def add_demo(subparsers: _Subparsers) -> None:
             "Run the Rocket Rides example (payment provider, API, completer, enqueuer) as "
             "separate processes, kill and fail them at random while clients book rides, "
             "then check the database: no ride charged twice, no request lost, every receipt "
-            "sent once. Exits 1 if any invariant fails. Needs a source checkout installed "
-            "with pip install -e '.[demo]'."
+            "sent once. Exits 1 if any invariant fails. Needs the demo extra: "
+            "pip install 'recoverypoint[demo]'."
         ),
     )
     parser.add_argument(

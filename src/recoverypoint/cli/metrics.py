@@ -2,8 +2,8 @@
 
 The gauges every process shares (keys in flight, stuck, abandoned; staged jobs) are read
 from the database at each scrape. The counters of a process (requests, phases, jobs) live
-in that process: mount ``make_asgi_app(registry)`` in your application for those (see
-:mod:`recoverypoint.integrations.prometheus`).
+in that process: route ``/metrics`` to ``MetricsApp(registry)`` in your application for
+those (see :mod:`recoverypoint.integrations.prometheus`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from ..exits import EXIT_OK, EXIT_USAGE, fail
 from ..operation import Operation
 from ..workers.loop import on_stop
 from ._app import UsageError, load_engines
-from ._common import Subparsers, add_stuck_after, address
+from ._common import Subparsers, add_stuck_after, address, described
 
 DEFAULT_BIND = "127.0.0.1:9464"  # 9464: the port OpenTelemetry's Prometheus exporter uses
 
 
 def add_metrics(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
-        "metrics", help="serve Prometheus metrics", description=__doc__.splitlines()[0]
+        "metrics", help="serve Prometheus metrics", description=described(__doc__)
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     serve = commands.add_parser(

@@ -30,7 +30,7 @@ from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from ..logfmt import logfmt
 from ..migrate import VERSION_TABLE, migrations_dir
-from ..workers.completer import Completer
+from ..workers.completer import Completer, CompleterResult
 from ..workers.engines import Engines
 from ..workers.enqueuer import Enqueuer
 from ..workers.loop import STRUCTURED, Worker, log_event, on_stop
@@ -139,7 +139,10 @@ def _run(args: argparse.Namespace) -> int:
             if args.once:
                 for worker in workers:
                     if not worker.stopping:
-                        worker.log_pass(worker.run_once())
+                        result = worker.run_once()
+                        worker.log_pass(result)
+                        if isinstance(result, CompleterResult) and (why := held_back(result, args)):
+                            print(f"completer: {why}", file=sys.stderr)
                 return EXIT_OK
             if len(workers) == 1:
                 workers[0].run_forever(args.interval)
@@ -154,6 +157,28 @@ def _run(args: argparse.Namespace) -> int:
             if isinstance(worker, Completer):
                 worker.close()  # its event loop, before the pools are closed
         dispose(engines)
+
+
+def held_back(result: CompleterResult, args: argparse.Namespace) -> str:
+    """Why a pass left keys unfinished, and what takes them, in a sentence ("" if none)."""
+    reasons = []
+    if result.too_recent:
+        reasons.append(
+            f"{_keys(result.too_recent)} younger than --min-age {args.min_age:g}s, which "
+            "leaves their clients time to retry (--min-age 0 takes them now)"
+        )
+    if result.backing_off:
+        reasons.append(
+            f"{_keys(result.backing_off)} whose next attempt is not due yet "
+            "(recoverypoint keys retry ID makes it due now)"
+        )
+    if result.leased:
+        reasons.append(f"{_keys(result.leased)} a running request holds")
+    return "skipped " + "; ".join(reasons) if reasons else ""
+
+
+def _keys(count: int) -> str:
+    return f"{count} key" if count == 1 else f"{count} keys"
 
 
 def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threading.Event) -> int:

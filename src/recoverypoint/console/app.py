@@ -18,6 +18,10 @@ from .auth import Authorize, checked
 from .render import problem
 from .site import Page, Site
 
+STYLESHEET = "/static/console.css"
+"""The console's one static asset: the same for everyone, no data in it, so it is served
+before the token (the login page needs it too)."""
+
 
 def console(engine: Engine | Admin, *, authorize: Authorize) -> Starlette:
     """The web console of ``engine``'s keys and staged jobs, to mount in your app::
@@ -51,7 +55,7 @@ def console(engine: Engine | Admin, *, authorize: Authorize) -> Starlette:
         route("/audit", pages.audit),
         route("/audit/{entry_id:int}", pages.audit_entry),
         route("/reveal", pages.reveal, "POST"),
-        Route("/static/console.css", pages.stylesheet),
+        Route(STYLESHEET, pages.stylesheet),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 

@@ -16,6 +16,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import csrf, forms
+from .app import STYLESHEET
 from .auth import VIEW
 from .render import page, secure
 
@@ -52,7 +53,7 @@ class TokenLock:
                 await app(scope, receive, send)
                 return
             request = Request(scope, receive)
-            if self.opened(request) and request.url.path != "/login":
+            if (self.opened(request) and request.url.path != "/login") or _public(request):
                 await app(scope, receive, send)
                 return
             response = await self._login(request)
@@ -74,6 +75,12 @@ class TokenLock:
         response.set_cookie(COOKIE, self._digest, httponly=True, samesite="strict",
                             secure=request.url.scheme == "https")  # fmt: skip
         return secure(response)
+
+
+def _public(request: Request) -> bool:
+    """The stylesheet, to anyone: the login page is styled by it. That exact path, read
+    only; nothing else passes without the token."""
+    return request.method in ("GET", "HEAD") and request.scope["path"] == STYLESHEET
 
 
 def _digest(token: str) -> str:

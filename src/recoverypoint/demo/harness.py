@@ -67,7 +67,9 @@ class DemoConfig:
 @dataclass(frozen=True)
 class Progress:
     stage: str
-    """``load``, then ``completing`` while the workers finish what clients left."""
+    """``prepare``, ``start``, ``load``, then ``completing`` while the workers finish what
+    clients left, and ``check``; ``done`` and ``total`` count within ``load`` and
+    ``completing``, the others are reported once, as they begin."""
     done: int
     total: int
     retries: int = 0
@@ -89,8 +91,10 @@ def run(
     # NullPool: no connection outlives a database restart.
     db = create_engine(database_url, poolclass=NullPool)
     try:
+        progress(Progress("prepare", 0, 0))
         users = prepare(db)
         with ExitStack() as stack:
+            progress(Progress("start", 0, 0))
             services = _start(config, database_url, workdir, stack)
 
             def on_done(done: int, result: LoadResult) -> None:
@@ -108,6 +112,7 @@ def run(
             ).run()
             settle_seconds = _settle(db, config, progress)
             stack.close()  # every process stopped: what the database holds now is final
+            progress(Progress("check", 0, 0))
             exits = {
                 name: {
                     "faults": group.exits.faults,

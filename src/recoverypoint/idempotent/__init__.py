@@ -51,7 +51,7 @@ from pydantic_core import PydanticSerializationError
 from ..engine import Engine
 from ..engine.context import StepContext
 from ..engine.waits import wait_seconds
-from ..errors import AbandonedCall, InvalidParams, Retryable
+from ..errors import AbandonedCall, InvalidParams, ParamsMismatch, Retryable
 from ..keys import chosen_scope
 from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..logfmt import logfmt
@@ -155,6 +155,12 @@ def idempotent(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
+    The arguments are the params: validated by their annotations (unannotated ones must be
+    JSON), fingerprinted and stored; arguments that cannot be stored raise
+    :class:`~recoverypoint.InvalidParams` and store nothing. The return value is stored as
+    JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
+    every call, the first included.
+
     Parameters
     ----------
     engine:
@@ -187,12 +193,6 @@ def idempotent(
         most a minute; see :mod:`recoverypoint.engine.waits`): it then returns that call's
         value, or runs the function if that call failed. Without it, or when the wait runs
         out, it raises :class:`~recoverypoint.KeyInUse`.
-
-    The arguments are the params: validated by their annotations (unannotated ones must be
-    JSON), fingerprinted and stored; arguments that cannot be stored raise
-    :class:`~recoverypoint.InvalidParams` and store nothing. The return value is stored as
-    JSON by its annotation (a pydantic model, a dataclass...) and rebuilt as that type for
-    every call, the first included.
     """
 
     wait_seconds(wait)  # refused when decorating, not at the first call
@@ -311,6 +311,14 @@ class _Calls:
         reset = _CALL.set(call)
         try:
             yield
+        except ParamsMismatch as exc:
+            # The engine's text speaks of requests; this was a call with other arguments.
+            raise ParamsMismatch(
+                f"this idempotency key was already used to call {self.shape.qualname} with "
+                "other arguments: to get that call's result, call it again with the same "
+                "arguments; use a new key only for a different call",
+                key=exc.key,
+            ) from None
         except PydanticSerializationError as exc:
             if call.entered:
                 raise  # the function's own

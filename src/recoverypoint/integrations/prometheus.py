@@ -10,13 +10,15 @@ Two parts, usually in one registry:
 
 ::
 
-    from prometheus_client import CollectorRegistry, make_asgi_app
-    from recoverypoint.integrations.prometheus import DatabaseCollector, PrometheusObserver
+    from prometheus_client import CollectorRegistry
+    from recoverypoint.integrations.prometheus import (
+        DatabaseCollector, MetricsApp, PrometheusObserver,
+    )
 
     registry = CollectorRegistry()
     engine = rp.Engine(url, observer=PrometheusObserver(registry))
     registry.register(DatabaseCollector(engine.db, engine.operations))
-    app.mount("/metrics", make_asgi_app(registry))   # or make_wsgi_app(registry)
+    app.add_route("/metrics", MetricsApp(registry))   # or prometheus_client.make_wsgi_app
 
 Labels are ``operation``, ``point``, ``outcome``, ``worker``, ``job`` and ``by``
 (``client`` or ``completer``): each takes a handful of values. Never a key or a scope.
@@ -29,17 +31,41 @@ from time import perf_counter
 from types import TracebackType
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    make_asgi_app,
+)
 
 from ..observe import CLIENT, Observer, RunObservation, outcome_of, succeeded
 from ..operation import Outcome
 from .prometheus_collector import DatabaseCollector
 
-__all__ = ["DatabaseCollector", "PrometheusObserver"]
+__all__ = ["DatabaseCollector", "MetricsApp", "PrometheusObserver"]
 
 # Publishing lags behind staging by the enqueuer's interval (1 s) when all is well, and by
 # minutes when it is down or a broker refuses jobs: buckets up to an hour.
 _LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class MetricsApp:
+    """``registry``'s metrics as an ASGI app answering at the very path it is routed to:
+    ``app.add_route("/metrics", MetricsApp(registry))`` in FastAPI or Starlette.
+
+    Mounted instead (``app.mount("/metrics", make_asgi_app(registry))``), it is reached at
+    ``/metrics/`` only, and ``/metrics`` answers a 307 redirect that a scrape config or a
+    curl may not follow. An object, not a function, so that a route runs it as an ASGI
+    app rather than as a request handler.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self._app = make_asgi_app(registry)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
 
 
 class _Metrics:

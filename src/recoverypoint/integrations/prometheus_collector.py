@@ -70,7 +70,10 @@ class DatabaseCollector(Collector):
     ----------
     operations:
         The engine's registered operations (``engine.operations``): each of them has a
-        series even at 0 (a key's lease is judged by the lock timeout its holder stored).
+        series from the first scrape, even at 0 (a key's lease is judged by the lock
+        timeout its holder stored). An operation met in the table keeps its series, at 0,
+        once its keys are gone: a series that vanished and came back would hide the change
+        from ``delta()`` and restart an alert's ``for``.
     stuck_after:
         How long past its next attempt an unleased key waits before it counts as stuck.
     timeout:
@@ -87,6 +90,7 @@ class DatabaseCollector(Collector):
     ) -> None:
         self._admin = Admin(db, tuple(operations), stuck_after=stuck_after)
         self._timeout_ms = int(timeout * 1000)
+        self._met: frozenset[str] = frozenset(op.name for op in self._admin.operations)
 
     def describe(self) -> Iterable[Metric]:
         # Names only, so that registering never touches the database.
@@ -114,7 +118,8 @@ class DatabaseCollector(Collector):
         return keys, jobs
 
     def _keys(self, rows: list[Any]) -> Iterator[Metric]:
-        operations = sorted({op.name for op in self._admin.operations} | {r[0] for r in rows})
+        self._met = self._met | {row[0] for row in rows}  # one assignment: scrapes may overlap
+        operations = sorted(self._met)
         values: dict[str, dict[str, float]] = {
             name: dict.fromkeys(operations, 0.0) for name in _KEY_GAUGES
         }

@@ -110,6 +110,25 @@ _UNREGISTERED = text(
     """
 )
 
+# Unfinished keys of registered operations a pass left alone, by why (as _DUE and the
+# claim's lease rule decide): read only, after the pass, so that what it took is not counted.
+_HELD_BACK = text(
+    f"""
+    WITH {REGISTERED}
+    SELECT
+        count(*) FILTER (WHERE k.next_attempt_at > now()) AS backing_off,
+        count(*) FILTER (WHERE k.next_attempt_at <= now()
+                           AND k.last_run_at > now() - make_interval(secs => :min_age))
+            AS too_recent,
+        count(*) FILTER (WHERE k.next_attempt_at <= now()
+                           AND k.last_run_at <= now() - make_interval(secs => :min_age)
+                           AND NOT {free("r.lock_timeout")}) AS leased
+    FROM idempotency_keys AS k
+    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+    WHERE k.finished_at IS NULL
+    """
+)
+
 # Hand back leases taken but not used (the completer is stopping); no attempt is counted.
 _RELEASE_UNSTARTED = text(
     """
@@ -133,6 +152,15 @@ class CompleterResult(Result):
     """Due keys of operations (or versions) this engine does not have; left alone."""
     errors: int = 0
     """Keys, and operations' claims, that failed in an unexpected way; each is logged."""
+    too_recent: int = 0
+    """Due keys left alone, their last run younger than ``min_age``: their own clients
+    may still retry them."""
+    backing_off: int = 0
+    """Unfinished keys left alone, their next attempt not due yet (after a failed one)."""
+    leased: int = 0
+    """Due keys left alone, a live request holding their lease."""
+
+    _not_work: ClassVar[tuple[str, ...]] = ("batches", "too_recent", "backing_off", "leased")
 
 
 @dataclass(frozen=True)
@@ -147,17 +175,17 @@ class _Claimed:
 class Completer(Worker[CompleterResult]):
     """Resumes unfinished keys in-process and abandons those out of attempts.
 
-    Parameters
-    ----------
-    min_age:
-        Seconds an unfinished key waits after its last run for its own client to retry
-        before the completer takes it; 0 takes keys as soon as they are due.
-
     An :class:`AsyncEngine`'s keys are resumed on an event loop the completer runs in its
     own thread, with the engine's connection pool: run the completer in a process (or a
     thread) of its own, never from a coroutine, and keep ``batch_size`` within the pool,
     since a batch's async resumes run at once. :meth:`close` closes the loop;
     :meth:`run_forever` does so as it returns.
+
+    Parameters
+    ----------
+    min_age:
+        Seconds an unfinished key waits after its last run for its own client to retry
+        before the completer takes it; 0 takes keys as soon as they are due.
     """
 
     name: ClassVar[str] = "completer"
@@ -198,8 +226,16 @@ class Completer(Worker[CompleterResult]):
                     self._release([k for k in batch if k.id not in done], token)
             if self.stopping or len(batch) < self.batch_size:
                 break
+        self._count_held_back(operations, result)
         self.engines.observer.worker_pass(self.name)
         return result
+
+    def _count_held_back(self, operations: list[Operation[Any]], result: CompleterResult) -> None:
+        """Why the keys the pass left unfinished were left: an operator running one pass
+        by hand is told, rather than seeing nothing done."""
+        with self.db.connect() as conn:
+            row = conn.execute(_HELD_BACK, self._registered(operations)).one()
+        result.backing_off, result.too_recent, result.leased = row
 
     def run_forever(self, interval: float | None = None, jitter: float | None = None) -> None:
         try:

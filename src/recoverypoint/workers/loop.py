@@ -44,11 +44,11 @@ SCOPES_PER_PASS = 1000
 """The scopes a pass works through at most; the next pass takes the rest."""
 _RECORD_PASS = sa.text(
     """
-    INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error)
-    VALUES (:worker, :host, :pid, now(), :error)
+    INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error, interval_seconds)
+    VALUES (:worker, :host, :pid, now(), :error, :interval)
     ON CONFLICT (worker, host) DO UPDATE
     SET pid = excluded.pid, last_pass_at = excluded.last_pass_at,
-        last_error = excluded.last_error
+        last_error = excluded.last_error, interval_seconds = excluded.interval_seconds
     """
 )
 
@@ -58,9 +58,11 @@ class Result:
     """What one pass did; true when it did anything. Subclasses add their counts."""
 
     batches: int = 0
+    # Counts that describe the pass without being work it did.
+    _not_work: ClassVar[tuple[str, ...]] = ("batches",)
 
     def __bool__(self) -> bool:
-        return any(value for name, value in self.counts().items() if name != "batches")
+        return any(value for name, value in self.counts().items() if name not in self._not_work)
 
     def counts(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -166,7 +168,7 @@ class Worker(ABC, Generic[R]):
                     self._database_down(exc, interval)
                 else:
                     self.log_error("error", exc)
-                    self._record_pass(describe(exc))
+                    self._record_pass(describe(exc), interval + jitter)
             else:
                 if self._down_since is not None:
                     down_for = round(time.monotonic() - self._down_since, 1)
@@ -174,7 +176,7 @@ class Worker(ABC, Generic[R]):
                     self._down_since = None
                 if result:
                     self.log_pass(result, seconds=round(time.monotonic() - began, 3))
-                self._record_pass(None)
+                self._record_pass(None, interval + jitter)
             self.stop_event.wait(interval + random.uniform(0, jitter))
         self.log(logging.INFO, "stopped")
 
@@ -191,10 +193,18 @@ class Worker(ABC, Generic[R]):
                 action="check the database and the URL; the worker resumes by itself",
             )
 
-    def _record_pass(self, error: str | None) -> None:
-        """Note the pass in ``worker_passes`` for ``recoverypoint doctor``; a database that
-        cannot take it (the pass failed for that reason) is not worth another log line."""
-        fields = {"worker": self.name, "host": _HOST, "pid": os.getpid(), "error": error}
+    def _record_pass(self, error: str | None, interval: float | None) -> None:
+        """Note the pass in ``worker_passes`` for ``recoverypoint doctor`` and the console,
+        with the longest wait until the next one (``interval``: how they tell a stopped
+        worker); a database that cannot take it (the pass failed for that reason) is not
+        worth another log line."""
+        fields = {
+            "worker": self.name,
+            "host": _HOST,
+            "pid": os.getpid(),
+            "error": error,
+            "interval": interval,
+        }
         try:
             with self.db.begin() as conn:
                 conn.execute(_RECORD_PASS, fields)

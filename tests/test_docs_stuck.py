@@ -1,45 +1,54 @@
-"""README, "When a key is stuck", walked through word for word on a real database: every
-``recoverypoint`` command of the section runs as written, and every line of output the
-section shows is printed (times, downstream keys and charge ids aside, which differ by run).
+"""docs/how-to/operating.md, "When a key is stuck", walked through word for word on a real
+database: every ``recoverypoint`` command of the section runs as written (the worker in a
+process of its own, as a reader runs it), and every line of output the section shows is
+printed (times, downstream keys and charge ids aside, which differ by run).
 
 The key is made stuck as a real failure leaves it: an engine whose foreign step fails
-runs it three times; then time passes (its timestamps are moved back 12 to 14 minutes).
+runs it three times; then time passes (it was created 14 minutes ago and its next attempt
+is 12 minutes overdue), but its last attempt is recent, as when its client (or the
+operator) just tried it: the worker command must take it all the same.
 ``myapp.recovery:engine`` is the fixed engine, the one deployed after the fix.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from docs_snippets import section
 
 import recoverypoint as rp
 from recoverypoint.cli import main
-from recoverypoint.workers import Completer
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-TITLE = "### When a key is stuck"
-WORKER = "recoverypoint worker completer --once --app myapp.recovery:engine"
+PAGE = "how-to/operating.md"
+WORKER = "recoverypoint worker completer --once --min-age 0 --app myapp.recovery:engine"
 
 
-def section() -> str:
-    text = README.read_text()
-    start = text.index(TITLE)
-    end = re.compile(r"^#{2,3} ", re.M).search(text, start + len(TITLE))
-    return text[start : end.start() if end else None]
+def blocks() -> list[tuple[str, list[str]]]:
+    """The section's blocks: ``("bash", commands)`` or ``("", output lines)``."""
+    found = section(PAGE, "When a key is stuck")
+    assert all(b.mark == "test" and b.mark_value == "tests/test_docs_stuck.py" for b in found)
+    return [(b.lang, b.body.rstrip("\n").split("\n")) for b in found]
 
 
-def blocks(text: str) -> list[tuple[str, list[str]]]:
-    """The fenced blocks of ``text``: ``("bash", commands)`` or ``("", output lines)``."""
-    found = []
-    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
-        found.append((lang, body.rstrip("\n").split("\n")))
-    return found
+# The fixed engine, as the worker's process imports it.
+RECOVERY = """
+import os
+
+import recoverypoint as rp
+from test_docs_stuck import ride
+
+engine = rp.Engine(os.environ["RECOVERYPOINT_DATABASE_URL"])
+engine.register(ride(payments_down=False))
+"""
 
 
 def ride(*, payments_down: bool) -> rp.Operation[Any]:
@@ -83,6 +92,7 @@ def test_the_stuck_key_section_works_as_written(
     worker_database_url: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     broken = rp.Engine(worker_db)
     broken.register(ride(payments_down=True))
@@ -94,7 +104,7 @@ def test_the_stuck_key_section_works_as_written(
     with worker_db.begin() as conn:
         conn.execute(sa.text(
             "UPDATE idempotency_keys SET created_at = now() - interval '14 minutes', "
-            "last_run_at = now() - interval '12 minutes', "
+            "last_run_at = now() - interval '5 seconds', "
             "next_attempt_at = now() - interval '12 minutes' RETURNING id"
         )).one()  # fmt: skip
     fixed = rp.Engine(worker_db)
@@ -104,20 +114,28 @@ def test_the_stuck_key_section_works_as_written(
     monkeypatch.setitem(sys_modules(), "myapp", types.ModuleType("myapp"))
     monkeypatch.setitem(sys_modules(), "myapp.recovery", module)
     monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", worker_database_url)
+    (tmp_path / "myapp").mkdir()
+    (tmp_path / "myapp" / "recovery.py").write_text(RECOVERY)
     capsys.readouterr()
 
     ran = []
     printed = ""
-    for lang, lines in blocks(section()):
+    for lang, lines in blocks():
         if lang == "bash":
             printed = ""
             for command in lines:
                 assert command.startswith("recoverypoint "), command
                 ran.append(command)
-                if command == WORKER:
-                    # The worker command configures the process's logging for a service;
-                    # in a test, its pass alone.
-                    assert Completer(fixed).run_once().finished == 1
+                if command.startswith("recoverypoint worker"):
+                    # A worker configures its process's logging as a service's: a process
+                    # of its own, as the reader's.
+                    worker = subprocess.run(
+                        [sys.executable, "-m", "recoverypoint", *shlex.split(command)[1:]],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+                    )  # fmt: skip
+                    assert worker.returncode == 0, worker.stderr
+                    assert "finished=1" in worker.stderr, worker.stderr
                     continue
                 assert main(shlex.split(command)[1:]) == 0, command
                 printed += capsys.readouterr().out
@@ -140,6 +158,4 @@ def test_the_stuck_key_section_works_as_written(
 
 
 def sys_modules() -> dict[str, Any]:
-    import sys
-
     return sys.modules
