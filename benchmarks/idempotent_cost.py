@@ -397,6 +397,7 @@ def targets(sides: dict[str, list[dict[str, float]]]) -> list[str]:
         return f"{_spread(values)}: " + ("met" if statistics.median(values) <= limit else "missed")
 
     replay = ratios(lambda r: r["rp replay"]["p99"] / r["select floor"]["p99"])
+    replay50 = ratios(lambda r: r["rp replay"]["p50"] / r["select floor"]["p50"])
     first50 = ratios(
         lambda r: r["rp first"]["p50"] / (2 * r["select floor"]["p50"] + r["bare"]["p50"])
     )
@@ -415,6 +416,7 @@ def targets(sides: dict[str, list[dict[str, float]]]) -> list[str]:
     )
     return [
         f"- replay p99 / SELECT floor p99 (target ≤ 2.5): {verdict(replay, 2.5)}",
+        f"- beside it, replay p50 / SELECT floor p50: {_spread(replay50)}",
         f"- first call p50 / (2 x SELECT floor p50 + function p50) (target ≤ 1): "
         f"{verdict(first50, 1)}",
         f"- first call p99 / (SELECT floor p99 + p50 + function p99) (target ≤ 1): "
