@@ -440,11 +440,11 @@ def main() -> None:
     )
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    with temporary_database(normalize_url(args.database_url), prefix="rp_idem_cost") as made:
+    with temporary_database(args.database_url, prefix="rp_idem_cost") as made:
         migrate.upgrade(made)
         url = sa.make_url(made).set(drivername="postgresql").render_as_string(False)
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(FLOOR_SCHEMA)  # type: ignore[arg-type]
+            conn.execute(FLOOR_SCHEMA)
         if args.profile:
             profile(args, url)
             return
