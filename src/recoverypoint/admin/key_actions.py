@@ -10,8 +10,8 @@ action never races a running phase into a double effect:
   release of a live lease clears it anyway, and the holder's next fenced write (every
   engine write checks ``lock_token``) fails with :class:`~recoverypoint.LockLost` and
   rolls back;
-- ``abandon`` finishes a key only while it is unfinished and no live lease holds it, or,
-  forced, while the lease it saw does;
+- ``abandon`` finishes a key only while it is unfinished and the lease it saw (or none)
+  still holds it, expired unless forced;
 - ``delete`` of an unfinished key needs ``force``: a retry would start over under a new id,
   with new downstream keys, and repeat its foreign steps.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
 from ..keys import canonical_json
+from ..leases import free_before
 from ..operation import FINISHED
 from . import audit
 from ._sql import KEY_COLUMNS, REGISTERED
@@ -67,10 +68,10 @@ class ActionResult:
 
 
 # The keys of one scope as they were read: each statement below names the scope, so on
-# Citus it runs on that scope's shard alone. ``free_before`` is the holder's lease rule
-# (:func:`recoverypoint.leases.free`) evaluated in Python on the transaction's ``now()``:
-# a lease taken at or before it may be taken over. Citus refuses ``now()`` with column
-# references in an UPDATE, and the holder's timeout does not change while its token holds.
+# Citus it runs on that scope's shard alone. ``free_before`` is each lease's deadline
+# (:func:`recoverypoint.leases.free_before`) on the transaction's ``now()`` and the timeout
+# its holder stored, which holds as long as its token does (Citus refuses ``now()`` with
+# column references in an UPDATE).
 _SEEN = """
     seen AS (
         SELECT * FROM unnest(
@@ -501,7 +502,7 @@ def _apply(
                         "scope": scope,
                         "ids": [r.id for r in rows],
                         "tokens": [r.lock_token for r in rows],
-                        "free_before": [_free_before(r, now) for r in rows],
+                        "free_before": [free_before(now, r.lock_timeout) for r in rows],
                     }
                     found += conn.execute(statement, {**params, **seen}).scalars()
                 changed = tuple(sorted(found))
@@ -520,11 +521,3 @@ def _by_scope(rows: Sequence[KeyRow]) -> dict[str, list[KeyRow]]:
     for row in rows:
         groups.setdefault(row.scope, []).append(row)
     return groups
-
-
-def _free_before(row: KeyRow, now: datetime) -> datetime | None:
-    """The latest lease start anyone may take ``row``'s lease over at ``now``, by the
-    holder's timeout as read; ``None`` when that timeout is unknown (the lease is live)."""
-    if row.lock_timeout is None:
-        return None
-    return now - timedelta(seconds=row.lock_timeout)
