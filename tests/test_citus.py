@@ -122,6 +122,42 @@ def test_a_fresh_request_a_replay_and_a_reused_key(citus: sa.Engine, scope: str)
     assert _count(citus, "SELECT count(*) FROM staged_jobs WHERE scope = :s", s=scope) == 3
 
 
+def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
+    citus: sa.Engine, scope: str
+) -> None:
+    """What Citus sends to its workers (``citus.log_remote_commands``, one notice per
+    command, naming the worker): a fresh request's commands all go to one worker and
+    commit with a plain COMMIT; a replay is one command."""
+    notices: list[tuple[str, str]] = []
+    db = create_engine(
+        citus.url, pool_size=1, connect_args={"options": "-c citus.log_remote_commands=on"}
+    )
+
+    @sa.event.listens_for(db, "connect")
+    def record_notices(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.add_notice_handler(
+            lambda d: notices.append((d.message_primary or "", d.message_detail or ""))
+        )
+
+    op = _notes(f"citus_remote_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(db)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    try:
+        sent = []
+        for _ in range(2):
+            notices.clear()
+            engine.run(op, key="k", params=params, scope=scope)
+            sent.append([(m, d) for m, d in notices if m.startswith("issuing")])
+    finally:
+        db.dispose()
+    fresh, replay = sent
+    assert len({detail.split(" connectionId")[0] for _, detail in fresh}) == 1, fresh
+    commands = [message.removeprefix("issuing ") for message, _ in fresh]
+    assert commands.count("COMMIT") == 2 and not any("PREPARE" in c for c in commands)
+    assert len(replay) == 1 and replay[0][0].startswith("issuing SELECT")
+
+
 def test_the_async_engine_runs_and_replays(citus: sa.Engine, scope: str) -> None:
     op = _async_notes(f"citus_async_{uuid.uuid4().hex[:8]}")
     url = citus.url.render_as_string(hide_password=False)
