@@ -8,8 +8,8 @@ so a holder whose lease was taken over can no longer commit anything.
 
 It is written here once in SQL (:func:`free`, :func:`seconds_left`, :data:`HELD_FOR`) and
 once in Python (:func:`left`, for ``Retry-After``; :func:`free_before`, for the admin
-layer's fenced actions); tests/test_leases.py checks that the two
-halves agree at the boundary. Its users, and which lock timeout each judges by:
+layer's fenced actions); tests/test_leases.py checks that the two halves agree at the
+boundary. Its users, and which lock timeout each judges by:
 
 - the engine's claims (:mod:`recoverypoint.engine.sql`): the timeout of the version it
   judged the key by, a bound parameter; each claim stores it with the lease it takes;
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=90)
