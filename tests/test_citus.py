@@ -410,3 +410,18 @@ def test_keys_purge_and_jobs_delete(citus: sa.Engine, scope: str) -> None:
         "SELECT count(*) FROM staged_jobs WHERE scope = ANY(:s) AND idempotency_key_id IS NULL"
     )
     assert _count(citus, unlinked, s=scopes) == 3
+
+
+def test_an_action_behind_a_running_phase_is_refused_after_its_wait(
+    citus: sa.Engine, scope: str
+) -> None:
+    """The row is locked on its worker: the action's lock timeout must reach it there."""
+    key_id = _leased(citus, scope, "citus_wait", "k", held="1 hour", timeout=1)
+    with citus.connect() as holder, holder.begin():
+        holder.execute(
+            sa.text("SELECT 1 FROM idempotency_keys WHERE scope = :s AND id = :i FOR UPDATE"),
+            {"s": scope, "i": key_id},
+        )
+        with pytest.raises(admin.Refused, match="running phase"):
+            admin.release(admin.Admin(citus, lock_wait=0.2), key_id)
+    assert admin.release(admin.Admin(citus), key_id).changed == (key_id,)

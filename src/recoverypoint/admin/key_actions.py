@@ -490,11 +490,11 @@ def _apply(
             changed: tuple[int, ...] = ()
             if eligible:
                 # A running phase holds its key's row lock until it commits: wait that
-                # long at most, never behind a stuck transaction.
-                conn.execute(
-                    sa.text("SELECT set_config('lock_timeout', :wait, true)"),
-                    {"wait": f"{int(admin.lock_wait * 1000)}ms"},
-                )
+                # long at most, never behind a stuck transaction. As SET LOCAL commands,
+                # which Citus sends on to the workers (where the rows are locked) once told
+                # to; PostgreSQL keeps the citus setting as an unused placeholder.
+                conn.exec_driver_sql("SET LOCAL citus.propagate_set_commands = 'local'")
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(admin.lock_wait * 1000)}")
                 now = conn.execute(sa.text("SELECT now()")).scalar_one()
                 found: list[int] = []
                 for scope, rows in _by_scope(eligible).items():
