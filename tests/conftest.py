@@ -104,9 +104,12 @@ def server_url() -> Iterator[str]:
 
 # The modules whose tests run on both layouts: a single server's tables, and tables
 # partitioned by scope as Citus distributes them (tests/partitioned.py). They hold the
-# request path's and the workers' invariants.
+# request path's and the workers' invariants, and the operator's actions (which act scope
+# by scope, as Citus needs).
 BOTH_LAYOUTS = frozenset(
     {
+        "test_admin",
+        "test_admin_leases",
         "test_engine",
         "test_fencing",
         "test_staged_jobs",

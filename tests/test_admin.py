@@ -344,6 +344,20 @@ def test_purge_deletes_keys_finished_before_the_time(ops: admin.Admin) -> None:
     assert remaining == sorted(recent + unfinished)
 
 
+def test_purge_goes_through_every_scope_a_page_at_a_time(ops: admin.Admin) -> None:
+    """Purge acts scope by scope (on Citus, one shard per statement): scopes are read in
+    pages of ``batch_size``, and each scope's keys in batches of it."""
+    old = plant(ops.db, count=10, finished_at="now() - interval '4 days'", response_status="200")
+    with ops.db.begin() as conn:  # five scopes of two keys: three pages of scopes
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET scope = 'tenant-' || (id % 5) WHERE id = ANY(:i)"),
+            {"i": old},
+        )
+    result = admin.purge(ops, timedelta(days=3), batch_size=2)
+    assert sorted(result.changed) == old
+    assert rows(ops.db, "SELECT id FROM idempotency_keys") == []
+
+
 def test_every_action_is_logged_with_who_what_and_which(
     ops: admin.Admin, caplog: pytest.LogCaptureFixture
 ) -> None:

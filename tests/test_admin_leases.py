@@ -146,7 +146,8 @@ def test_an_action_leaves_a_lease_its_holder_renewed_since_it_was_read(
     renewed the lease; the UPDATE judges it live again, as the holder does."""
     ops = admin.Admin(worker_db)
     [key_id] = plant(worker_db, **EXPIRED, **OVERDUE)
-    [seen] = admin.list_keys(ops, admin.KeyFilter(ids=(key_id,)))
+    # Unmasked, as the actions read it: each statement names the key's scope.
+    [seen] = admin.list_keys(ops, admin.KeyFilter(ids=(key_id,)), reveal=True)
     assert seen.state == "stuck"
     with worker_db.begin() as conn:
         conn.execute(

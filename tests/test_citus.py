@@ -24,6 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 import recoverypoint as rp
+from recoverypoint import admin
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.jobs import InProcessBackend, Job
 from recoverypoint.workers import Completer, Enqueuer, Reaper
@@ -119,6 +120,42 @@ def test_a_fresh_request_a_replay_and_a_reused_key(citus: sa.Engine, scope: str)
     notes = "SELECT count(*) FROM citus_notes WHERE scope = :s"
     assert _count(citus, notes, s=scope) == 1
     assert _count(citus, "SELECT count(*) FROM staged_jobs WHERE scope = :s", s=scope) == 3
+
+
+def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
+    citus: sa.Engine, scope: str
+) -> None:
+    """What Citus sends to its workers (``citus.log_remote_commands``, one notice per
+    command, naming the worker): a fresh request's commands all go to one worker and
+    commit with a plain COMMIT; a replay is one command."""
+    notices: list[tuple[str, str]] = []
+    db = create_engine(
+        citus.url, pool_size=1, connect_args={"options": "-c citus.log_remote_commands=on"}
+    )
+
+    @sa.event.listens_for(db, "connect")
+    def record_notices(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.add_notice_handler(
+            lambda d: notices.append((d.message_primary or "", d.message_detail or ""))
+        )
+
+    op = _notes(f"citus_remote_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(db)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    try:
+        sent = []
+        for _ in range(2):
+            notices.clear()
+            engine.run(op, key="k", params=params, scope=scope)
+            sent.append([(m, d) for m, d in notices if m.startswith("issuing")])
+    finally:
+        db.dispose()
+    fresh, replay = sent
+    assert len({detail.split(" connectionId")[0] for _, detail in fresh}) == 1, fresh
+    commands = [message.removeprefix("issuing ") for message, _ in fresh]
+    assert commands.count("COMMIT") == 2 and not any("PREPARE" in c for c in commands)
+    assert len(replay) == 1 and replay[0][0].startswith("issuing SELECT")
 
 
 def test_the_async_engine_runs_and_replays(citus: sa.Engine, scope: str) -> None:
@@ -276,3 +313,115 @@ def test_the_completer_abandons_a_key_out_of_attempts(citus: sa.Engine, scope: s
         "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND abandoned_at IS NOT NULL"
     )
     assert _count(citus, abandoned, s=scope) == 1
+
+
+# The operator's commands: each reads its keys or jobs across scopes without locks, then
+# acts on each scope's rows with the scope in the statement (one shard each).
+
+
+def _leased(db: sa.Engine, scope: str, op: str, key: str, *, held: str, timeout: int) -> int:
+    """An unfinished key of ``scope`` whose lease was taken ``held`` ago, with ``timeout``."""
+    with db.begin() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
+                    "operation_version, request_method, request_path, request_params, "
+                    "fingerprint, locked_at, lock_token, lock_timeout) "
+                    "SELECT :s, :op, :k, 1, 'POST', '/', '{}'::jsonb, 'f', "
+                    "now() - CAST(:held AS interval), gen_random_uuid(), :timeout RETURNING id"
+                ),
+                {"s": scope, "op": op, "k": key, "held": held, "timeout": timeout},
+            ).scalar_one()
+        )
+
+
+def _cli(citus: sa.Engine, *args: str) -> subprocess.CompletedProcess[str]:
+    url = citus.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return subprocess.run(
+        [sys.executable, "-m", "recoverypoint", *args, "--database-url", url],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+def test_keys_release_and_abandon_check_the_lease_as_read(citus: sa.Engine, scope: str) -> None:
+    operator = admin.Admin(citus, actor="citus@test")
+    op = f"citus_admin_{uuid.uuid4().hex[:8]}"
+    expired = _leased(citus, scope, op, "expired", held="1 hour", timeout=1)
+    live = _leased(citus, scope, op, "live", held="0 seconds", timeout=3600)
+    other_scope = f"{scope}-b"
+    elsewhere = _leased(citus, other_scope, op, "expired", held="1 hour", timeout=1)
+
+    released = _cli(citus, "keys", "release", str(expired))
+    assert released.returncode == 0, released.stderr
+    with pytest.raises(admin.Refused, match="live lease"):
+        admin.release(operator, live)
+    assert admin.release(operator, live, force=True).changed == (live,)
+    free = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND lock_token IS NULL"
+    assert _count(citus, free, s=scope) == 2
+
+    # Many keys over two scopes: one statement per scope, all in one transaction.
+    result = admin.abandon(operator, admin.KeyFilter(operation=op, limit=None))
+    assert sorted(result.changed) == sorted([expired, live, elsewhere])
+    abandoned = (
+        "SELECT count(*) FROM idempotency_keys WHERE scope = ANY(:s) "
+        "AND abandoned_at IS NOT NULL AND response_status = 500"
+    )
+    assert _count(citus, abandoned, s=[scope, other_scope]) == 3
+
+
+def test_keys_purge_and_jobs_delete(citus: sa.Engine, scope: str) -> None:
+    operator = admin.Admin(citus, actor="citus@test")
+    op = _notes(f"citus_purge_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(citus)
+    engine.register(op)
+    scopes = [scope, f"{scope}-b"]
+    for s in scopes:
+        engine.run(op, key="k", params={"scope": s, "body": "x"}, scope=s)
+    jobs = "SELECT count(*) FROM staged_jobs WHERE scope = ANY(:s)"
+    assert _count(citus, jobs, s=scopes) == 6
+
+    first_key = _count(citus, "SELECT id FROM idempotency_keys WHERE scope = :s", s=scope)
+    deleted = _cli(citus, "jobs", "delete", "--key-id", str(first_key), "--yes")
+    assert deleted.returncode == 0, deleted.stderr
+    assert _count(citus, jobs, s=scopes) == 3
+    assert admin.retry_jobs(operator, admin.JobFilter(name="notify", limit=None)).changed
+
+    with citus.begin() as conn:
+        for s in scopes:
+            conn.execute(
+                sa.text(
+                    "UPDATE idempotency_keys SET finished_at = now() - interval '2 days' "
+                    "WHERE scope = :s"
+                ),
+                {"s": s},
+            )
+    with citus.connect() as conn:
+        ids = conn.execute(
+            sa.text("SELECT id FROM idempotency_keys WHERE scope = ANY(:s)"), {"s": scopes}
+        ).scalars()
+        doomed = set(ids)
+    # A batch of one: the purge goes scope by scope, and batch by batch within each.
+    purged = admin.purge(operator, timedelta(days=1), batch_size=1)
+    assert doomed <= set(purged.changed)
+    keys = "SELECT count(*) FROM idempotency_keys WHERE scope = ANY(:s)"
+    assert _count(citus, keys, s=scopes) == 0
+    unlinked = (
+        "SELECT count(*) FROM staged_jobs WHERE scope = ANY(:s) AND idempotency_key_id IS NULL"
+    )
+    assert _count(citus, unlinked, s=scopes) == 3
+
+
+def test_an_action_behind_a_running_phase_is_refused_after_its_wait(
+    citus: sa.Engine, scope: str
+) -> None:
+    """The row is locked on its worker: the action's lock timeout must reach it there."""
+    key_id = _leased(citus, scope, "citus_wait", "k", held="1 hour", timeout=1)
+    with citus.connect() as holder, holder.begin():
+        holder.execute(
+            sa.text("SELECT 1 FROM idempotency_keys WHERE scope = :s AND id = :i FOR UPDATE"),
+            {"s": scope, "i": key_id},
+        )
+        with pytest.raises(admin.Refused, match="running phase"):
+            admin.release(admin.Admin(citus, lock_wait=0.2), key_id)
+    assert admin.release(admin.Admin(citus), key_id).changed == (key_id,)

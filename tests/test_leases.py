@@ -79,7 +79,7 @@ _JUDGED = sa.text(
     f"""
     SELECT {leases.free("CAST(:timeout AS double precision)")} AS free,
            {leases.seconds_left("CAST(:timeout AS double precision)")} AS seconds_left,
-           {leases.HELD_FOR} AS held_for
+           {leases.HELD_FOR} AS held_for, now() AS now, k.locked_at
     FROM (SELECT CASE WHEN CAST(:held AS double precision) IS NOT NULL
                       THEN now() - make_interval(secs => CAST(:held AS double precision))
                  END AS locked_at) AS k
@@ -88,9 +88,13 @@ _JUDGED = sa.text(
 
 
 def judged(db: sa.Engine, held: float | None, timeout: float) -> tuple[bool, float | None, int]:
-    """Whether SQL finds the lease free, SQL's seconds left, and Python's."""
+    """Whether SQL finds the lease free, SQL's seconds left, and Python's; and checks that
+    the deadline Python computes on the database's clock (free_before) agrees with SQL."""
     with db.connect() as conn:
         row = conn.execute(_JUDGED, {"held": held, "timeout": timeout}).one()
+    deadline = leases.free_before(row.now, timeout)
+    assert deadline is not None
+    assert (row.locked_at is None or row.locked_at <= deadline) is row.free
     return row.free, row.seconds_left, leases.left(row.held_for, timeout)
 
 

@@ -7,8 +7,9 @@ renews it with every phase it commits; every write it makes is fenced by the lea
 so a holder whose lease was taken over can no longer commit anything.
 
 It is written here once in SQL (:func:`free`, :func:`seconds_left`, :data:`HELD_FOR`) and
-once in Python (:func:`left`, for ``Retry-After``); tests/test_leases.py checks that the two
-halves agree at the boundary. Its users, and which lock timeout each judges by:
+once in Python (:func:`left`, for ``Retry-After``; :func:`free_before`, for the admin
+layer's fenced actions); tests/test_leases.py checks that the two halves agree at the
+boundary. Its users, and which lock timeout each judges by:
 
 - the engine's claims (:mod:`recoverypoint.engine.sql`): the timeout of the version it
   judged the key by, a bound parameter; each claim stores it with the lease it takes;
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=90)
@@ -58,6 +59,16 @@ def left(held_for: float | None, timeout: float) -> int:
     if held_for is None:
         return 0
     return max(0, math.ceil(timeout - held_for))
+
+
+def free_before(now: datetime, timeout: float | None) -> datetime | None:
+    """The latest time a lease may have been taken or renewed and be free at ``now`` (the
+    database's, read in the same transaction) under ``timeout`` seconds; ``None`` when the
+    timeout is unknown. :func:`free` with the clock read first: for statements where the
+    database refuses ``now()`` beside column references (an UPDATE on Citus)."""
+    if timeout is None:
+        return None
+    return now - timedelta(seconds=timeout)
 
 
 REGISTERED = """

@@ -65,18 +65,26 @@ _SELECT = sa.text(
     """
 )
 
-_FREE = "SELECT id FROM staged_jobs WHERE id = ANY(CAST(:ids AS bigint[])) FOR UPDATE SKIP LOCKED"
+# The jobs of one scope not being published right now: every statement names the scope, so
+# on Citus it runs on that scope's shard alone (Citus refuses FOR UPDATE across shards).
+_FREE = """
+    SELECT id FROM staged_jobs
+    WHERE scope = :scope AND id = ANY(CAST(:ids AS bigint[]))
+    FOR UPDATE SKIP LOCKED
+"""
 
 _RETRY = sa.text(
     f"""
     UPDATE staged_jobs SET next_attempt_at = now(),
         attempts = CASE WHEN :reset THEN 0 ELSE attempts END
-    WHERE id IN ({_FREE})
+    WHERE scope = :scope AND id IN ({_FREE})
     RETURNING id
     """
 )
 
-_DELETE = sa.text(f"DELETE FROM staged_jobs WHERE id IN ({_FREE}) RETURNING id")
+_DELETE = sa.text(f"DELETE FROM staged_jobs WHERE scope = :scope AND id IN ({_FREE}) RETURNING id")
+
+_SCOPES = sa.text("SELECT id, scope FROM staged_jobs WHERE id = ANY(CAST(:ids AS bigint[]))")
 
 
 def list_jobs(admin: Admin, filters: JobFilter) -> list[Job]:
@@ -121,10 +129,16 @@ def _act(
     ids = tuple(job.id for job in jobs)
     if dry_run:
         return JobActionResult(action, ids, (), True, tuple(jobs[:SAMPLE_SIZE]))
-    changed: tuple[int, ...] = ()
+    found: list[int] = []
     with admin.db.begin() as conn:
         if ids:
-            changed = tuple(sorted(conn.execute(statement, {**params, "ids": list(ids)}).scalars()))
+            by_scope: dict[str, list[int]] = {}
+            for job_id, scope in conn.execute(_SCOPES, {"ids": list(ids)}):
+                by_scope.setdefault(scope, []).append(job_id)
+            for scope, scoped in by_scope.items():
+                scoped_params = {**params, "scope": scope, "ids": scoped}
+                found += conn.execute(statement, scoped_params).scalars()
+        changed = tuple(sorted(found))
         audit.record(conn, admin, action, changed, matched=len(ids), **params)
     if isinstance(target, int) and not changed:
         raise Refused(

@@ -10,8 +10,8 @@ action never races a running phase into a double effect:
   release of a live lease clears it anyway, and the holder's next fenced write (every
   engine write checks ``lock_token``) fails with :class:`~recoverypoint.LockLost` and
   rolls back;
-- ``abandon`` finishes a key only while it is unfinished and no live lease holds it, or,
-  forced, while the lease it saw does;
+- ``abandon`` finishes a key only while it is unfinished and the lease it saw (or none)
+  still holds it, expired unless forced;
 - ``delete`` of an unfinished key needs ``force``: a retry would start over under a new id,
   with new downstream keys, and repeat its foreign steps.
 
@@ -22,7 +22,7 @@ seconds at most, then refuses. Every action that runs (not a dry run) writes an 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -32,9 +32,10 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
 from ..keys import canonical_json
+from ..leases import free_before
 from ..operation import FINISHED
 from . import audit
-from ._sql import KEY_COLUMNS, LIVE, REGISTERED
+from ._sql import KEY_COLUMNS, REGISTERED
 from .base import ABANDONED, Admin, Refused
 from .keys import KeyFilter, KeyRow, find_key, list_keys
 
@@ -66,12 +67,21 @@ class ActionResult:
         return tuple(i for i in self.eligible if i not in done)
 
 
+# The keys of one scope as they were read: each statement below names the scope, so on
+# Citus it runs on that scope's shard alone. ``free_before`` is each lease's deadline
+# (:func:`recoverypoint.leases.free_before`) on the transaction's ``now()`` and the timeout
+# its holder stored, which holds as long as its token does (Citus refuses ``now()`` with
+# column references in an UPDATE).
 _SEEN = """
     seen AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]))
-            AS s(id, lock_token)
+        SELECT * FROM unnest(
+            CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:free_before AS timestamptz[])
+        ) AS s(id, lock_token, free_before)
     )
 """
+
+# Not live, judged as the lease's holder judges it; NULL (so: live) when its timeout is unknown.
+_FREE_AS_SEEN = "(k.locked_at IS NULL OR k.locked_at <= s.free_before)"
 
 _RETRY = sa.text(
     f"""
@@ -79,7 +89,7 @@ _RETRY = sa.text(
     UPDATE idempotency_keys AS k
     SET next_attempt_at = now(), attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
     FROM seen AS s
-    WHERE k.id = s.id AND k.finished_at IS NULL
+    WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
     RETURNING k.id
     """
 )
@@ -87,27 +97,28 @@ _RETRY = sa.text(
 # Only the lease that was seen; a live one only when forced.
 _RELEASE = sa.text(
     f"""
-    WITH {REGISTERED}, {_SEEN}
+    WITH {_SEEN}
     UPDATE idempotency_keys AS k
     SET locked_at = NULL, lock_token = NULL
     FROM seen AS s
-    WHERE k.id = s.id AND k.finished_at IS NULL AND k.lock_token = s.lock_token
-      AND (:force OR NOT {LIVE})
+    WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
+      AND k.lock_token = s.lock_token AND (:force OR {_FREE_AS_SEEN})
     RETURNING k.id
     """
 )
 
-# As the completer abandons a key: finished with an error response, its lease cleared.
+# As the completer abandons a key: finished with an error response, its lease cleared;
+# only while the lease it was read with (or none) still holds it, and, unforced, is free.
 _ABANDON = sa.text(
     f"""
-    WITH {REGISTERED}, {_SEEN}
+    WITH {_SEEN}
     UPDATE idempotency_keys AS k
     SET finished_at = now(), abandoned_at = now(), response_status = :status,
         response_headers = '{{}}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
     FROM seen AS s
-    WHERE k.id = s.id AND k.finished_at IS NULL
-      AND (NOT {LIVE} OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
+    WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
+      AND k.lock_token IS NOT DISTINCT FROM s.lock_token AND (:force OR {_FREE_AS_SEEN})
     RETURNING k.id
     """
 )
@@ -136,7 +147,8 @@ _REOPEN = sa.text(
         response_headers = NULL, response_body = NULL, next_attempt_at = now(),
         attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
     FROM seen AS s
-    WHERE k.id = s.id AND k.abandoned_at IS NOT NULL AND k.recovery_point <> 'finished'
+    WHERE k.scope = :scope AND k.id = s.id
+      AND k.abandoned_at IS NOT NULL AND k.recovery_point <> 'finished'
     RETURNING k.id
     """
 )
@@ -147,14 +159,14 @@ _DELETE = sa.text(
     WITH {_SEEN},
     deleted AS (
         DELETE FROM idempotency_keys AS k USING seen AS s
-        WHERE k.id = s.id
+        WHERE k.scope = :scope AND k.id = s.id
           AND (k.finished_at IS NOT NULL
                OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
         RETURNING k.id
     ),
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
-        FROM deleted AS d WHERE j.idempotency_key_id = d.id
+        FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id
     )
     SELECT id FROM deleted
     """
@@ -165,23 +177,34 @@ _PURGEABLE = """
     AND (:abandoned OR k.abandoned_at IS NULL)
 """
 
+# The scopes holding purgeable keys, a page at a time (after the last page's last scope):
+# each is then purged on its own, so on Citus every batch runs on one shard.
+_PURGE_SCOPES = sa.text(
+    f"""
+    SELECT DISTINCT k.scope FROM idempotency_keys AS k
+    WHERE {_PURGEABLE} AND (CAST(:after AS text) IS NULL OR k.scope > :after)
+    ORDER BY k.scope
+    LIMIT :batch_size
+    """
+)
+
 _PURGE_BATCH = sa.text(
     f"""
     WITH doomed AS (
         SELECT k.id FROM idempotency_keys AS k
-        WHERE {_PURGEABLE}
+        WHERE k.scope = :scope AND {_PURGEABLE}
         ORDER BY k.finished_at
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
     ),
     deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
-        WHERE k.id = doomed.id
+        WHERE k.scope = :scope AND k.id = doomed.id
         RETURNING k.id
     ),
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
-        FROM deleted AS d WHERE j.idempotency_key_id = d.id
+        FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id
     )
     SELECT id FROM deleted
     """
@@ -384,13 +407,22 @@ def purge(
         )
     if dry_run:
         return ActionResult("keys.purge", matched, (), (), dry_run=True, sample=sample)
+    params["batch_size"] = batch_size
     deleted: list[int] = []
+    after: str | None = None
     while True:
-        with admin.db.begin() as conn:
-            batch = list(conn.execute(_PURGE_BATCH, {**params, "batch_size": batch_size}).scalars())
-        deleted += batch
-        if len(batch) < batch_size:
+        with admin.db.connect() as conn:
+            scopes = list(conn.execute(_PURGE_SCOPES, {**params, "after": after}).scalars())
+        for scope in scopes:
+            while True:
+                with admin.db.begin() as conn:
+                    batch = list(conn.execute(_PURGE_BATCH, {**params, "scope": scope}).scalars())
+                deleted += batch
+                if len(batch) < batch_size:
+                    break
+        if len(scopes) < batch_size:
             break
+        after = scopes[-1]
     # Batches commit one by one, as the reaper's do: the record follows the last one.
     with admin.db.begin() as conn:
         entry = audit.record(
@@ -418,17 +450,20 @@ def _act(
     (so is a key that changed in between). Many: keys the action does not apply to are
     passed over, and the result tells how many it changed."""
     force = bool(params.get("force", False))
+    # Scopes are read unmasked, to route each statement to its scope's shard; only the
+    # dry run's sample leaves this function, masked.
     if isinstance(target, int):
-        rows = [find_key(admin, target).row]
+        rows = [find_key(admin, target, reveal=True).row]
         reason = check(rows[0], force)
         if reason is not None:
             raise Refused(reason)
     else:
-        rows = list_keys(admin, target)
+        rows = list_keys(admin, target, reveal=True)
     eligible = [row for row in rows if check(row, force) is None]
     ids = tuple(row.id for row in eligible)
     if dry_run:
-        return ActionResult(action, len(rows), ids, (), True, tuple(eligible[:SAMPLE_SIZE]))
+        sample = tuple(replace(r, scope=admin.mask(r.scope)) for r in eligible[:SAMPLE_SIZE])
+        return ActionResult(action, len(rows), ids, (), True, sample)
     changed, entry = _apply(admin, action, statement, eligible, params, matched=len(rows))
     if isinstance(target, int) and not changed:
         raise Refused(
@@ -449,19 +484,27 @@ def _apply(
 ) -> tuple[tuple[int, ...], int]:
     """Apply ``statement`` to the eligible rows, fenced, and record it in the same
     transaction: the ids it changed and the audit entry's id."""
-    seen = {"ids": [r.id for r in eligible], "tokens": [r.lock_token for r in eligible]}
     fields = {name: value for name, value in params.items() if name != "body"}
     try:
         with admin.db.begin() as conn:
             changed: tuple[int, ...] = ()
             if eligible:
                 # A running phase holds its key's row lock until it commits: wait that
-                # long at most, never behind a stuck transaction.
-                conn.execute(
-                    sa.text("SELECT set_config('lock_timeout', :wait, true)"),
-                    {"wait": f"{int(admin.lock_wait * 1000)}ms"},
-                )
-                found = conn.execute(statement, {**admin.params(), **params, **seen}).scalars()
+                # long at most, never behind a stuck transaction. As SET LOCAL commands,
+                # which Citus sends on to the workers (where the rows are locked) once told
+                # to; PostgreSQL keeps the citus setting as an unused placeholder.
+                conn.exec_driver_sql("SET LOCAL citus.propagate_set_commands = 'local'")
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(admin.lock_wait * 1000)}")
+                now = conn.execute(sa.text("SELECT now()")).scalar_one()
+                found: list[int] = []
+                for scope, rows in _by_scope(eligible).items():
+                    seen = {
+                        "scope": scope,
+                        "ids": [r.id for r in rows],
+                        "tokens": [r.lock_token for r in rows],
+                        "free_before": [free_before(now, r.lock_timeout) for r in rows],
+                    }
+                    found += conn.execute(statement, {**params, **seen}).scalars()
                 changed = tuple(sorted(found))
             entry = audit.record(conn, admin, action, changed, matched=matched, **fields)
             return changed, entry
@@ -471,3 +514,10 @@ def _apply(
                 "a running phase is writing these keys; nothing was done: try again in a moment"
             ) from exc
         raise
+
+
+def _by_scope(rows: Sequence[KeyRow]) -> dict[str, list[KeyRow]]:
+    groups: dict[str, list[KeyRow]] = {}
+    for row in rows:
+        groups.setdefault(row.scope, []).append(row)
+    return groups
