@@ -405,18 +405,22 @@ class BaseIdempotency(Generic[RequestT]):
         operation: Operation[Any],
         *,
         scope: str,
-        key_headers: Sequence[str],
+        key_headers: Sequence[str] | None,
         method: str,
         target: str,
         body: Callable[[], bytes],
         respond: Callable[[], Captured],
     ) -> tuple[Reply, bool]:
         """Serve a single-step request; ``respond`` runs the endpoint, if the key needs it.
+        Without key headers (``None``: an optional key not sent) the endpoint runs as it
+        is, nothing stored, its answer marked unprotected.
 
         Returns the answer, and whether it is the endpoint's answer of this very request,
         now committed as the key's: only then may work that follows the answer run (FastAPI's
         background tasks).
         """
+        if key_headers is None:
+            return self._unprotected(respond().reply(), method, target), True
         produced: list[Captured] = []
 
         def respond_and_keep() -> Captured:

@@ -121,9 +121,6 @@ class Idempotency(BaseIdempotency[flask.Request]):
                 if isinstance(scope, Reply):
                     return _response(scope)
                 lines = self._key_headers(request.headers.getlist(self.key_header), key_required)
-                if lines is None:
-                    answer = respond().reply()
-                    return _response(self._unprotected(answer, request.method, _target(request)))
                 reply, _ = self._serve_single_step(
                     operation,
                     scope=scope,

@@ -197,9 +197,6 @@ class Idempotency(BaseIdempotency[Any]):
                 if isinstance(scope, Reply):
                     return _response(scope)
                 lines = self._key_headers(self._key_lines(http), key_required)
-                if lines is None:
-                    answer = respond().reply()
-                    return _response(self._unprotected(answer, http.method, _target(http)))
                 limit = self.engine.max_params_bytes
                 reply, _ = self._serve_single_step(
                     operation,
