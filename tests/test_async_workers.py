@@ -14,22 +14,36 @@ import subprocess
 import sys
 import threading
 import types
+import urllib.request
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from test_worker_cli import TESTS, worker
-from workload import Recorder, async_steps_operation, plant_keys, rows, steps_operation, wait_for
+from workload import (
+    JOB,
+    Recorder,
+    async_steps_operation,
+    plant_keys,
+    rows,
+    stage_jobs,
+    steps_operation,
+    wait_for,
+)
 
 import recoverypoint as rp
 from recoverypoint.cli import main, metrics
 from recoverypoint.cli._app import UsageError, load_engines
+from recoverypoint.database import DATABASE_URL_ENV
 from recoverypoint.exits import EXIT_OK, EXIT_USAGE
+from recoverypoint.jobs import InProcessBackend
 from recoverypoint.testing import FAULT_EXIT_STATUS
-from recoverypoint.workers import Completer
+from recoverypoint.workers import Completer, Enqueuer, Reaper
 
 # ``async_worker_app``'s operations (its module reads the database URL at import, so the
 # tests import it only in subprocesses).
@@ -404,6 +418,154 @@ def test_the_operator_commands_take_an_async_engine(
     db, operations = metrics._database(parsed)
     assert db.url.database == sa.make_url(worker_database_url).database
     assert [o.name for o in operations] == [ASYNC_OPERATION]
+
+
+def _work_for(kind: str, db: sa.Engine) -> int:
+    """Work for the worker ``kind`` of ``async_worker_app``: keys its clients left (the
+    completer's), jobs its async phases staged (the enqueuer's), keys finished four days ago
+    (the reaper's, past the default 72h). How many there are."""
+    if kind == "completer":
+        return len(plant_keys(db, ASYNC_OPERATION, 3, point="reserved"))
+    if kind == "enqueuer":
+        return len(stage_jobs(db, 4))
+    old = {"finished_at": "now() - interval '4 days'", "response_status": "201"}
+    return len(plant_keys(db, ASYNC_OPERATION, 5, point="finished", **old))
+
+
+_DONE = {
+    "completer": "SELECT count(*) FROM idempotency_keys WHERE response_status = 201",
+    "enqueuer": "SELECT count(DISTINCT job_key) FROM published",
+    "reaper": "SELECT 5 - count(*) FROM idempotency_keys",
+}
+_LEFT = {
+    "completer": "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL",
+    "enqueuer": "SELECT count(*) FROM staged_jobs",
+    "reaper": "SELECT count(*) FROM idempotency_keys",
+}
+
+
+@pytest.mark.parametrize("kind", ["completer", "enqueuer", "reaper"])
+def test_each_worker_command_runs_alone_on_an_async_app(
+    kind: str, worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    """``recoverypoint worker KIND --once --app async_worker_app:engine``: each worker on its
+    own takes the AsyncEngine alone and does its work."""
+    count = _work_for(kind, worker_db)
+
+    stderr = run_worker(worker_database_url, kind, "engine")
+
+    assert f"event=pass worker={kind} " in stderr, stderr
+    assert rows(worker_db, _DONE[kind]) == [(count,)]
+    assert rows(worker_db, _LEFT[kind]) == [(0,)]
+    if kind == "enqueuer":  # each job once
+        assert rows(worker_db, "SELECT count(*) FROM published") == [(count,)]
+
+
+def test_the_enqueuer_and_the_reaper_take_an_async_engine_from_python(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    """``Enqueuer(async_engine)`` publishes to the AsyncEngine's job backend; ``Reaper(
+    async_engine)`` holds each key to the retention of the AsyncEngine's operation."""
+    backend = InProcessBackend()
+    recorder = Recorder(worker_db)
+    backend.handler(JOB)(lambda job: recorder.published(job))
+    engine = rp.AsyncEngine(worker_database_url, jobs=backend)
+    engine.register(async_steps_operation("brief", recorder, retention=timedelta(hours=1)))
+    staged = stage_jobs(worker_db, 6)
+    two_hours = {"finished_at": "now() - interval '2 hours'", "response_status": "201"}
+    plant_keys(worker_db, "brief", 3, point="finished", **two_hours)  # past its 1h
+    plant_keys(worker_db, "unknown_here", 2, point="finished", **two_hours)  # within 72h
+    try:
+        published = Enqueuer(engine).run_once()
+        reaped = Reaper(engine).run_once()
+    finally:
+        asyncio.run(engine.dispose())
+
+    assert (published.published, published.failed) == (len(staged), 0)
+    assert sorted(k for (k,) in rows(worker_db, "SELECT job_key FROM published")) == sorted(staged)
+    assert reaped.finished == 3
+    by_operation = "SELECT operation, count(*) FROM idempotency_keys GROUP BY 1"
+    assert rows(worker_db, by_operation) == [("unknown_here", 2)]
+
+
+def _without_database_url() -> dict[str, str]:
+    """The environment of a command that must find its database through ``--app`` alone."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (DATABASE_URL_ENV, "RECOVERYPOINT_CONSOLE_TOKEN")
+    }
+
+
+def test_the_console_command_takes_an_async_engine(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    """``recoverypoint console --app async_worker_app:engine``: its database and its
+    operations (a key's phases) come from the AsyncEngine."""
+    [key_id] = plant_keys(worker_db, ASYNC_OPERATION, 1, point="reserved")
+    [other_id] = plant_keys(worker_db, "unknown_here", 1, point="reserved")
+    command = [sys.executable, "-m", "recoverypoint", "console", "--no-token", "--bind",
+               "127.0.0.1:0", "--app", "async_worker_app:engine"]  # fmt: skip
+    env = {**_without_database_url(), "RP_WORKER_TEST_DATABASE_URL": worker_database_url}
+    process = subprocess.Popen(
+        command, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("console on http://127.0.0.1:"), process.communicate(timeout=30)
+        url = line.split()[-1].rstrip("/")
+        with urllib.request.urlopen(f"{url}/keys/{key_id}", timeout=30) as page:
+            known = page.read().decode()
+        with urllib.request.urlopen(f"{url}/keys/{other_id}", timeout=30) as page:
+            unknown = page.read().decode()
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+
+    assert 'id="phases"' in known and "does not know" not in known
+    assert all(point in known for point in ("reserved", "charged", "finished"))
+    assert "does not know unknown_here@1" in unknown  # the page tells them apart
+    assert "Traceback" not in stderr, stderr
+
+
+def test_the_metrics_command_takes_an_async_engine(
+    worker_db: sa.Engine, worker_database_url: str
+) -> None:
+    """``recoverypoint metrics serve --app async_worker_app:engine``: the database is the
+    AsyncEngine's, and its operations have their series before any key of theirs exists."""
+    command = [sys.executable, "-m", "recoverypoint", "metrics", "serve", "--bind",
+               "127.0.0.1:0", "--app", "async_worker_app:engine"]  # fmt: skip
+    env = {**_without_database_url(), "RP_WORKER_TEST_DATABASE_URL": worker_database_url}
+
+    def in_flight(url: str) -> float:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        found = {
+            (sample.name, sample.labels.get("operation")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert found[("recoverypoint_collector_up", None)] == 1
+        return found[("recoverypoint_keys_in_flight", ASYNC_OPERATION)]
+
+    process = subprocess.Popen(
+        command, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # "serving metrics on http://127.0.0.1:PORT/metrics"
+        assert line.startswith("serving metrics on "), process.communicate(timeout=30)
+        url = line.split()[-1]
+        before = in_flight(url)  # no key yet: the series is there from --app alone
+        plant_keys(worker_db, ASYNC_OPERATION, 2, locked_at="now()", lock_token="gen_random_uuid()")
+        after = in_flight(url)
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+
+    assert (before, after) == (0, 2)
+    assert process.returncode == 0, stderr
 
 
 _TEXT = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)))
