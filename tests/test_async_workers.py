@@ -428,8 +428,10 @@ def _work_for(kind: str, db: sa.Engine) -> int:
         return len(plant_keys(db, ASYNC_OPERATION, 3, point="reserved"))
     if kind == "enqueuer":
         return len(stage_jobs(db, 4))
-    old = {"finished_at": "now() - interval '4 days'", "response_status": "201"}
-    return len(plant_keys(db, ASYNC_OPERATION, 5, point="finished", **old))
+    old = "now() - interval '4 days'"
+    return len(
+        plant_keys(db, ASYNC_OPERATION, 5, point="finished", finished_at=old, response_status="201")
+    )
 
 
 _DONE = {
@@ -472,9 +474,15 @@ def test_the_enqueuer_and_the_reaper_take_an_async_engine_from_python(
     engine = rp.AsyncEngine(worker_database_url, jobs=backend)
     engine.register(async_steps_operation("brief", recorder, retention=timedelta(hours=1)))
     staged = stage_jobs(worker_db, 6)
-    two_hours = {"finished_at": "now() - interval '2 hours'", "response_status": "201"}
-    plant_keys(worker_db, "brief", 3, point="finished", **two_hours)  # past its 1h
-    plant_keys(worker_db, "unknown_here", 2, point="finished", **two_hours)  # within 72h
+    for operation, count in (("brief", 3), ("unknown_here", 2)):  # past its 1h; within 72h
+        plant_keys(
+            worker_db,
+            operation,
+            count,
+            point="finished",
+            finished_at="now() - interval '2 hours'",
+            response_status="201",
+        )
     try:
         published = Enqueuer(engine).run_once()
         reaped = Reaper(engine).run_once()
