@@ -56,6 +56,7 @@ class Mistakes:
     second_connection: bool = False
     consumer_ignores_job_key: bool = False
     step_skips_when_done: bool = False
+    provider_unreachable: bool = False
 
 
 class Provider:
@@ -155,6 +156,8 @@ def build_shop(url: str, mistakes: Mistakes) -> Shop:
     @op.foreign_step("charged")
     def charge(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
         key = None if mistakes.no_downstream_key else step.downstream_key()
+        if mistakes.provider_unreachable:
+            raise ConnectionError("provider unreachable")
         if mistakes.step_skips_when_done and key is not None and provider.find(key):
             return {}  # "already charged": but the charge id then never reaches tx.state
         return {"charge_id": provider.charge(key, params["amount"])}
@@ -242,6 +245,18 @@ def test_each_mistake_is_found_with_its_smallest_schedule(
     again = make_shop(mistakes).explore(schedule=schedule)
     assert again.schedules == 1
     assert again.failures[0].invariant == invariant
+
+
+def test_a_step_that_never_returns_is_not_blamed_on_the_provider(make_shop: Any) -> None:
+    """Called every attempt, returning never: the key does not finish, with the step's
+    error; no hint that the provider acted twice, since it never answered."""
+    found = make_shop(Mistakes(provider_unreachable=True)).explore(depth=1)
+
+    assert str(found.failures[0].schedule) == "client: no crash", found.report()
+    assert found.failures[0].invariant == "the key finishes"
+    assert "last error: ConnectionError: provider unreachable" in found.report()
+    assert "provider is where the guarantee ends" not in found.report()
+    assert "charges: 0 row(s)" in found.report()
 
 
 def test_the_same_operation_gives_the_same_report(make_shop: Any) -> None:

@@ -220,6 +220,7 @@ class _Run:
     story: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)  # what each client call got
     calls: Counter[str] = field(default_factory=Counter)  # foreign step → calls
+    returned: Counter[str] = field(default_factory=Counter)  # foreign step → calls that returned
     downstream: dict[str, list[str]] = field(default_factory=dict)  # step → keys asked for
     deliveries: Counter[str] = field(default_factory=Counter)  # job_key → deliveries
     pipe: int | None = None  # in a forked attempt: where its record goes before it dies
@@ -233,7 +234,12 @@ class _Run:
         if crash is None or (crash.point, crash.nth) != (point, nth):
             return None
         if self.pipe is not None:
-            record = {"calls": self.calls, "downstream": self.downstream, "trace": self.trace}
+            record = {
+                "calls": self.calls,
+                "returned": self.returned,
+                "downstream": self.downstream,
+                "trace": self.trace,
+            }
             os.write(self.pipe, json.dumps(record, default=_plain).encode())
         return crash.effect
 
@@ -496,6 +502,7 @@ class _Explorer:
         if os.waitstatus_to_exitcode(status) == FAULT_EXIT_STATUS and record:
             child = json.loads(record)
             run.calls.update(child["calls"])
+            run.returned.update(child["returned"])
             for step, keys in child["downstream"].items():
                 run.downstream.setdefault(step, []).extend(keys)
             run.trace += [Crash(a, p, n) for a, p, n in child["trace"]]
@@ -554,7 +561,8 @@ class _Explorer:
                     "step.downstream_key(): the provider cannot tell its retry from a new "
                     "request. Pass the key as the provider's idempotency key."
                 )
-            elif len(set(keys)) == 1:
+            elif len(set(keys)) == 1 and run.returned[step] > 1:
+                # Returned more than once: the provider was reached and answered each time.
                 hints.append(
                     f"foreign step {step!r} ran {calls} times with the same downstream key "
                     f"{keys[0]!r}. If the provider acted twice, the provider is where the "
@@ -655,7 +663,9 @@ class _Explorer:
                 return key
 
             context.downstream_key = downstream_key
-            return fn(context, params)
+            returned = fn(context, params)
+            run.returned[point] += 1
+            return returned
 
         return step
 
