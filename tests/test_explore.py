@@ -484,3 +484,64 @@ def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:
     found = make_shop().explore(depth=2, max_schedules=40, seed=1)
     assert found.ok, found.report()
     assert dict(found.by_depth) == {0: 1, 1: 28, 2: 11}
+
+
+@pytest.mark.parametrize("passes_the_key_on", [True, False])
+def test_a_single_step_endpoint(shop_url: str, passes_the_key_on: bool) -> None:
+    """A Flask view made single-step, explored through Flask's test client (its view runs
+    only inside a request), recovered by its client alone: passing the request's key on to
+    a provider that dedupes holds everywhere; without, the retry charges again."""
+    flask = pytest.importorskip("flask")
+    from recoverypoint.integrations.flask import Idempotency
+
+    outside = create_engine(shop_url)
+    provider = Provider(outside, dedupe=True)
+    engine = rp.Engine(shop_url)
+    app = flask.Flask("shop")
+    app.testing = True  # an exception the view did not handle reaches the test client
+    idempotency = Idempotency(engine, scope=lambda request: "alice")
+
+    @app.post("/pay")
+    @idempotency.single_step("pay_view")
+    def pay_view() -> tuple[dict[str, int], int]:
+        key = flask.request.headers["Idempotency-Key"] if passes_the_key_on else None
+        return {"charge_id": provider.charge(key, 2000)}, 201
+
+    client = app.test_client()
+
+    def request() -> tuple[int, Any]:
+        got = client.post("/pay", json={"amount": 2000}, headers={"Idempotency-Key": "k1"})
+        if got.status_code >= 500:
+            raise RuntimeError(f"answered {got.status_code}: {got.get_data(as_text=True)}")
+        return got.status_code, got.get_json()
+
+    def one_charge(conn: sa.Connection) -> None:
+        charges = conn.scalar(sa.text("SELECT count(*) FROM charges"))
+        assert charges == 1, f"{charges} charges for one payment"
+
+    try:
+        found = explore(
+            engine,
+            engine.operation("pay_view", 1),
+            request=request,
+            check=one_charge,
+            tables=["charges"],
+            dispose=[outside],
+        )
+        with pytest.raises(TypeError, match="pass request="):
+            explore(engine, engine.operation("pay_view", 1), {})
+    finally:
+        engine.dispose()
+        outside.dispose()
+
+    if passes_the_key_on:
+        assert found.ok, found.report()
+        assert found.by_depth[1] == 4 * 2  # the view's two boundaries and the commit's two
+        assert found.schedules > found.by_depth[1] + 1  # and crashes in the retry too
+    else:
+        assert str(found.failures[0].schedule) == (
+            "client: attempt 1 raises at after_foreign:responded"
+        ), found.report()
+        assert "AssertionError: 2 charges for one payment" in found.report()
+        assert "the endpoint ran 2 times" in found.report()
+        assert "never asked for step.downstream_key()" not in found.report()

@@ -40,6 +40,7 @@ import sqlalchemy as sa
 
 from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine
+from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
 from .operation import Operation, Outcome
 from .workers import Completer, Enqueuer
@@ -270,12 +271,13 @@ class Subject:
 
     engine: Engine
     operation: Operation[Any] | Callable[..., Any]
-    params: Any
+    params: Any = None
     scope: str = ""
     check: Check | Sequence[Check] = ()
     tables: Sequence[str] = ()
     setup: Callable[[sa.Connection], None] | None = None
     dispose: Sequence[sa.Engine] = ()
+    request: Callable[[], Any] | None = None
 
     def explore(self, **options: Any) -> Exploration:
         """:func:`explore` with this subject; ``options`` are its keyword arguments."""
@@ -288,6 +290,7 @@ class Subject:
             tables=self.tables,
             setup=self.setup,
             dispose=self.dispose,
+            request=self.request,
             **options,
         )
 
@@ -295,13 +298,14 @@ class Subject:
 def explore(
     engine: Engine,
     operation: Operation[Any] | Callable[..., Any],
-    params: Any,
+    params: Any = None,
     *,
     scope: str = "",
     check: Check | Sequence[Check] = (),
     tables: Sequence[str] = (),
     setup: Callable[[sa.Connection], None] | None = None,
     dispose: Sequence[sa.Engine] = (),
+    request: Callable[[], Any] | None = None,
     depth: int = 2,
     effects: Sequence[Effect] = ("raise", "exit"),
     recoveries: Sequence[Recovery] = ("client", "completer"),
@@ -314,6 +318,12 @@ def explore(
     schedule, up to ``depth`` crashes each, and check every invariant after each.
     ``operation`` may be an ``@idempotent`` function, called with ``params`` as its
     keyword arguments; only a call again resumes one, so its client alone recovers it.
+
+    ``request()``, instead of ``params``, makes the request itself, always with the same
+    idempotency key, and returns what its client got (compared across replays: return the
+    status and body, not the replay's headers); raise where the client would retry (a
+    5xx). A single-step endpoint needs it (its view runs only inside a request: call it
+    through your framework's test client); its client alone recovers it.
 
     ``check(connection)`` raises (an ``assert`` will do) when your invariant is broken;
     pass several as a list. ``tables`` are yours to empty between schedules (in this
@@ -336,6 +346,7 @@ def explore(
         tables,
         setup,
         dispose,
+        request,
     )
     found = Exploration(explorer.operation.name, depth)
     if not explorer.resumable:
@@ -362,14 +373,30 @@ class _Explorer:
         tables: Sequence[str],
         setup: Callable[[sa.Connection], None] | None,
         dispose: Sequence[sa.Engine],
+        request: Callable[[], Any] | None,
     ) -> None:
         self.engine = engine
         self.params = params
         self.scope = scope
         decorated = getattr(operation, "operation", None)  # an @idempotent function's
-        if isinstance(operation, Operation):
-            self.operation: Operation[Any] = operation
-            self.request: Callable[[], Any] = self._run_operation
+        self.single_step = isinstance(operation, Operation) and is_single_step(operation)
+        self.operation: Operation[Any]
+        self.request: Callable[[], Any]
+        if request is not None:
+            if not isinstance(operation, Operation):
+                raise TypeError(f"explore with request= takes an Operation, not {operation!r}")
+            self.operation = operation
+            self.request = request
+            # A single-step endpoint's view runs only inside a request: its client's.
+            self.resumable = not self.single_step
+        elif self.single_step:
+            raise TypeError(
+                "a single-step endpoint's view runs only inside a request: pass request=, "
+                "a function that sends it through your framework's test client"
+            )
+        elif isinstance(operation, Operation):
+            self.operation = operation
+            self.request = self._run_operation
             self.resumable = True
             operation.dump_params(params)  # bad params: an error now, not in every schedule
         elif isinstance(decorated, Operation):
@@ -464,9 +491,12 @@ class _Explorer:
         label = f"{run.attempt}. {actor:<9}"
         try:
             if actor == "client":
-                answer = _answer(self.request())
+                got = self.request()
+                answer = _answer(got)
                 run.answers.append(answer)
-                run.story.append(f"{label} answered {answer}")
+                run.story.append(
+                    f"{label} {'answered' if isinstance(got, Outcome) else 'got'} {answer}"
+                )
             elif actor == "completer":
                 done = Completer(self.engine, min_age=0).run_once()
                 run.story.append(f"{label} finished {done.finished}, failed {done.failed}")
@@ -555,7 +585,14 @@ class _Explorer:
             if calls < 2:
                 continue
             keys = run.downstream.get(step, [])
-            if not keys:
+            if self.single_step:
+                hints.append(
+                    f"the endpoint ran {calls} times: a crash after it answered and before "
+                    "its answer was stored has its client's retry run it again. What it does "
+                    "must be done once whatever the number of runs: pass the request's "
+                    "idempotency key on to the provider, or make it a phased operation."
+                )
+            elif not keys:
                 hints.append(
                     f"foreign step {step!r} ran {calls} times and never asked for "
                     "step.downstream_key(): the provider cannot tell its retry from a new "
@@ -688,11 +725,11 @@ def _extensions(
 
 def _answer(returned: object) -> str:
     """What a client got, as it is compared and shown: an Outcome's status, body and
-    headers, or what an @idempotent function returned."""
+    headers, or what an @idempotent function or a ``request()`` returned."""
     if isinstance(returned, Outcome):
         headers = f" {_json(returned.headers)}" if returned.headers else ""
         return f"{returned.status} {_json(returned.body)}{headers}"
-    return f"returned {returned!r}"
+    return repr(returned)
 
 
 def _json(value: object) -> str:
