@@ -222,7 +222,7 @@ MISTAKES = {
         Mistakes(step_skips_when_done=True),
         "client: attempt 1 raises at after_foreign:charged",
         "the key finishes",
-        "KeyError: 'charge_id'",
+        "the key stopped at charged; last error: KeyError: 'charge_id'",
     ),
 }
 
@@ -240,6 +240,9 @@ def test_each_mistake_is_found_with_its_smallest_schedule(
     assert str(smallest.schedule) == schedule, found.report()
     assert smallest.invariant == invariant, found.report()
     assert said in found.report()
+    # The provider is named only when what it did twice is what the check found.
+    blamed = "the provider is where the guarantee ends" in found.report()
+    assert blamed == (said == "the provider is where the guarantee ends"), found.report()
     assert f'reproduce: explore(..., schedule="{schedule}")' in found.report()
     # The reproduction runs that schedule alone, and fails the same way.
     again = make_shop(mistakes).explore(schedule=schedule)

@@ -469,7 +469,9 @@ class _Explorer:
         if broken is not None:
             invariant, detail = broken
             found.failures.append(
-                Failure(planned, invariant, detail, run.story, self._held(), self._hints(run))
+                Failure(
+                    planned, invariant, detail, run.story, self._held(), self._hints(run, invariant)
+                )
             )
         return run
 
@@ -578,7 +580,7 @@ class _Explorer:
                 return f"your check {name}", f"{type(exc).__name__}: {exc}"
         return None
 
-    def _hints(self, run: _Run) -> list[str]:
+    def _hints(self, run: _Run, invariant: str) -> list[str]:
         """Where the guarantee ended, read from what the foreign steps and jobs did."""
         hints = []
         for step, calls in run.calls.items():
@@ -598,8 +600,9 @@ class _Explorer:
                     "step.downstream_key(): the provider cannot tell its retry from a new "
                     "request. Pass the key as the provider's idempotency key."
                 )
-            elif len(set(keys)) == 1 and run.returned[step] > 1:
-                # Returned more than once: the provider was reached and answered each time.
+            elif len(set(keys)) == 1 and run.returned[step] > 1 and invariant.startswith("your"):
+                # Returned more than once, the provider answering each time, and what it
+                # did is what your check found wrong (not a key that failed to finish).
                 hints.append(
                     f"foreign step {step!r} ran {calls} times with the same downstream key "
                     f"{keys[0]!r}. If the provider acted twice, the provider is where the "
