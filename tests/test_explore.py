@@ -480,6 +480,14 @@ def test_a_process_that_dies_leaves_what_a_sigkill_would(make_shop: Any) -> None
     assert failure.story[0] == "1. client    died at after_foreign:charged"
     assert failure.story[1].startswith("2. client    answered 201")
     assert "ran 2 times with the same downstream key" in found.report()  # one call was the child's
+    # Two deaths, then the completer: each call counted once, wherever it ran.
+    twice = (
+        "completer: attempt 1 dies at after_foreign:charged; "
+        "attempt 2 dies at after_foreign:charged"
+    )
+    found = make_shop(Mistakes(provider_ignores_keys=True)).explore(schedule=twice)
+    assert "AssertionError: 3 charges for one order" in found.report()
+    assert "ran 3 times with the same downstream key" in found.report(), found.report()
 
 
 def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:

@@ -521,6 +521,8 @@ class _Explorer:
                 db.dispose(close=False)  # the parent's connections stay the parent's
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - its "exiting" line is ours to tell
             run.pipe = write
+            # It sends back what it adds alone: the parent keeps what came before.
+            run.calls, run.returned, run.downstream, run.trace = Counter(), Counter(), {}, []
             try:
                 self._attempt(actor, run)
             finally:
