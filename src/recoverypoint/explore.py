@@ -267,7 +267,9 @@ class _Recorder:
 class Subject:
     """An operation ready to explore: what ``recoverypoint explore module:name`` gets from
     ``name(database_url)``, a function that builds it on the throwaway database it is
-    given (migrated already: create your own tables in it)."""
+    given (migrated already: create your own tables in it). Its fields are
+    :func:`explore`'s arguments (``request`` for a single-step endpoint, instead of
+    ``params``)."""
 
     engine: Engine
     operation: Operation[Any] | Callable[..., Any]
