@@ -110,6 +110,15 @@ def test_the_readmes_links_into_the_docs_exist() -> None:
     assert len(links) > 10
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing, missing
+    # A section linked by name: a heading of the page, slugged as the site's toc does.
+    sections = re.findall(r"\]\((docs/[^)#\s]+)#([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert ("docs/how-to/testing.md", "prove-your-operation-crash-safe") in sections
+    for page, anchor in sections:
+        headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.MULTILINE)
+        slugs = {
+            re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings
+        }
+        assert anchor in slugs, f"{page}#{anchor}: no such heading"
 
 
 # A line of a block: any text a UTF-8 file holds (no surrogates), but a fence.

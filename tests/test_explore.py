@@ -56,6 +56,7 @@ class Mistakes:
     second_connection: bool = False
     consumer_ignores_job_key: bool = False
     step_skips_when_done: bool = False
+    provider_unreachable: bool = False
 
 
 class Provider:
@@ -155,6 +156,8 @@ def build_shop(url: str, mistakes: Mistakes) -> Shop:
     @op.foreign_step("charged")
     def charge(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
         key = None if mistakes.no_downstream_key else step.downstream_key()
+        if mistakes.provider_unreachable:
+            raise ConnectionError("provider unreachable")
         if mistakes.step_skips_when_done and key is not None and provider.find(key):
             return {}  # "already charged": but the charge id then never reaches tx.state
         return {"charge_id": provider.charge(key, params["amount"])}
@@ -219,7 +222,7 @@ MISTAKES = {
         Mistakes(step_skips_when_done=True),
         "client: attempt 1 raises at after_foreign:charged",
         "the key finishes",
-        "KeyError: 'charge_id'",
+        "the key stopped at charged; last error: KeyError: 'charge_id'",
     ),
 }
 
@@ -237,11 +240,26 @@ def test_each_mistake_is_found_with_its_smallest_schedule(
     assert str(smallest.schedule) == schedule, found.report()
     assert smallest.invariant == invariant, found.report()
     assert said in found.report()
+    # The provider is named only when what it did twice is what the check found.
+    blamed = "the provider is where the guarantee ends" in found.report()
+    assert blamed == (said == "the provider is where the guarantee ends"), found.report()
     assert f'reproduce: explore(..., schedule="{schedule}")' in found.report()
     # The reproduction runs that schedule alone, and fails the same way.
     again = make_shop(mistakes).explore(schedule=schedule)
     assert again.schedules == 1
     assert again.failures[0].invariant == invariant
+
+
+def test_a_step_that_never_returns_is_not_blamed_on_the_provider(make_shop: Any) -> None:
+    """Called every attempt, returning never: the key does not finish, with the step's
+    error; no hint that the provider acted twice, since it never answered."""
+    found = make_shop(Mistakes(provider_unreachable=True)).explore(depth=1)
+
+    assert str(found.failures[0].schedule) == "client: no crash", found.report()
+    assert found.failures[0].invariant == "the key finishes"
+    assert "last error: ConnectionError: provider unreachable" in found.report()
+    assert "provider is where the guarantee ends" not in found.report()
+    assert "charges: 0 row(s)" in found.report()
 
 
 def test_the_same_operation_gives_the_same_report(make_shop: Any) -> None:
@@ -462,6 +480,14 @@ def test_a_process_that_dies_leaves_what_a_sigkill_would(make_shop: Any) -> None
     assert failure.story[0] == "1. client    died at after_foreign:charged"
     assert failure.story[1].startswith("2. client    answered 201")
     assert "ran 2 times with the same downstream key" in found.report()  # one call was the child's
+    # Two deaths, then the completer: each call counted once, wherever it ran.
+    twice = (
+        "completer: attempt 1 dies at after_foreign:charged; "
+        "attempt 2 dies at after_foreign:charged"
+    )
+    found = make_shop(Mistakes(provider_ignores_keys=True)).explore(schedule=twice)
+    assert "AssertionError: 3 charges for one order" in found.report()
+    assert "ran 3 times with the same downstream key" in found.report(), found.report()
 
 
 def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:
@@ -469,3 +495,64 @@ def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:
     found = make_shop().explore(depth=2, max_schedules=40, seed=1)
     assert found.ok, found.report()
     assert dict(found.by_depth) == {0: 1, 1: 28, 2: 11}
+
+
+@pytest.mark.parametrize("passes_the_key_on", [True, False])
+def test_a_single_step_endpoint(shop_url: str, passes_the_key_on: bool) -> None:
+    """A Flask view made single-step, explored through Flask's test client (its view runs
+    only inside a request), recovered by its client alone: passing the request's key on to
+    a provider that dedupes holds everywhere; without, the retry charges again."""
+    flask = pytest.importorskip("flask")
+    from recoverypoint.integrations.flask import Idempotency
+
+    outside = create_engine(shop_url)
+    provider = Provider(outside, dedupe=True)
+    engine = rp.Engine(shop_url)
+    app = flask.Flask("shop")
+    app.testing = True  # an exception the view did not handle reaches the test client
+    idempotency = Idempotency(engine, scope=lambda request: "alice")
+
+    @app.post("/pay")
+    @idempotency.single_step("pay_view")
+    def pay_view() -> tuple[dict[str, int], int]:
+        key = flask.request.headers["Idempotency-Key"] if passes_the_key_on else None
+        return {"charge_id": provider.charge(key, 2000)}, 201
+
+    client = app.test_client()
+
+    def request() -> tuple[int, Any]:
+        got = client.post("/pay", json={"amount": 2000}, headers={"Idempotency-Key": "k1"})
+        if got.status_code >= 500:
+            raise RuntimeError(f"answered {got.status_code}: {got.get_data(as_text=True)}")
+        return got.status_code, got.get_json()
+
+    def one_charge(conn: sa.Connection) -> None:
+        charges = conn.scalar(sa.text("SELECT count(*) FROM charges"))
+        assert charges == 1, f"{charges} charges for one payment"
+
+    try:
+        found = explore(
+            engine,
+            engine.operation("pay_view", 1),
+            request=request,
+            check=one_charge,
+            tables=["charges"],
+            dispose=[outside],
+        )
+        with pytest.raises(TypeError, match="pass request="):
+            explore(engine, engine.operation("pay_view", 1), {})
+    finally:
+        engine.dispose()
+        outside.dispose()
+
+    if passes_the_key_on:
+        assert found.ok, found.report()
+        assert found.by_depth[1] == 4 * 2  # the view's two boundaries and the commit's two
+        assert found.schedules > found.by_depth[1] + 1  # and crashes in the retry too
+    else:
+        assert str(found.failures[0].schedule) == (
+            "client: attempt 1 raises at after_foreign:responded"
+        ), found.report()
+        assert "AssertionError: 2 charges for one payment" in found.report()
+        assert "the endpoint ran 2 times" in found.report()
+        assert "never asked for step.downstream_key()" not in found.report()

@@ -40,6 +40,7 @@ import sqlalchemy as sa
 
 from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine
+from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
 from .operation import Operation, Outcome
 from .workers import Completer, Enqueuer
@@ -220,6 +221,7 @@ class _Run:
     story: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)  # what each client call got
     calls: Counter[str] = field(default_factory=Counter)  # foreign step → calls
+    returned: Counter[str] = field(default_factory=Counter)  # foreign step → calls that returned
     downstream: dict[str, list[str]] = field(default_factory=dict)  # step → keys asked for
     deliveries: Counter[str] = field(default_factory=Counter)  # job_key → deliveries
     pipe: int | None = None  # in a forked attempt: where its record goes before it dies
@@ -233,7 +235,12 @@ class _Run:
         if crash is None or (crash.point, crash.nth) != (point, nth):
             return None
         if self.pipe is not None:
-            record = {"calls": self.calls, "downstream": self.downstream, "trace": self.trace}
+            record = {
+                "calls": self.calls,
+                "returned": self.returned,
+                "downstream": self.downstream,
+                "trace": self.trace,
+            }
             os.write(self.pipe, json.dumps(record, default=_plain).encode())
         return crash.effect
 
@@ -260,16 +267,19 @@ class _Recorder:
 class Subject:
     """An operation ready to explore: what ``recoverypoint explore module:name`` gets from
     ``name(database_url)``, a function that builds it on the throwaway database it is
-    given (migrated already: create your own tables in it)."""
+    given (migrated already: create your own tables in it). Its fields are
+    :func:`explore`'s arguments (``request`` for a single-step endpoint, instead of
+    ``params``)."""
 
     engine: Engine
     operation: Operation[Any] | Callable[..., Any]
-    params: Any
+    params: Any = None
     scope: str = ""
     check: Check | Sequence[Check] = ()
     tables: Sequence[str] = ()
     setup: Callable[[sa.Connection], None] | None = None
     dispose: Sequence[sa.Engine] = ()
+    request: Callable[[], Any] | None = None
 
     def explore(self, **options: Any) -> Exploration:
         """:func:`explore` with this subject; ``options`` are its keyword arguments."""
@@ -282,6 +292,7 @@ class Subject:
             tables=self.tables,
             setup=self.setup,
             dispose=self.dispose,
+            request=self.request,
             **options,
         )
 
@@ -289,13 +300,14 @@ class Subject:
 def explore(
     engine: Engine,
     operation: Operation[Any] | Callable[..., Any],
-    params: Any,
+    params: Any = None,
     *,
     scope: str = "",
     check: Check | Sequence[Check] = (),
     tables: Sequence[str] = (),
     setup: Callable[[sa.Connection], None] | None = None,
     dispose: Sequence[sa.Engine] = (),
+    request: Callable[[], Any] | None = None,
     depth: int = 2,
     effects: Sequence[Effect] = ("raise", "exit"),
     recoveries: Sequence[Recovery] = ("client", "completer"),
@@ -308,6 +320,12 @@ def explore(
     schedule, up to ``depth`` crashes each, and check every invariant after each.
     ``operation`` may be an ``@idempotent`` function, called with ``params`` as its
     keyword arguments; only a call again resumes one, so its client alone recovers it.
+
+    ``request()``, instead of ``params``, makes the request itself, always with the same
+    idempotency key, and returns what its client got (compared across replays: return the
+    status and body, not the replay's headers); raise where the client would retry (a
+    5xx). A single-step endpoint needs it (its view runs only inside a request: call it
+    through your framework's test client); its client alone recovers it.
 
     ``check(connection)`` raises (an ``assert`` will do) when your invariant is broken;
     pass several as a list. ``tables`` are yours to empty between schedules (in this
@@ -330,6 +348,7 @@ def explore(
         tables,
         setup,
         dispose,
+        request,
     )
     found = Exploration(explorer.operation.name, depth)
     if not explorer.resumable:
@@ -356,14 +375,30 @@ class _Explorer:
         tables: Sequence[str],
         setup: Callable[[sa.Connection], None] | None,
         dispose: Sequence[sa.Engine],
+        request: Callable[[], Any] | None,
     ) -> None:
         self.engine = engine
         self.params = params
         self.scope = scope
         decorated = getattr(operation, "operation", None)  # an @idempotent function's
-        if isinstance(operation, Operation):
-            self.operation: Operation[Any] = operation
-            self.request: Callable[[], Any] = self._run_operation
+        self.single_step = isinstance(operation, Operation) and is_single_step(operation)
+        self.operation: Operation[Any]
+        self.request: Callable[[], Any]
+        if request is not None:
+            if not isinstance(operation, Operation):
+                raise TypeError(f"explore with request= takes an Operation, not {operation!r}")
+            self.operation = operation
+            self.request = request
+            # A single-step endpoint's view runs only inside a request: its client's.
+            self.resumable = not self.single_step
+        elif self.single_step:
+            raise TypeError(
+                "a single-step endpoint's view runs only inside a request: pass request=, "
+                "a function that sends it through your framework's test client"
+            )
+        elif isinstance(operation, Operation):
+            self.operation = operation
+            self.request = self._run_operation
             self.resumable = True
             operation.dump_params(params)  # bad params: an error now, not in every schedule
         elif isinstance(decorated, Operation):
@@ -436,7 +471,9 @@ class _Explorer:
         if broken is not None:
             invariant, detail = broken
             found.failures.append(
-                Failure(planned, invariant, detail, run.story, self._held(), self._hints(run))
+                Failure(
+                    planned, invariant, detail, run.story, self._held(), self._hints(run, invariant)
+                )
             )
         return run
 
@@ -458,9 +495,12 @@ class _Explorer:
         label = f"{run.attempt}. {actor:<9}"
         try:
             if actor == "client":
-                answer = _answer(self.request())
+                got = self.request()
+                answer = _answer(got)
                 run.answers.append(answer)
-                run.story.append(f"{label} answered {answer}")
+                run.story.append(
+                    f"{label} {'answered' if isinstance(got, Outcome) else 'got'} {answer}"
+                )
             elif actor == "completer":
                 done = Completer(self.engine, min_age=0).run_once()
                 run.story.append(f"{label} finished {done.finished}, failed {done.failed}")
@@ -483,6 +523,8 @@ class _Explorer:
                 db.dispose(close=False)  # the parent's connections stay the parent's
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - its "exiting" line is ours to tell
             run.pipe = write
+            # It sends back what it adds alone: the parent keeps what came before.
+            run.calls, run.returned, run.downstream, run.trace = Counter(), Counter(), {}, []
             try:
                 self._attempt(actor, run)
             finally:
@@ -496,6 +538,7 @@ class _Explorer:
         if os.waitstatus_to_exitcode(status) == FAULT_EXIT_STATUS and record:
             child = json.loads(record)
             run.calls.update(child["calls"])
+            run.returned.update(child["returned"])
             for step, keys in child["downstream"].items():
                 run.downstream.setdefault(step, []).extend(keys)
             run.trace += [Crash(a, p, n) for a, p, n in child["trace"]]
@@ -541,20 +584,29 @@ class _Explorer:
                 return f"your check {name}", f"{type(exc).__name__}: {exc}"
         return None
 
-    def _hints(self, run: _Run) -> list[str]:
+    def _hints(self, run: _Run, invariant: str) -> list[str]:
         """Where the guarantee ended, read from what the foreign steps and jobs did."""
         hints = []
         for step, calls in run.calls.items():
             if calls < 2:
                 continue
             keys = run.downstream.get(step, [])
-            if not keys:
+            if self.single_step:
+                hints.append(
+                    f"the endpoint ran {calls} times: a crash after it answered and before "
+                    "its answer was stored has its client's retry run it again. What it does "
+                    "must be done once whatever the number of runs: pass the request's "
+                    "idempotency key on to the provider, or make it a phased operation."
+                )
+            elif not keys:
                 hints.append(
                     f"foreign step {step!r} ran {calls} times and never asked for "
                     "step.downstream_key(): the provider cannot tell its retry from a new "
                     "request. Pass the key as the provider's idempotency key."
                 )
-            elif len(set(keys)) == 1:
+            elif len(set(keys)) == 1 and run.returned[step] > 1 and invariant.startswith("your"):
+                # Returned more than once, the provider answering each time, and what it
+                # did is what your check found wrong (not a key that failed to finish).
                 hints.append(
                     f"foreign step {step!r} ran {calls} times with the same downstream key "
                     f"{keys[0]!r}. If the provider acted twice, the provider is where the "
@@ -655,7 +707,9 @@ class _Explorer:
                 return key
 
             context.downstream_key = downstream_key
-            return fn(context, params)
+            returned = fn(context, params)
+            run.returned[point] += 1
+            return returned
 
         return step
 
@@ -678,11 +732,11 @@ def _extensions(
 
 def _answer(returned: object) -> str:
     """What a client got, as it is compared and shown: an Outcome's status, body and
-    headers, or what an @idempotent function returned."""
+    headers, or what an @idempotent function or a ``request()`` returned."""
     if isinstance(returned, Outcome):
         headers = f" {_json(returned.headers)}" if returned.headers else ""
         return f"{returned.status} {_json(returned.body)}{headers}"
-    return f"returned {returned!r}"
+    return repr(returned)
 
 
 def _json(value: object) -> str:

@@ -191,6 +191,12 @@ async def _respond_async(step: StepContext, params: Any) -> dict[str, Any]:
     return _responded(await _responder()())
 
 
+def is_single_step(operation: Operation[Any]) -> bool:
+    """Whether ``operation`` is a single-step endpoint's: its view runs only inside a
+    request, so only its client's retry resumes it."""
+    return bool(operation.phases) and operation.phases[0].fn in (_respond, _respond_async)
+
+
 def _finish(tx: AtomicContext, params: Any) -> Response:
     # Out of the state: the response is kept once, as the key's.
     stored = tx.state.pop("response")
