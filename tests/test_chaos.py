@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
+from workload import wait_for
 
 from recoverypoint.database import create_engine
 from recoverypoint.demo.checks import check
@@ -133,9 +134,21 @@ def test_every_invariant_holds_across_a_postgresql_restart(
     half the rides are booked, with faults at 10% all along."""
     config = DemoConfig(requests=REQUESTS, concurrency=6, faults=FaultMix.from_percent(10), seed=5)
     restarts: list[float] = []
+    completer_log = tmp_path / "completer.log"
     with embedded_server() as server:
 
         def restart() -> None:
+            # The completer must be running (past its start's check of the database) when
+            # the server goes down: a worker still starting then exits in one line and is
+            # started again, and one that starts after the restart never sees the outage.
+            # Starting four API processes and two workers on a busy machine can take that
+            # long.
+            wait_for(
+                lambda: (
+                    completer_log.exists()
+                    and "event=started worker=completer " in completer_log.read_text()
+                )
+            )
             server.restart(downtime=2.0)
             restarts.append(2.0)
 
@@ -145,7 +158,7 @@ def test_every_invariant_holds_across_a_postgresql_restart(
     assert_sound(report)
     # The completer's passes failed while the server was down, said so once, and it lived
     # on to say the database was back.
-    log = (tmp_path / "completer.log").read_text()
+    log = completer_log.read_text()
     assert log.count("event=database_unavailable worker=completer ") == 1, log
     assert "event=database_back worker=completer " in log, log
     assert_workers_never_crashed(report, tmp_path)

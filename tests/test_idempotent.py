@@ -100,6 +100,29 @@ def test_a_key_from_an_argument_runs_once_and_replays_the_stored_model(
     assert api.calls[downstream] == 1  # the body ran once
 
 
+def test_a_lost_key_row_hands_the_payment_api_the_same_downstream_key(
+    engine: rp.Engine, db: sa.Engine, payments: tuple[Payments, str]
+) -> None:
+    # A failover to a lagging standby loses the key row of a call that charged: the call
+    # made again runs the body again, which must hand the API the key it handed it before,
+    # so that the API returns the charge it made instead of charging again.
+    api, url = payments
+    name = unique("charge_order")
+
+    @rp.idempotent(engine, key="order_id", name=name)
+    def charge_order(order_id: str, amount: int) -> Receipt:
+        charge = charge_at(url, amount)
+        return Receipt(charge_id=charge["id"], amount=amount, order_id=order_id)
+
+    first = charge_order("o-1", 2000)
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM idempotency_keys WHERE operation = :o"), {"o": name})
+    again = charge_order("o-1", 2000)
+    assert again == first
+    [downstream] = [k for k, c in api.charges.items() if c["id"] == first.charge_id]
+    assert api.calls[downstream] == 2  # the body ran again, with the same key
+
+
 def test_a_key_from_a_callable_and_a_scope_from_an_argument(
     engine: rp.Engine, db: sa.Engine
 ) -> None:

@@ -99,6 +99,33 @@ def test_an_async_function_runs_once_and_replays_its_model(
     with_engine(database_url, test)
 
 
+def test_a_lost_key_row_hands_the_payment_api_the_same_downstream_key(
+    database_url: str, db: sa.Engine, payments: tuple[Payments, str]
+) -> None:
+    # As with a failover to a lagging standby: the key row of a call that charged is lost;
+    # the call made again must hand the API the same key, and get back the same charge.
+    api, url = payments
+    name = unique("pay")
+
+    async def test(engine: Any) -> None:
+        async with httpx.AsyncClient() as client:
+
+            @rp.idempotent(engine, key="order_id", name=name)
+            async def pay(order_id: int, amount: int) -> Receipt:
+                return Receipt(charge_id=await charge_at(client, url, amount), amount=amount)
+
+            first = await pay(17, 2500)
+            with db.begin() as conn:
+                conn.execute(
+                    sa.text("DELETE FROM idempotency_keys WHERE operation = :o"), {"o": name}
+                )
+            assert await pay(17, 2500) == first
+            [downstream] = [k for k, c in api.charges.items() if c["id"] == first.charge_id]
+            assert api.calls[downstream] == 2  # the body ran again, with the same key
+
+    with_engine(database_url, test)
+
+
 def test_concurrent_tasks_on_one_key_run_the_body_once(
     database_url: str, payments: tuple[Payments, str]
 ) -> None:

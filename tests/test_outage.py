@@ -8,7 +8,11 @@ the failover suite (test_failover.py) does the same with a real standby and PgBo
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterator
+from contextlib import ExitStack
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -32,9 +36,9 @@ from recoverypoint.outage import is_outage, unavailable
 APPLICATION = "recoverypoint-outage-tests"
 
 
-def rides(provider: Provider, before_finish: Any = None) -> rp.Operation[Any]:
+def rides(provider: Provider, before_finish: Any = None, **options: Any) -> rp.Operation[Any]:
     """create ride → charge at the provider → (a hook) → record the charge, 201."""
-    op: rp.Operation[Any] = rp.Operation("outage-rides")
+    op: rp.Operation[Any] = rp.Operation("outage-rides", **options)
 
     @op.atomic_phase("ride_created")
     def create_ride(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
@@ -162,6 +166,49 @@ def test_a_connection_killed_mid_request_is_database_unavailable_and_the_retry_c
     outcome = engine.run(op_again, key="k", params={"scope": "m"}, scope="m")
     assert outcome.status == 201 and not outcome.replayed
     assert count(outage_db, "SELECT count(*) FROM provider_charges WHERE scope = 'm'") == 1
+    assert len(set(provider.keys_seen)) == 1
+
+
+def test_a_step_that_cannot_be_recorded_in_an_outage_is_one_warning_and_runs_again_once(
+    server_url: str,
+    worker_database_url: str,
+    sync_engine: rp.Engine,
+    outage_db: sa.Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The database goes away after the provider charged: the phase after the step fails,
+    # and so does recording the step's result on its own. The operator gets one warning
+    # that says why, not an error with a traceback per request; the retry, once the
+    # database is back, hands the provider the same downstream key.
+    down = ExitStack()
+
+    def go_down() -> None:
+        down.enter_context(database_down(server_url, worker_database_url))
+
+    provider = Provider(outage_db)
+    # A short lease: the failed request could not give its lease up either.
+    lease = timedelta(seconds=1)
+    op = rides(provider, before_finish=go_down, lock_timeout=lease)
+    sync_engine.register(op)
+    caplog.set_level(logging.INFO, logger="recoverypoint")
+    with down, pytest.raises(rp.DatabaseUnavailable):
+        sync_engine.run(op, key="k", params={"scope": "r"}, scope="r")
+    recorded = [r for r in caplog.records if "could not record foreign step" in r.getMessage()]
+    assert [(r.levelno, r.exc_info) for r in recorded] == [(logging.WARNING, None)]
+    assert "the database is away" in recorded[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    op_again = rides(provider, lock_timeout=lease)
+    engine = rp.Engine(sync_engine.db)
+    engine.register(op_again)
+    for _ in range(10):  # KeyInUse until the lease it could not release runs out
+        try:
+            outcome = engine.run(op_again, key="k", params={"scope": "r"}, scope="r")
+            break
+        except rp.KeyInUse as busy:
+            time.sleep(busy.retry_after)  # as a client honouring Retry-After does
+    assert outcome.status == 201 and not outcome.replayed
+    assert count(outage_db, "SELECT count(*) FROM provider_charges WHERE scope = 'r'") == 1
     assert len(set(provider.keys_seen)) == 1
 
 

@@ -631,10 +631,19 @@ class _Run:
                     new_state,
                     new_state_json,
                 )
-            except Exception:
-                logger.exception(
-                    "could not record foreign step %r of key %s", phase.point, self.record.id
-                )
+            except Exception as exc:
+                # The retry runs the step again, with the same downstream key. An outage
+                # is one line per request, not a traceback each.
+                if is_outage(exc):
+                    logger.warning(
+                        "could not record foreign step %r of key %s (the database is away)",
+                        phase.point,
+                        self.record.id,
+                    )
+                else:
+                    logger.exception(
+                        "could not record foreign step %r of key %s", phase.point, self.record.id
+                    )
             raise
 
     def fenced(self, tx: Transaction, phase: Phase, state_json: str) -> Step:
