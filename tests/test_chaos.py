@@ -135,21 +135,21 @@ def test_every_invariant_holds_across_a_postgresql_restart(
     config = DemoConfig(requests=REQUESTS, concurrency=6, faults=FaultMix.from_percent(10), seed=5)
     restarts: list[float] = []
     completer_log = tmp_path / "completer.log"
+
+    def completer_said(event: str) -> Callable[[], bool]:
+        line = f"event={event} worker=completer "
+        return lambda: completer_log.exists() and line in completer_log.read_text()
+
     with embedded_server() as server:
 
         def restart() -> None:
-            # The completer must be running (past its start's check of the database) when
-            # the server goes down: a worker still starting then exits in one line and is
-            # started again, and one that starts after the restart never sees the outage.
-            # Starting four API processes and two workers on a busy machine can take that
-            # long.
-            wait_for(
-                lambda: (
-                    completer_log.exists()
-                    and "event=started worker=completer " in completer_log.read_text()
-                )
-            )
-            server.restart(downtime=2.0)
+            # Events, not the clock: on a busy machine the completer may still be starting
+            # when half the rides are booked (and a start that finds the server down exits,
+            # to be started again), or not look at the database for seconds. So the crash
+            # waits for a running completer, and the server stays down until it has seen
+            # the outage.
+            wait_for(completer_said("started"))
+            server.restart(downtime=2.0, until=completer_said("database_unavailable"))
             restarts.append(2.0)
 
         report = run(config, server.url, tmp_path, progress=progress, midway=restart)

@@ -10,12 +10,14 @@ import signal
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from .database import normalize_url
+
+_UNTIL_AT_MOST = 600.0
 
 
 class EmbeddedServer:
@@ -25,8 +27,11 @@ class EmbeddedServer:
         self._server = server
         self.url: str = normalize_url(server.get_uri()).render_as_string(hide_password=False)
 
-    def restart(self, downtime: float = 1.0) -> None:
-        """Stop the server as a crash would, wait ``downtime`` seconds, start it again.
+    def restart(self, downtime: float = 1.0, until: Callable[[], bool] | None = None) -> None:
+        """Stop the server as a crash would, wait ``downtime`` seconds (and, if given, until
+        ``until()`` is true: what should happen while it is down has happened), start it
+        again. The server stays down for ``until`` at most ten minutes, so that a condition
+        that never comes true is a failure later, not a hang.
 
         SIGQUIT is PostgreSQL's immediate shutdown: every backend exits at once, open
         transactions are lost and the next start runs crash recovery. Clients see their
@@ -38,6 +43,9 @@ class EmbeddedServer:
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(downtime)
+        deadline = time.monotonic() + _UNTIL_AT_MOST
+        while until is not None and not until() and time.monotonic() < deadline:
+            time.sleep(0.05)
         # Starts it again with the same data directory and socket, and records the new
         # postmaster so that stopping the server at the end stops this one.
         self._server.ensure_postgres_running()

@@ -119,7 +119,23 @@ def standalone(ops: Admin, *, token: str | None, read_only: bool, hosts: Sequenc
     else:
         lock = TokenLock(token, read_only=read_only)
         app = lock.guard(console(ops, authorize=lock.authorize))
-    return TrustedHostMiddleware(app, allowed_hosts=list(hosts), www_redirect=False)
+    return _HostInLowerCase(TrustedHostMiddleware(app, allowed_hosts=hosts, www_redirect=False))
+
+
+class _HostInLowerCase:
+    """Lowers the ``Host`` header before ``app`` sees it. Host names are case-insensitive
+    (RFC 9110), and the names the console answers are kept in lower case; Starlette's
+    check lowers the header itself only in its newer releases (not in 1.7, which is what
+    Python 3.10 gets), so the console lowers it first and answers alike on every Python."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = [(n, v.lower() if n == b"host" else v) for n, v in scope["headers"]]
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
 
 
 def trusted_hosts(host: str, names: Sequence[str]) -> list[str]:

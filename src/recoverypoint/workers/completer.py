@@ -356,11 +356,14 @@ class Completer(Worker[CompleterResult]):
     ) -> None:
         """Resume one key of an async operation: as :meth:`_complete`, with the sync
         statements in a thread so that the other keys' resumes go on meanwhile."""
+        # The threads of the batch's keys run at once: each counts into a result of its
+        # own, added to the pass's here on the loop (``+=`` from two threads can lose one).
+        own = CompleterResult()
         try:
             engine, operation = self.engines.owner(
                 key.operation, key.operation_version, AsyncEngine
             )
-            args = (engine.observer, operation, token, result)
+            args = (engine.observer, operation, token, own)
             if await asyncio.to_thread(self._exhausted, key, *args):
                 return
             try:
@@ -368,9 +371,11 @@ class Completer(Worker[CompleterResult]):
             except Exception as exc:
                 await asyncio.to_thread(self._failed, exc, key, *args)
             else:
-                self._resumed(outcome, result)
+                self._resumed(outcome, own)
         except Exception as exc:
-            self._key_failed(key, exc, result)
+            self._key_failed(key, exc, own)
+        finally:
+            result.add(own)
 
     def _exhausted(
         self,

@@ -67,6 +67,11 @@ class Result:
     def counts(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
+    def add(self, other: Result) -> None:
+        """Add ``other``'s counts (a result of the same kind) to these."""
+        for name, value in other.counts().items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 R = TypeVar("R", bound=Result)
 
