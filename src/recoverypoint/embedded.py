@@ -87,8 +87,13 @@ def embedded_server() -> Iterator[EmbeddedServer]:
     Needs the ``embedded`` extra: ``pip install 'recoverypoint[embedded]'``.
     """
     package = _server_package()
-    with tempfile.TemporaryDirectory(prefix="recoverypoint-pg-") as pgdata:
-        server = package.get_server(pgdata, cleanup_mode="stop")
+    # "delete": the package's cleanup then removes the directory itself and forgets its
+    # exit handler; after a "stop" that handler runs again at exit and logs to streams
+    # that may be closed by then (pytest's), printing "--- Logging error ---".
+    with tempfile.TemporaryDirectory(
+        prefix="recoverypoint-pg-", ignore_cleanup_errors=True
+    ) as pgdata:
+        server = package.get_server(pgdata, cleanup_mode="delete")
         try:
             yield EmbeddedServer(server)
         finally:
