@@ -189,3 +189,35 @@ def test_a_takeover_stores_its_own_lock_timeout(worker_db: sa.Engine) -> None:
         )
     assert engine.run(operation, key="k", params={}).status == 201
     assert judged == [("down", None), ("in-flight", 600.0)]
+
+
+@pytest.mark.parametrize(
+    ("statement", "params"),
+    [
+        (key_actions._RELEASE, {"force": True}),
+        (key_actions._ABANDON, {"force": True, "status": 500, "body": "{}"}),
+        (key_actions._DELETE, {"force": True}),
+    ],
+    ids=["release", "abandon", "delete"],
+)
+def test_a_forced_action_leaves_a_lease_taken_over_since_it_was_read(
+    worker_db: sa.Engine, statement: sa.TextClause, params: dict[str, Any]
+) -> None:
+    """Force overrides a live lease the operator saw, never one that changed hands since:
+    a retry (or the completer) that took the key over after the read is not the holder the
+    operator chose to cut off, and its run must not lose its lease, its key or its answer."""
+    ops = admin.Admin(worker_db)
+    [key_id] = plant(worker_db, **EXPIRED, **OVERDUE)
+    [seen] = admin.list_keys(ops, admin.KeyFilter(ids=(key_id,)), reveal=True)
+    with worker_db.begin() as conn:  # a retry takes the key over: a new token, a fresh lease
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET locked_at = now(), lock_token = gen_random_uuid() "
+                "WHERE id = :i"
+            ),
+            {"i": key_id},
+        )
+    before = key(worker_db, key_id)
+    changed, _ = key_actions._apply(ops, "keys.test", statement, [seen], params, matched=1)
+    assert changed == ()
+    assert key(worker_db, key_id) == before

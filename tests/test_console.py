@@ -173,6 +173,44 @@ def test_an_action_without_its_csrf_token_or_from_elsewhere_is_refused(
     assert key_row(db, key_id) == before and len(audit_rows(db)) == audited
 
 
+FORGERIES = pytest.mark.parametrize(
+    "token, headers",
+    [
+        (None, {}),
+        ("x" * 43, {}),
+        ("same", {"origin": "https://evil.example"}),
+        ("same", {"origin": "", "referer": ""}),
+    ],
+    ids=["missing", "wrong", "cross-origin", "no-origin"],
+)
+
+
+@FORGERIES
+def test_a_bulk_action_without_its_csrf_token_or_from_elsewhere_is_refused(
+    app: Any, db: sa.Engine, token: str | None, headers: dict[str, str]
+) -> None:
+    """The bulk form is checked as the single key's is: a forged one changes no key."""
+    stuck = plant(db, "forged_bulk", 2, **STUCK)
+    before, audited = [key_row(db, i) for i in stuck], len(audit_rows(db))
+    with client(app, "operator") as browser:
+        confirm = browser.get(f"{MOUNT}/keys/bulk/abandon?operation=forged_bulk&state=stuck")
+        assert confirm.status_code == 200, confirm.text
+        form: dict[str, Any] = {
+            "ids": ",".join(map(str, stuck)),
+            "operation": "forged_bulk",
+            "state": "stuck",
+        }
+        if token is not None:
+            form["csrf"] = csrf_token(confirm.text) if token == "same" else token
+        for name, value in headers.items():
+            browser.headers[name] = value
+        if not browser.headers.get("origin"):
+            del browser.headers["origin"]
+        refused = browser.post(f"{MOUNT}/keys/bulk/abandon", data=form)
+    assert refused.status_code == 403 and "Refused" in refused.text
+    assert [key_row(db, i) for i in stuck] == before and len(audit_rows(db)) == audited
+
+
 def test_the_csrf_cookie_is_http_only_strict_and_for_the_console_alone(app: Any) -> None:
     with client(app, "operator") as browser:
         cookie = browser.get(f"{MOUNT}/keys").headers["set-cookie"]
@@ -223,6 +261,33 @@ def test_scopes_and_params_are_masked_unless_revealing_is_allowed_and_asked(
         assert all(s in shown(revealer) for s in secrets)
         found = revealer.get(f"{MOUNT}/keys?scope=alice%40example.com")
         assert f'/keys/{key_id}"' in found.text
+
+
+def test_an_actions_pages_mask_what_the_key_page_masks(app: Any, db: sa.Engine) -> None:
+    """An operator who has not asked to reveal (or may not) sees an action's confirmation
+    masked, as the key's own page, and cannot select keys by a guessed scope in bulk."""
+    [key_id] = plant(db, "masked_action", params={"card": "4111111111111111"}, **STUCK)
+    with db.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET scope = 'bob@example.com' WHERE id = :i"),
+            {"i": key_id},
+        )
+    secrets = ("bob@example.com", "4111111111111111")
+    with client(app, "operator") as operator:
+        for action in ("retry", "release", "abandon", "reopen"):
+            page = operator.get(f"{MOUNT}/keys/{key_id}/{action}")
+            assert page.status_code in (200, 409), page.text
+            assert not any(s in page.text for s in secrets), action
+        guessed = "operation=masked_action&scope=bob%40example.com"
+        assert operator.get(f"{MOUNT}/keys/bulk/abandon?{guessed}").status_code == 400
+        confirm = operator.get(f"{MOUNT}/keys/bulk/abandon?operation=masked_action")
+        sent = operator.post(
+            f"{MOUNT}/keys/bulk/abandon",
+            data={"csrf": csrf_token(confirm.text), "ids": str(key_id),
+                  "operation": "masked_action", "scope": "bob@example.com"},
+        )  # fmt: skip
+        assert sent.status_code == 400
+    assert key_row(db, key_id).finished_at is None
 
 
 def test_reveal_goes_back_to_a_console_page_never_elsewhere(app: Any) -> None:

@@ -248,3 +248,37 @@ def test_nothing_else_passes_without_the_token(locked: Any, path: str, method: s
         assert answer.status_code == 200
     else:
         assert method == "HEAD" or 'name="token"' in answer.text
+
+
+def log_in(browser: Any, token: str) -> Any:
+    return browser.post("/login", data={"token": token}, headers={"origin": f"http://{OWN}"})
+
+
+def test_only_the_token_opens_the_console(locked: Any) -> None:
+    with TestClient(locked, base_url=f"http://{OWN}", follow_redirects=False) as stranger:
+        for wrong in ("", "k" * 42, "k" * 44, TOKEN.upper(), "x" * 43):
+            refused = log_in(stranger, wrong)
+            assert refused.status_code == 401 and "That is not the console" in refused.text
+            assert "rp_console_token" not in refused.headers.get("set-cookie", "")
+            assert stranger.get("/keys").status_code == 401
+        opened = log_in(stranger, TOKEN)
+        assert opened.status_code == 303 and "rp_console_token" in opened.headers["set-cookie"]
+        assert stranger.get("/keys").status_code == 200
+
+
+def test_a_read_only_console_shows_keys_and_changes_none(db: sa.Engine) -> None:
+    ops = admin.Admin(db, via="console")
+    app = standalone(ops, token=TOKEN, read_only=True, hosts=trusted_hosts("127.0.0.1", []))
+    [key_id] = plant_keys(db, "charges", 1, point="reserved", **STUCK)
+    with TestClient(app, base_url=f"http://{OWN}", follow_redirects=False) as holder:
+        assert log_in(holder, TOKEN).status_code == 303
+        assert holder.get(f"/keys/{key_id}").status_code == 200
+        for action in ("retry", "release", "abandon", "reopen"):
+            assert holder.get(f"/keys/{key_id}/{action}").status_code == 403
+            sent = holder.post(
+                f"/keys/{key_id}/{action}",
+                data={"csrf": holder.cookies["rp_console_csrf"]},
+                headers={"origin": f"http://{OWN}"},
+            )
+            assert sent.status_code == 403, sent.text[:300]
+    assert unfinished(db, key_id)

@@ -197,6 +197,40 @@ def test_an_unmigrated_database_is_a_configuration_error_at_start_up_and_per_req
     asyncio.run(run_async())
 
 
+@pytest.mark.parametrize("namespace", [None, "given"], ids=["namespace-read", "namespace-given"])
+def test_an_unmigrated_database_met_first_by_a_request_is_a_configuration_error(
+    empty_database_url: str, namespace: str | None
+) -> None:
+    """No check() at start-up: the first request, on either engine, is told to migrate,
+    not handed the driver's UndefinedTable, whether it meets the missing schema reading
+    the namespace or (a namespace given to the engine) in its claim."""
+    engine = rp.Engine(empty_database_url, namespace=namespace)
+    op = finished_op("unmigrated_first")
+    engine.register(op)
+    try:
+        with pytest.raises(rp.ConfigurationError, match="recoverypoint migrate"):
+            engine.run(op, key="k", params={})
+    finally:
+        engine.dispose()
+
+    async def run_async() -> None:
+        async_engine = rp.AsyncEngine(empty_database_url, namespace=namespace)
+        op_async: rp.Operation[Any] = rp.Operation("unmigrated_first_async")
+
+        @op_async.atomic_phase("finished")
+        async def finish(tx: rp.AsyncAtomicContext, params: Any) -> rp.Response:
+            return rp.Response(201)
+
+        async_engine.register(op_async)
+        try:
+            with pytest.raises(rp.ConfigurationError, match="recoverypoint migrate"):
+                await async_engine.run(op_async, key="k", params={})
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(run_async())
+
+
 def test_a_schema_at_an_older_revision_is_a_configuration_error(empty_database_url: str) -> None:
     from alembic.script import ScriptDirectory
 

@@ -93,13 +93,15 @@ def main() -> int:
         # What the package finds beside itself: its migrations, and the demo's example.
         for part in ("src", "migrations", "examples"):
             shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
-        broken: set[str] = set()
-        for file, tests in {m.file: m.tests for m in mutants}.items():
+        broken: set[tuple[str, ...]] = set()
+        # A file may be listed twice, with other tests for some of its mutants: each
+        # selection is checked once.
+        for file, tests in {(m.file, m.tests) for m in mutants}:
             # Unmutated, the module's tests must pass, or no mutant says anything.
             if (baseline := pytest(tests, copy, args.timeout)) != "passed":
                 print(f"{file}: the tests {baseline} without a mutant; skipped", flush=True)
-                broken.add(file)
-        for mutant in (m for m in mutants if m.file not in broken):
+                broken.add(tests)
+        for mutant in (m for m in mutants if m.tests not in broken):
             began = time.monotonic()
             outcome = run(mutant, copy, args.timeout)
             results.setdefault(mutant.file, []).append(outcome)
