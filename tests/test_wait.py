@@ -91,13 +91,22 @@ def listeners(db: sa.Engine) -> int:
     )
 
 
+class Heard(list[bool]):
+    """What each wait of a listener ended with: True for a NOTIFY, False for its timeout;
+    ``waiting`` is set once a listener has begun to wait (its claim again refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+
 @pytest.fixture
-def heard(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What each wait of a listener ended with: True for a NOTIFY, False for its timeout."""
-    ends: list[bool] = []
+def heard(monkeypatch: pytest.MonkeyPatch) -> Heard:
+    ends = Heard()
     real = listen.KeyListener.heard
 
     def watched(self: listen.KeyListener, timeout: float) -> bool:
+        ends.waiting.set()
         ends.append(real(self, timeout))
         return ends[-1]
 
@@ -106,7 +115,7 @@ def heard(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 def test_a_waiting_duplicate_gets_the_first_calls_answer_when_it_commits(
-    engine: rp.Engine, db: sa.Engine, heard: list[bool]
+    engine: rp.Engine, db: sa.Engine, heard: Heard
 ) -> None:
     holder = Holder()
     op = declared(holder)
@@ -123,11 +132,8 @@ def test_a_waiting_duplicate_gets_the_first_calls_answer_when_it_commits(
         checked_out = db.pool.checkedout()
         waiting = pool.submit(engine.run, op, key="k", params=params, wait=WAIT)
         # The waiter LISTENs on a connection of its own, idle, in no transaction, and
-        # holds none of the pool's.
-        for _ in range(600):
-            if listeners(db):
-                break
-            threading.Event().wait(0.05)
+        # holds none of the pool's once its claim again has been refused.
+        assert heard.waiting.wait(60)
         assert listeners(db) == 1
         assert db.pool.checkedout() == checked_out
         holder.released[item].set()
@@ -141,7 +147,7 @@ def test_a_waiting_duplicate_gets_the_first_calls_answer_when_it_commits(
 
 
 def test_a_waiting_duplicate_runs_the_key_itself_when_the_first_call_fails(
-    engine: rp.Engine, db: sa.Engine, heard: list[bool]
+    engine: rp.Engine, db: sa.Engine, heard: Heard
 ) -> None:
     holder = Holder()
     op = declared(holder)
@@ -154,10 +160,7 @@ def test_a_waiting_duplicate_runs_the_key_itself_when_the_first_call_fails(
         first = pool.submit(engine.run, op, key="k", params={"item": item})
         assert holder.entered[item].wait(60)
         waiting = pool.submit(engine.run, op, key="k", params={"item": item}, wait=WAIT)
-        for _ in range(600):
-            if listeners(db):
-                break
-            threading.Event().wait(0.05)
+        assert heard.waiting.wait(60)
         holder.released[item].set()
         with pytest.raises(RuntimeError):
             first.result(60)
@@ -186,7 +189,7 @@ def test_a_wait_that_runs_out_is_key_in_use(engine: rp.Engine, db: sa.Engine) ->
 
 
 def test_a_waiter_whose_connection_dies_is_answered_key_in_use(
-    engine: rp.Engine, db: sa.Engine
+    engine: rp.Engine, db: sa.Engine, heard: Heard
 ) -> None:
     holder = Holder()
     op = declared(holder)
@@ -197,10 +200,7 @@ def test_a_waiter_whose_connection_dies_is_answered_key_in_use(
         first = pool.submit(engine.run, op, key="k", params={"item": item})
         assert holder.entered[item].wait(60)
         waiting = pool.submit(engine.run, op, key="k", params={"item": item}, wait=WAIT)
-        for _ in range(600):
-            if listeners(db):
-                break
-            threading.Event().wait(0.05)
+        assert heard.waiting.wait(60)
         with db.begin() as conn:  # the waiter's connection is cut, as a restart would
             conn.execute(
                 sa.text(
