@@ -11,7 +11,7 @@ Layers, lowest first (a module may import its own layer and those below):
 1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
    _faults), embedded, jobs
 2. the connection and the request path's queries, in the engine package: engine._pg,
-   engine._libpq, engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
+   engine._libpq, engine._waiter (the async connection's wait), engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
    receives wraps the connection); _pooler; and context, the old name of engine.context
 3. the engine (engine.run, engine.run_async and the package's ``__init__``), the
    package's curated ``__init__``, and _moved (the request path's old module names)
@@ -64,6 +64,7 @@ LAYERS = {
             "engine._pg_async",
             "engine._libpq",
             "engine._libpq_async",
+            "engine._waiter",
             "_pooler",
             "engine.store",
             "engine.store_async",

@@ -9,7 +9,8 @@ Read it in this order, each module using only those before it:
    reads, and what a claim or a phase's result decides;
 2. ``sql``: every statement of the request path, named after its intent, with the locks it
    takes;
-3. ``_libpq``: the sync engine's wire, those statements on libpq;
+3. ``_libpq``: the sync engine's wire, those statements on libpq (``_libpq_async`` the
+   async one's, waited for by ``_waiter`` with the socket registered once per borrow);
 4. ``_pg_async`` (``_pg``): the SERIALIZABLE transaction, its BEGIN and COMMIT, and the
    retry after a serialization failure;
 5. ``phase_guard``: keeping phase code from ending the engine's transaction;

@@ -345,8 +345,12 @@ def _give_back(
     _hand_back(db.pool, pooled, connection, switched)
 
 
+def _idle(connection: psycopg.Connection[Any]) -> bool:
+    return not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE
+
+
 def _hand_back(pool: Any, pooled: Any, connection: psycopg.Connection[Any], switched: bool) -> None:
-    if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
+    if _idle(connection):
         if switched:
             # Through the pool's own connection object: in the async pool it is
             # SQLAlchemy's adapter, which switches psycopg's mode for the pool.

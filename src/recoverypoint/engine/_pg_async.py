@@ -44,7 +44,7 @@ from ..backoff import backoff_delay
 from ..errors import ConcurrentUpdate
 from ..observe import Observer
 from ..outage import drop_older_connections
-from . import _libpq_async, sql
+from . import _libpq_async, _waiter, sql
 from .conflicts import is_conflict, sqlstate
 
 T = TypeVar("T")
@@ -343,6 +343,8 @@ async def _borrow(
     for the borrower (see :func:`borrowed`)."""
     pooled: Any = await db.raw_connection()  # its driver_connection is psycopg's
     connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
+    if True:  # ASYNC
+        _waiter.attach(connection)
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit
     if switched:
@@ -361,16 +363,40 @@ async def _give_back(
     db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
 ) -> None:
     if True:  # ASYNC
+        _waiter.let_go(connection)
+        if not switched and _idle(connection) and _checks_in_at_once(db.pool):
+            _hand_back(db.pool, pooled, connection, switched)
+            return
         # The pool's own code runs in SQLAlchemy's greenlet.
         await shielded(greenlet_spawn, _hand_back, db.pool, pooled, connection, switched)
     else:
         _hand_back(db.pool, pooled, connection, switched)
 
 
+if True:  # ASYNC
+
+    def _checks_in_at_once(pool: Any) -> bool:
+        """Whether an idle connection goes back into ``pool`` without a round trip, so
+        without SQLAlchemy's greenlet (a switch into it and back costs about as much as a
+        statement's wait): a queue with room (a full one closes the connection), no reset
+        that commits, and nobody listening for the check-in or the reset."""
+        return (
+            isinstance(pool, sa.pool.QueuePool)
+            and pool.checkedin() < pool.size()
+            and pool._reset_on_return is not sa.pool.base.reset_commit
+            and not pool.dispatch.checkin
+            and not pool.dispatch.reset
+        )
+
+
+def _idle(connection: psycopg.AsyncConnection[Any]) -> bool:
+    return not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE
+
+
 def _hand_back(
     pool: Any, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
 ) -> None:
-    if not connection.closed and connection.pgconn.transaction_status == TransactionStatus.IDLE:
+    if _idle(connection):
         if switched:
             # Through the pool's own connection object: in the async pool it is
             # SQLAlchemy's adapter, which switches psycopg's mode for the pool.

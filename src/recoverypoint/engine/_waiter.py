@@ -1,0 +1,188 @@
+"""Waiting for a borrowed connection on the event loop, its socket registered once.
+
+psycopg's own wait (``AsyncConnection.wait``) registers the socket with the loop, arms a
+timer, and takes both away again at every round trip: on asyncio, two system calls, a
+timer and a second trip through the loop per round trip, most of what a request cost beyond
+asyncpg's (benchmarks/README.md, "AsyncEngine against asyncpg"). While the engine holds a
+connection, from the pool's hand-out to its hand-back, a :class:`Waiter` keeps the socket
+registered, and a round trip costs one future.
+
+The waiter stands in for the connection's ``wait``, which psycopg's own code (a cursor, a
+COMMIT, SQLAlchemy's adapter) and the engine's pipelines all wait through, and for its
+``close``: a socket closed while registered would leave the loop watching a number the
+next connection may get. libpq itself closes the socket when it finds the connection lost,
+always inside a call made here, so the waiter lets the socket go in that same call.
+
+What psycopg's wait does beyond waiting stays psycopg's: an interrupted wait (a cancelled
+task) lets the socket go and hands the rest of the conversation to psycopg's own wait,
+which cancels the statement on the server; so does a wait with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+from typing import Any, TypeVar, cast
+
+import psycopg
+from psycopg.abc import PQGen
+from psycopg.pq import ConnStatus
+from psycopg.waiting import Ready, Wait
+
+RV = TypeVar("RV")
+
+
+class Waiter:
+    """Waits for ``connection`` on the running loop until :meth:`let_go`."""
+
+    __slots__ = ("connection", "loop", "registered", "socket", "unwatched", "waiting")
+
+    def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        self.connection = connection
+        self.loop = asyncio.get_running_loop()
+        self.socket: int | None = connection.pgconn.socket  # None once let go
+        self.waiting: asyncio.Future[None] | None = None
+        self.unwatched = 0  # wakes in a row with nobody waiting
+        self.loop.add_reader(self.socket, self._readable)
+        self.registered = True
+        # On the instance: they shadow psycopg's methods for this borrow only.
+        connection.wait = self.wait  # type: ignore[method-assign]
+        connection.close = self.close  # type: ignore[method-assign]
+
+    def let_go(self) -> None:
+        """The socket unregistered and the connection's own methods back; again is nothing."""
+        if self.socket is None:
+            return
+        if self.registered:
+            self.loop.remove_reader(self.socket)
+        self.socket = None
+        del self.connection.wait, self.connection.close
+
+    async def close(self) -> None:
+        """The connection's ``close``, once the loop no longer watches its socket."""
+        self.let_go()
+        await self.connection.close()
+
+    async def wait(self, gen: PQGen[RV], interval: float = 0.0, timeout: float | None = None) -> RV:
+        """The connection's ``wait``: ``gen``, an exchange with the server, driven to its
+        end, waiting on the loop whenever it would block. ``interval`` is psycopg's, for a
+        wait that could not be interrupted otherwise; a task is cancelled instead."""
+        socket = self.socket
+        if timeout is not None or socket is None:
+            self.let_go()
+            return await self.connection.wait(gen, timeout=timeout)
+        pgconn = self.connection.pgconn
+        try:
+            state = next(gen)
+            while True:
+                writing = state & Wait.W
+                ready = _ready_now(socket, state) if writing else Ready.NONE
+                if not ready:
+                    self.unwatched = 0
+                    if not self.registered:
+                        self.loop.add_reader(socket, self._readable)
+                        self.registered = True
+                    woken = self.waiting = self.loop.create_future()
+                    if writing:  # the socket's buffer is full: seldom, and only until it drains
+                        self.loop.add_writer(socket, _wake, woken)
+                    interruption: BaseException | None = None
+                    try:
+                        await woken
+                    except BaseException as exc:  # a cancelled task, most often
+                        interruption = exc
+                    self.waiting = None
+                    if writing:
+                        self.loop.remove_writer(socket)
+                    if interruption is not None:
+                        return await self._hand_over(gen, state, interruption)
+                    ready = _ready_now(socket, state) if writing else Ready.R
+                state = gen.send(ready)
+                if pgconn.status == ConnStatus.BAD:  # libpq closed the socket: nothing to wait on
+                    raise psycopg.OperationalError(_lost(pgconn))
+        except StopIteration as done:
+            return cast(RV, done.value)
+        finally:
+            if pgconn.status == ConnStatus.BAD:
+                self.let_go()
+
+    def _readable(self) -> None:
+        woken = self.waiting
+        if woken is not None:
+            if not woken.done():
+                woken.set_result(None)
+            return
+        # Nobody waits. Once is a wake the loop had queued before the wait it was for
+        # read the socket; twice in a row, something nobody asked for (a notice, the
+        # server going away): the socket rests until the next wait, or it would wake the
+        # loop at every turn.
+        self.unwatched += 1
+        if self.unwatched > 1:
+            assert self.socket is not None  # registered
+            self.loop.remove_reader(self.socket)
+            self.registered = False
+
+    async def _hand_over(self, exchange: PQGen[RV], state: Wait, interruption: BaseException) -> RV:
+        """The rest of ``exchange`` to psycopg's own wait, ``interruption`` raised at its
+        first step: psycopg then cancels the statement on the server, waits for the
+        exchange to end, and raises the interruption."""
+        self.let_go()
+        resumed = cast(PQGen[RV], _Resumed(exchange, state, interruption))
+        return await self.connection.wait(resumed)
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
+class _Resumed:
+    """An exchange taken over midway: its first step raises the interruption that stopped
+    it; the next ones go on from the state it was waiting in."""
+
+    __slots__ = ("exchange", "interruption", "state")
+
+    def __init__(self, exchange: PQGen[Any], state: Wait, interruption: BaseException):
+        self.exchange = exchange
+        self.state = state
+        self.interruption: BaseException | None = interruption
+
+    def __iter__(self) -> _Resumed:
+        return self
+
+    def __next__(self) -> Wait:
+        interruption, self.interruption = self.interruption, None
+        if interruption is not None:
+            raise interruption
+        return self.state
+
+    def send(self, ready: Ready) -> Wait:
+        return self.exchange.send(ready)
+
+
+def _ready_now(socket: int, state: int) -> int:
+    """What ``socket`` is ready for now, of what ``state`` waits for: a socket asked for
+    writing nearly always is, and a look without a timeout is cheaper than a trip through
+    the loop."""
+    readable, writable, _ = select.select([socket] if state & Wait.R else [], [socket], [], 0)
+    return (Ready.R if readable else Ready.NONE) | (Ready.W if writable else Ready.NONE)
+
+
+def _lost(pgconn: Any) -> str:
+    message: bytes = pgconn.error_message
+    return message.decode(errors="replace").strip() or "the connection to the server was lost"
+
+
+def attach(connection: psycopg.AsyncConnection[Any]) -> None:
+    """A :class:`Waiter` for ``connection`` until :func:`let_go`; none on a loop that
+    cannot watch a socket (psycopg's own wait then runs)."""
+    if not connection.closed:
+        with contextlib.suppress(NotImplementedError):
+            Waiter(connection)
+
+
+def let_go(connection: psycopg.AsyncConnection[Any]) -> None:
+    """Ends the waiter :func:`attach` gave ``connection``, if it still has one."""
+    wait = vars(connection).get("wait")
+    if wait is not None:
+        wait.__self__.let_go()

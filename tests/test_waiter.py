@@ -1,0 +1,227 @@
+"""The async engine's wait (recoverypoint.engine._waiter), on the default loop and on uvloop,
+against the session's PostgreSQL: a borrowed connection's socket is registered with the loop
+once per borrow and never left registered; a request cancelled in the middle of a statement
+cancels it on the server; a connection the server drops while it is borrowed neither spins
+the loop nor leaves a stale registration behind for the next connection to trip over; a
+statement larger than the socket's buffer goes out whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import sqlalchemy.ext.asyncio as sa_async
+from anyio import fail_after
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rides import count
+
+import recoverypoint as rp
+from recoverypoint.database import normalize_url
+from recoverypoint.engine import _waiter
+
+pytestmark = pytest.mark.anyio
+APPLICATION = "recoverypoint-waiter-tests"
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    if request.param == "uvloop":
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
+
+
+class Phase:
+    """What the operation's one atomic phase does, set by each test."""
+
+    def __init__(self) -> None:
+        self.sql = "SELECT 1"
+        self.value: Any = None
+        self.entered = asyncio.Event()
+        self.go_on: asyncio.Event | None = None
+        self.pid: int | None = None
+        self.answer: Any = None
+
+
+@pytest.fixture
+async def phase() -> Phase:
+    return Phase()
+
+
+@pytest.fixture
+async def engine(
+    database_url: str, business_tables: None, phase: Phase
+) -> AsyncIterator[rp.AsyncEngine]:
+    # One connection: every request and every retry takes the same one, or its successor.
+    async_db = sa_async.create_async_engine(
+        normalize_url(database_url),
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"application_name": APPLICATION},
+    )
+    engine = rp.AsyncEngine(async_db)
+    op: rp.Operation[Any] = rp.Operation("waited_on")
+
+    @op.atomic_phase("finished")
+    async def run(tx: rp.AsyncAtomicContext, params: Any) -> rp.Response:
+        phase.pid = await tx.scalar("SELECT pg_backend_pid()")
+        phase.entered.set()
+        if phase.go_on is not None:
+            await phase.go_on.wait()
+        phase.answer = await tx.scalar(phase.sql, None if phase.value is None else (phase.value,))
+        return rp.Response(201, {"answer": str(phase.answer)[:20]})
+
+    engine.register(op)
+    yield engine
+    assert async_db.pool.checkedout() == 0, "a connection was left checked out"  # type: ignore[attr-defined]
+    await engine.dispose()
+    await async_db.dispose()
+
+
+RUN = uuid.uuid4().hex[:8]  # the keys of this module's run (both loops share a database)
+
+
+async def request(engine: rp.AsyncEngine, key: str | None = None) -> rp.Outcome:
+    """The operation once, under ``key`` (the loop's own) or a new key."""
+    (op,) = engine.operations
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return await engine.run(op, key=f"{RUN}-{loop}-{key or uuid.uuid4().hex}", params={})
+
+
+def active(db: sa.Engine, query: str) -> int:
+    return count(
+        db,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = :a "
+        "AND state = 'active' AND query LIKE :q",
+        a=APPLICATION,
+        q=query,
+    )
+
+
+async def test_a_socket_is_registered_once_per_borrow_and_never_left(
+    engine: rp.AsyncEngine, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    registered: list[int] = []
+    waiters: list[_waiter.Waiter] = []
+    made = _waiter.Waiter.__init__
+
+    def counted(self: _waiter.Waiter, connection: Any) -> None:
+        made(self, connection)
+        waiters.append(self)
+
+    monkeypatch.setattr(_waiter.Waiter, "__init__", counted)
+    loop = asyncio.get_running_loop()
+    if anyio_backend == "asyncio":  # uvloop's methods cannot be wrapped on the instance
+        add, remove = loop.add_reader, loop.remove_reader
+        monkeypatch.setattr(loop, "add_reader", lambda fd, *a: (registered.append(fd), add(fd, *a)))
+        monkeypatch.setattr(loop, "remove_reader", lambda fd: (registered.remove(fd), remove(fd)))
+
+    for _ in range(5):
+        assert (await request(engine)).status == 201
+    assert waiters and all(w.socket is None for w in waiters)  # every one let go
+    assert registered == []
+    # A replay, too, waits through one.
+    before = len(waiters)
+    outcome = await request(engine, "again")
+    assert (await request(engine, "again")).replayed and outcome.status == 201
+    assert len(waiters) > before and registered == []
+
+
+async def test_a_request_cancelled_mid_statement_cancels_it_on_the_server(
+    engine: rp.AsyncEngine, phase: Phase, db: sa.Engine
+) -> None:
+    phase.sql = "SELECT pg_sleep(600)"
+    task = asyncio.create_task(request(engine, "slow"))
+    with fail_after(60):
+        await phase.entered.wait()
+    while not active(db, "SELECT pg_sleep(600)%"):
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with fail_after(60), pytest.raises(asyncio.CancelledError):
+        await task
+    # psycopg's own cancel ran: the statement is gone from the server now, not when the
+    # backend next notices its client.
+    assert active(db, "SELECT pg_sleep(600)%") == 0
+    phase.sql = "SELECT 2"
+    assert (await request(engine, "slow")).body == {"answer": "2"}
+
+
+async def test_a_connection_dropped_while_borrowed_neither_spins_the_loop_nor_stays_registered(
+    engine: rp.AsyncEngine, phase: Phase, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    woken: list[bool] = []
+    readable = _waiter.Waiter._readable
+
+    def counted(self: _waiter.Waiter) -> None:
+        woken.append(True)
+        readable(self)
+
+    monkeypatch.setattr(_waiter.Waiter, "_readable", counted)
+    phase.go_on = asyncio.Event()
+    task = asyncio.create_task(request(engine, "dropped"))
+    with fail_after(60):
+        await phase.entered.wait()
+    with db.connect() as conn:  # the server drops the phase's connection between statements
+        conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": phase.pid})
+    woken.clear()
+    for _ in range(500):  # the loop turns; the dead socket wakes it twice, not every turn
+        await asyncio.sleep(0)
+    assert len(woken) <= 3
+    phase.go_on.set()
+    with fail_after(60), pytest.raises(rp.IdempotencyError):  # a hang fails here, named
+        await task
+    # The next connection may get the dropped one's descriptor number: nothing stale of the
+    # last registration is in its way, and its requests run.
+    phase.go_on = None
+    for n in range(3):
+        assert (await request(engine, f"after-{n}")).status == 201
+    assert (await request(engine, "dropped")).status == 201
+
+
+async def test_a_statement_larger_than_the_socket_buffer_goes_out_whole(
+    engine: rp.AsyncEngine, phase: Phase
+) -> None:
+    phase.sql = "SELECT length(%s)"
+    phase.value = "x" * (32 * 1024 * 1024)
+    assert (await request(engine)).body == {"answer": str(32 * 1024 * 1024)}
+
+
+async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(
+    engine: rp.AsyncEngine, db: sa.Engine, anyio_backend: Any
+) -> None:
+    loop = asyncio.get_running_loop()
+    watched = len(loop._selector.get_map()) if anyio_backend == "asyncio" else 0  # type: ignore[attr-defined]
+    turns: list[int] = []
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, 40))
+    def draw(n: int) -> None:  # hypothesis drives sync functions: drawn first, then run
+        turns.append(n)
+
+    draw()
+    for index, n in enumerate(turns):
+        key = f"cut-{index}"
+        task = asyncio.create_task(request(engine, key))
+        for _ in range(n):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # Whatever was cut, the connection went back, the key answers, and nothing of
+        # the borrow is left with the loop.
+        assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert (await request(engine, key)).status == 201
+        if anyio_backend == "asyncio":
+            assert len(loop._selector.get_map()) == watched  # type: ignore[attr-defined]
+    loop_name = type(loop).__module__.split(".")[0]
+    made = count(
+        db,
+        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key LIKE :k",
+        k=f"{RUN}-{loop_name}-cut-%",
+    )
+    assert made == len(turns)
