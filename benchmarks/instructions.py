@@ -1,6 +1,6 @@
 """Client instructions per fresh-key request, counted by valgrind's callgrind.
 
-    python benchmarks/instructions.py --database-url URL [--requests 300]
+    python benchmarks/instructions.py --database-url URL [--requests 300] [--async]
 
 Seconds and CPU time drift on a shared machine; the instructions a process executes do
 not. For each flow this runs a child process under ``valgrind --tool=callgrind`` twice, once
@@ -8,11 +8,15 @@ with the warm-up alone and once with ``--requests`` more fresh-key requests afte
 reports the difference per request: the client's own cost of a request, in user space
 (the kernel's side of each round trip and the server's work are not counted; the
 round trips are counted by tests/test_round_trips.py). Needs valgrind (Debian's package).
+
+``--async`` counts the async sides of ``async_flow.py`` instead, one task at a time, on
+asyncio's loop and on uvloop: ``rp.AsyncEngine`` and the flow by hand on asyncpg.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import secrets
 import shutil
@@ -26,6 +30,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from async_flow import ASYNC_SIDES, loop_factory
 from flows import SCHEMA, RecoveryPointFlow, Reference, ride_operation
 
 import recoverypoint as rp
@@ -34,10 +39,19 @@ from recoverypoint.migrate import upgrade
 
 WARM_UP = 60  # psycopg prepares a statement on its 5th run; the pool fills; caches warm
 FLOWS = ("reference", "recoverypoint")
+# An async flow is named side@loop: an async_flow.py side on one loop.
+ASYNC_FLOWS = tuple(
+    f"{side}@{loop}" for loop in ("asyncio", "uvloop") for side in ("asyncpg", "recoverypoint")
+)
 
 
 def child(url: str, flow_name: str, requests: int) -> None:
     """Run the warm-up and ``requests`` fresh keys of one flow (under callgrind)."""
+    if "@" in flow_name:
+        side, loop = flow_name.split("@")
+        with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+            runner.run(async_child(url, side, requests))
+        return
     flow: Any
     if flow_name == "reference":
         flow = Reference(url)
@@ -49,6 +63,16 @@ def child(url: str, flow_name: str, requests: int) -> None:
     for _ in range(WARM_UP + requests):
         flow.run(uuid.uuid4().hex)
     flow.close()
+
+
+async def async_child(url: str, side: str, requests: int) -> None:
+    system = ASYNC_SIDES[side](url, 1)
+    await system.open()
+    try:
+        for _ in range(WARM_UP + requests):
+            await system.run(uuid.uuid4().hex)
+    finally:
+        await system.close()
 
 
 def collected(url: str, flow_name: str, requests: int) -> int:
@@ -69,7 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--child", choices=FLOWS, help=argparse.SUPPRESS)
+    parser.add_argument("--async", dest="use_async", action="store_true")
+    parser.add_argument("--child", choices=FLOWS + ASYNC_FLOWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.database_url, args.child, args.requests)
@@ -89,12 +114,17 @@ def main() -> None:
             conn.execute(SCHEMA)
         print(f"client instructions per fresh-key request ({args.requests} requests each)")
         per_request = {}
-        for flow_name in FLOWS:
+        for flow_name in ASYNC_FLOWS if args.use_async else FLOWS:
             extra = collected(url, flow_name, args.requests) - collected(url, flow_name, 0)
             per_request[flow_name] = extra / args.requests
-            print(f"  {flow_name:15} {per_request[flow_name] / 1000:8,.0f}k", flush=True)
-        ratio = per_request["recoverypoint"] / per_request["reference"]
-        print(f"  recoverypoint / reference: {ratio:.2f}")
+            print(f"  {flow_name:23} {per_request[flow_name] / 1000:8,.0f}k", flush=True)
+        if args.use_async:
+            for loop in ("asyncio", "uvloop"):
+                ratio = per_request[f"recoverypoint@{loop}"] / per_request[f"asyncpg@{loop}"]
+                print(f"  recoverypoint / asyncpg by hand on {loop}: {ratio:.2f}")
+        else:
+            ratio = per_request["recoverypoint"] / per_request["reference"]
+            print(f"  recoverypoint / reference: {ratio:.2f}")
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -5,7 +5,8 @@ timer, and takes both away again at every round trip: on asyncio, two system cal
 timer and a second trip through the loop per round trip, most of what a request cost beyond
 asyncpg's (benchmarks/README.md, "AsyncEngine against asyncpg"). While the engine holds a
 connection, from the pool's hand-out to its hand-back, a :class:`Waiter` keeps the socket
-registered, and a round trip costs one future.
+registered, and a round trip costs one future. On asyncio's own loop only: see
+:func:`attach`.
 
 The waiter stands in for the connection's ``wait``, which psycopg's own code (a cursor, a
 COMMIT, SQLAlchemy's adapter) and the engine's pipelines all wait through, and for its
@@ -21,7 +22,6 @@ which cancels the statement on the server; so does a wait with a timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import select
 from typing import Any, TypeVar, cast
 
@@ -174,11 +174,15 @@ def _lost(pgconn: Any) -> str:
 
 
 def attach(connection: psycopg.AsyncConnection[Any]) -> None:
-    """A :class:`Waiter` for ``connection`` until :func:`let_go`; none on a loop that
-    cannot watch a socket (psycopg's own wait then runs)."""
-    if not connection.closed:
-        with contextlib.suppress(NotImplementedError):
-            Waiter(connection)
+    """A :class:`Waiter` for ``connection`` until :func:`let_go`, on asyncio's own loop.
+
+    Elsewhere psycopg's own wait runs. uvloop (libuv) stops watching a socket that reports
+    an error, a connection the server reset, without calling the reader back: a waiter kept
+    registered would then wait forever, where psycopg's registers again at every round trip
+    and looks again on a timer."""
+    loop = asyncio.get_running_loop()
+    if not connection.closed and isinstance(loop, asyncio.SelectorEventLoop):
+        Waiter(connection)
 
 
 def let_go(connection: psycopg.AsyncConnection[Any]) -> None:
