@@ -22,6 +22,7 @@ which cancels the statement on the server; so does a wait with a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 from typing import Any, TypeVar, cast
 
@@ -182,7 +183,9 @@ def attach(connection: psycopg.AsyncConnection[Any]) -> None:
     and looks again on a timer."""
     loop = asyncio.get_running_loop()
     if not connection.closed and isinstance(loop, asyncio.SelectorEventLoop):
-        Waiter(connection)
+        # A socket already lost: psycopg's own wait says so at the first statement.
+        with contextlib.suppress(psycopg.OperationalError):
+            Waiter(connection)
 
 
 def let_go(connection: psycopg.AsyncConnection[Any]) -> None:
