@@ -108,10 +108,8 @@ class Waiter:
                 self.let_go()
 
     def _readable(self) -> None:
-        woken = self.waiting
-        if woken is not None:
-            if not woken.done():
-                woken.set_result(None)
+        if self.waiting is not None:
+            _wake(self.waiting)
             return
         # Nobody waits. Once is a wake the loop had queued before the wait it was for
         # read the socket; twice in a row, something nobody asked for (a notice, the
