@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import platform
 import statistics
 import subprocess
@@ -315,8 +316,34 @@ ASYNC_SIDES: dict[str, Any] = {
 }
 
 
-def summary(requests: int, errors: int, seconds: float, cpu: float) -> dict[str, float]:
-    return {"requests": requests, "errors": errors, "seconds": seconds, "cpu": cpu}
+def summary(
+    requests: int, errors: int, seconds: float, cpu: float, server: float
+) -> dict[str, float]:
+    return {
+        "requests": requests,
+        "errors": errors,
+        "seconds": seconds,
+        "cpu": cpu,
+        "server": server,
+    }
+
+
+def server_cpu() -> float:
+    """CPU seconds spent so far by every PostgreSQL process on this machine (``/proc``): read
+    while a side's connections are open, so its backends are counted; 0 where there is no
+    ``/proc``. The server's work per request beside the client's: the two share the cores."""
+    ticks = 0
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                name, _, rest = stat.partition(") ")
+                if name.endswith("(postgres"):
+                    fields = rest.split()
+                    ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def window_tasks(
@@ -349,11 +376,17 @@ async def window_tasks(
 
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     await go.wait()
-    cpu, began = time.process_time(), time.perf_counter()
+    cpu, server, began = time.process_time(), server_cpu(), time.perf_counter()
     await asyncio.sleep(seconds)
     stop.set()
     await asyncio.gather(*tasks)
-    figures = summary(done, errors, time.perf_counter() - began, time.process_time() - cpu)
+    figures = summary(
+        done,
+        errors,
+        time.perf_counter() - began,
+        time.process_time() - cpu,
+        server_cpu() - server,
+    )
     if first_error:
         print(f"  {errors} errors, the first: {first_error}")
     return figures
@@ -381,13 +414,14 @@ def window_threads(clients: int, seconds: float, one: Callable[[str], Any]) -> d
     for thread in threads:
         thread.start()
     start.wait()
-    cpu, began = time.process_time(), time.perf_counter()
+    cpu, server, began = time.process_time(), server_cpu(), time.perf_counter()
     time.sleep(seconds)
     stop.set()
     for thread in threads:
         thread.join()
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return summary(sum(c[0] for c in counts), sum(c[1] for c in counts), elapsed, cpu)
+    server = server_cpu() - server
+    return summary(sum(c[0] for c in counts), sum(c[1] for c in counts), elapsed, cpu, server)
 
 
 async def async_window(side: str, url: str, pool: int, clients: int, seconds: float) -> Any:
@@ -452,6 +486,7 @@ def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                             **total,
                             "rps": total["requests"] / total["seconds"],
                             "cpu_ms": 1000 * total["cpu"] / max(total["requests"], 1),
+                            "server_ms": 1000 * total["server"] / max(total["requests"], 1),
                         }
                     )
     return results
@@ -489,8 +524,9 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
             "| tasks in flight | AsyncEngine / psycopg by hand | AsyncEngine / asyncpg by hand "
             "| req/s: AsyncEngine · psycopg · asyncpg · sync Engine "
             "| client CPU ms/req: AsyncEngine · psycopg · asyncpg · sync Engine "
+            "| server CPU ms/req: AsyncEngine · psycopg · asyncpg · sync Engine "
             "| errors: AsyncEngine · psycopg · asyncpg · sync Engine |",
-            "|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|",
         ]
         for clients, sides in by_clients.items():
             rp_runs = sides.get("recoverypoint", [])
@@ -509,12 +545,15 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
             cpu = " · ".join(
                 _spread([r["cpu_ms"] for r in sides[n]], 3) if n in sides else "—" for n in names
             )
+            server = " · ".join(
+                _spread([r["server_ms"] for r in sides[n]], 2) if n in sides else "—" for n in names
+            )
             errors = " · ".join(
                 str(sum(int(r["errors"]) for r in sides[n])) if n in sides else "—" for n in names
             )
             lines.append(
                 f"| {clients} | {ratio('psycopg')} | {ratio('asyncpg')} | {rps} | {cpu} "
-                f"| {errors} |"
+                f"| {server} | {errors} |"
             )
         lines.append("")
     return "\n".join(lines)

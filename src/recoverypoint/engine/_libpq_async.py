@@ -3,9 +3,8 @@
 statement in one pipeline with its BEGIN, the write that records a phase with its COMMIT.
 The pipeline is the same conversation (:func:`~recoverypoint.engine._libpq.pipeline`),
 waited for on the event loop through the connection's ``wait``: the engine's waiter while
-the connection is borrowed on asyncio's loop (:mod:`recoverypoint.engine._waiter`), else
-psycopg's own; either cancels the statement on the server when the task is cancelled
-meanwhile.
+the connection is borrowed (:mod:`recoverypoint.engine._waiter`), else psycopg's own;
+either cancels the statement on the server when the task is cancelled meanwhile.
 
 A statement is prepared in the pipeline that first runs it (a Close of its name, then its
 Parse), so preparing costs no round trip of its own. With a libpq older than 17, which

@@ -2,17 +2,22 @@
 
 psycopg's own wait (``AsyncConnection.wait``) registers the socket with the loop, arms a
 timer, and takes both away again at every round trip: on asyncio, two system calls, a
-timer and a second trip through the loop per round trip, most of what a request cost beyond
-asyncpg's (benchmarks/README.md, "AsyncEngine against asyncpg"). While the engine holds a
+timer and a second trip through the loop per round trip; on uvloop, a poll handle made and
+closed as well. That was most of what a request cost beyond asyncpg's
+(benchmarks/README.md, "AsyncEngine against asyncpg"). While the engine holds a
 connection, from the pool's hand-out to its hand-back, a :class:`Waiter` keeps the socket
-registered, and a round trip costs one future. On asyncio's own loop only: see
-:func:`attach`.
+registered, and a round trip costs one future.
 
 The waiter stands in for the connection's ``wait``, which psycopg's own code (a cursor, a
 COMMIT, SQLAlchemy's adapter) and the engine's pipelines all wait through, and for its
 ``close``: a socket closed while registered would leave the loop watching a number the
 next connection may get. libpq itself closes the socket when it finds the connection lost,
 always inside a call made here, so the waiter lets the socket go in that same call.
+
+A loop may stop watching a socket without a word: libuv (uvloop) does when the socket
+reports an error, a connection the server reset, and never calls the reader back. So, as
+psycopg's wait looks again on its timer, a wait still pending after :data:`LOOK` seconds
+looks at the socket itself, and registers it again if it is ready.
 
 What psycopg's wait does beyond waiting stays psycopg's: an interrupted wait (a cancelled
 task) lets the socket go and hands the rest of the conversation to psycopg's own wait,
@@ -33,11 +38,22 @@ from psycopg.waiting import Ready, Wait
 
 RV = TypeVar("RV")
 
+LOOK = 0.1  # seconds a wait goes before it looks at the socket itself: psycopg's interval
+
 
 class Waiter:
     """Waits for ``connection`` on the running loop until :meth:`let_go`."""
 
-    __slots__ = ("connection", "loop", "registered", "socket", "unwatched", "waiting")
+    __slots__ = (
+        "connection",
+        "look",
+        "looked",
+        "loop",
+        "registered",
+        "socket",
+        "unwatched",
+        "waiting",
+    )
 
     def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
         self.connection = connection
@@ -47,6 +63,8 @@ class Waiter:
         self.unwatched = 0  # wakes in a row with nobody waiting
         self.loop.add_reader(self.socket, self._readable)
         self.registered = True
+        self.looked = False  # the last wake was the look's, not the socket's
+        self.look = self.loop.call_later(LOOK, self._look)
         # On the instance: they shadow psycopg's methods for this borrow only.
         connection.wait = self.wait  # type: ignore[method-assign]
         connection.close = self.close  # type: ignore[method-assign]
@@ -57,6 +75,7 @@ class Waiter:
             return
         if self.registered:
             self.loop.remove_reader(self.socket)
+        self.look.cancel()
         self.socket = None
         del self.connection.wait, self.connection.close
 
@@ -97,7 +116,13 @@ class Waiter:
                         self.loop.remove_writer(socket)
                     if interruption is not None:
                         return await self._hand_over(gen, state, interruption)
-                    ready = _ready_now(socket, state) if writing else Ready.R
+                    if self.looked:
+                        self.looked = False
+                        ready = _ready_now(socket, state)
+                        if ready:  # and nothing said so: the loop may have stopped watching
+                            self._register_again(socket)
+                    else:
+                        ready = _ready_now(socket, state) if writing else Ready.R
                 state = gen.send(ready)
                 if pgconn.status == ConnStatus.BAD:  # libpq closed the socket: nothing to wait on
                     raise psycopg.OperationalError(_lost(pgconn))
@@ -120,6 +145,18 @@ class Waiter:
             assert self.socket is not None  # registered
             self.loop.remove_reader(self.socket)
             self.registered = False
+
+    def _look(self) -> None:
+        self.look = self.loop.call_later(LOOK, self._look)
+        if self.waiting is not None:
+            self.looked = True
+            _wake(self.waiting)
+
+    def _register_again(self, socket: int) -> None:
+        if self.registered:
+            self.loop.remove_reader(socket)
+        self.loop.add_reader(socket, self._readable)
+        self.registered = True
 
     async def _hand_over(self, exchange: PQGen[RV], state: Wait, interruption: BaseException) -> RV:
         """The rest of ``exchange`` to psycopg's own wait, ``interruption`` raised at its
@@ -173,16 +210,12 @@ def _lost(pgconn: Any) -> str:
 
 
 def attach(connection: psycopg.AsyncConnection[Any]) -> None:
-    """A :class:`Waiter` for ``connection`` until :func:`let_go`, on asyncio's own loop.
-
-    Elsewhere psycopg's own wait runs. uvloop (libuv) stops watching a socket that reports
-    an error, a connection the server reset, without calling the reader back: a waiter kept
-    registered would then wait forever, where psycopg's registers again at every round trip
-    and looks again on a timer."""
-    loop = asyncio.get_running_loop()
-    if not connection.closed and isinstance(loop, asyncio.SelectorEventLoop):
-        # A socket already lost: psycopg's own wait says so at the first statement.
-        with contextlib.suppress(psycopg.OperationalError):
+    """A :class:`Waiter` for ``connection`` until :func:`let_go`, on any loop that watches
+    sockets (asyncio's own, uvloop); psycopg's own wait elsewhere."""
+    if not connection.closed:
+        # A socket already lost: psycopg's own wait says so at the first statement. A loop
+        # that cannot watch a socket (asyncio's proactor) raises NotImplementedError.
+        with contextlib.suppress(psycopg.OperationalError, NotImplementedError):
             Waiter(connection)
 
 
