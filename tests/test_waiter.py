@@ -105,18 +105,27 @@ def active(db: sa.Engine, query: str) -> int:
     )
 
 
-async def test_a_socket_is_registered_once_per_borrow_and_never_left(
-    engine: rp.AsyncEngine, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
-) -> None:
-    registered: list[int] = []
-    waiters: list[_waiter.Waiter] = []
-    made = _waiter.Waiter.__init__
+@pytest.fixture
+def waiters(monkeypatch: pytest.MonkeyPatch) -> list[_waiter.Waiter]:
+    """Every waiter made from here on, the last borrow's last."""
+    made: list[_waiter.Waiter] = []
+    init = _waiter.Waiter.__init__
 
     def counted(self: _waiter.Waiter, connection: Any) -> None:
-        made(self, connection)
-        waiters.append(self)
+        init(self, connection)
+        made.append(self)
 
     monkeypatch.setattr(_waiter.Waiter, "__init__", counted)
+    return made
+
+
+async def test_a_socket_is_registered_once_per_borrow_and_never_left(
+    engine: rp.AsyncEngine,
+    waiters: list[_waiter.Waiter],
+    monkeypatch: pytest.MonkeyPatch,
+    anyio_backend: Any,
+) -> None:
+    registered: list[int] = []
     loop = asyncio.get_running_loop()
     if anyio_backend == "asyncio":  # uvloop's methods cannot be wrapped on the instance
         add, remove = loop.add_reader, loop.remove_reader
@@ -186,18 +195,10 @@ async def test_a_connection_dropped_while_borrowed_neither_spins_the_loop_nor_st
 
 
 async def test_a_loop_that_stops_watching_the_socket_does_not_hang_the_request(
-    engine: rp.AsyncEngine, phase: Phase, monkeypatch: pytest.MonkeyPatch
+    engine: rp.AsyncEngine, phase: Phase, waiters: list[_waiter.Waiter]
 ) -> None:
     # As libuv does without a word when the socket reports an error: here, always, so that
     # the look (not a race with the server's reset) is what this test holds to.
-    waiters: list[_waiter.Waiter] = []
-    made = _waiter.Waiter.__init__
-
-    def counted(self: _waiter.Waiter, connection: Any) -> None:
-        made(self, connection)
-        waiters.append(self)
-
-    monkeypatch.setattr(_waiter.Waiter, "__init__", counted)
     phase.go_on = asyncio.Event()
     task = asyncio.create_task(request(engine, "unwatched"))
     with fail_after(60):
