@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
-import os
 import platform
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ import asyncpg
 import psycopg
 from async_inflight import async_ride_operation
 from flows import PARAMS, SCHEMA, charge, ride_operation
+from measure import every_postgres_cpu
 from psycopg.errors import SerializationFailure
 from sqlalchemy.ext import asyncio as sa_async
 
@@ -328,24 +328,6 @@ def summary(
     }
 
 
-def server_cpu() -> float:
-    """CPU seconds spent so far by every PostgreSQL process on this machine (``/proc``): read
-    while a side's connections are open, so its backends are counted; 0 where there is no
-    ``/proc``. The server's work per request beside the client's: the two share the cores."""
-    ticks = 0
-    with contextlib.suppress(OSError):
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError):
-                stat = (entry / "stat").read_text()
-                name, _, rest = stat.partition(") ")
-                if name.endswith("(postgres"):
-                    fields = rest.split()
-                    ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 async def window_tasks(
     clients: int, seconds: float, one: Callable[[str], Awaitable[Any]]
 ) -> dict[str, float]:
@@ -376,7 +358,7 @@ async def window_tasks(
 
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     await go.wait()
-    cpu, server, began = time.process_time(), server_cpu(), time.perf_counter()
+    cpu, server, began = time.process_time(), every_postgres_cpu(), time.perf_counter()
     await asyncio.sleep(seconds)
     stop.set()
     await asyncio.gather(*tasks)
@@ -385,7 +367,7 @@ async def window_tasks(
         errors,
         time.perf_counter() - began,
         time.process_time() - cpu,
-        server_cpu() - server,
+        every_postgres_cpu() - server,
     )
     if first_error:
         print(f"  {errors} errors, the first: {first_error}")
@@ -414,13 +396,13 @@ def window_threads(clients: int, seconds: float, one: Callable[[str], Any]) -> d
     for thread in threads:
         thread.start()
     start.wait()
-    cpu, server, began = time.process_time(), server_cpu(), time.perf_counter()
+    cpu, server, began = time.process_time(), every_postgres_cpu(), time.perf_counter()
     time.sleep(seconds)
     stop.set()
     for thread in threads:
         thread.join()
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
-    server = server_cpu() - server
+    server = every_postgres_cpu() - server
     return summary(sum(c[0] for c in counts), sum(c[1] for c in counts), elapsed, cpu, server)
 
 

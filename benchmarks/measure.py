@@ -118,6 +118,22 @@ def _proc_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def every_postgres_cpu() -> float:
+    """utime + stime so far of every PostgreSQL process on this machine, in seconds: its
+    backends, whatever their database, and its auxiliary processes; 0.0 without ``/proc``.
+    For a benchmark whose sides open their connections for their own windows (async_flow.py)
+    and have the server to themselves."""
+    total = 0.0
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            named = comm.read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        if named == "postgres":
+            total += _proc_cpu(int(comm.parent.name)) or 0.0
+    return total
+
+
 def _machine() -> tuple[float, float]:
     """The whole machine's busy and stolen CPU time so far, in seconds (all cores)."""
     try:
