@@ -78,7 +78,9 @@ def same_origin(request: Request) -> None:
         sent_from = urlsplit(source).netloc
     except ValueError:  # not a URL (an unclosed IPv6 bracket): from nowhere of ours
         sent_from = ""
-    if not sent_from or not host or sent_from != host:
+    # Host names are case-insensitive (RFC 9110): the standalone console lowers ``Host``
+    # before it gets here, while a Referer keeps whatever case it was written in.
+    if not sent_from or not host or sent_from.lower() != host.lower():
         raise CsrfFailed("this form was not sent from the console's own pages")
 
 
