@@ -1,11 +1,11 @@
 """The async engine's wait (recoverypoint.engine._waiter) on asyncio's loop and on uvloop,
 against the session's PostgreSQL. A borrowed connection's socket is registered once per
-borrow and never left registered. A request cancelled in the middle of a statement cancels
-it on the server; a connection the server drops while it is borrowed neither spins the
-loop, nor hangs the request (on uvloop, libuv stops watching the socket without calling
-the reader back: the waiter's look finds it), nor leaves a stale registration behind for
-the next connection to trip over; a statement larger than the socket's buffer goes out
-whole."""
+borrow (again only if the loop stopped watching it) and never left registered. A request
+cancelled in the middle of a statement cancels it on the server; a connection the server
+drops while it is borrowed neither spins the loop, nor hangs the request (on uvloop,
+libuv stops watching a socket that reports an error: the waiter's look finds it), nor
+leaves a stale registration behind for the next connection to trip over; a statement
+larger than the socket's buffer goes out whole."""
 
 from __future__ import annotations
 
@@ -195,21 +195,39 @@ async def test_a_connection_dropped_while_borrowed_neither_spins_the_loop_nor_st
 
 
 async def test_a_loop_that_stops_watching_the_socket_does_not_hang_the_request(
-    engine: rp.AsyncEngine, phase: Phase, waiters: list[_waiter.Waiter]
+    engine: rp.AsyncEngine,
+    phase: Phase,
+    waiters: list[_waiter.Waiter],
+    monkeypatch: pytest.MonkeyPatch,
+    anyio_backend: Any,
 ) -> None:
-    # As libuv does without a word when the socket reports an error: here, always, so that
-    # the look (not a race with the server's reset) is what this test holds to.
+    # As libuv does when the socket reports an error (its last call of the reader may come
+    # while no wait is pending): here always, so that the look, not a race with the
+    # server's reset, is what this test holds to.
+    loop = asyncio.get_running_loop()
+    watched_again: list[bool] = []
+    register_again = _waiter.Waiter._register_again
+
+    def seen(self: _waiter.Waiter, socket: int) -> None:
+        register_again(self, socket)
+        if anyio_backend == "asyncio":  # uvloop tells nobody what it watches
+            watched_again.append(socket in loop._selector.get_map())  # type: ignore[attr-defined]
+        else:
+            watched_again.append(True)
+
+    monkeypatch.setattr(_waiter.Waiter, "_register_again", seen)
     phase.go_on = asyncio.Event()
     task = asyncio.create_task(request(engine, "unwatched"))
     with fail_after(60):
         await phase.entered.wait()
     borrowing = waiters[-1]
     assert borrowing.socket is not None
-    asyncio.get_running_loop().remove_reader(borrowing.socket)  # behind the waiter's back
+    loop.remove_reader(borrowing.socket)  # behind the waiter's back
     phase.go_on.set()
     with fail_after(30):  # without the look, the phase's next statement waits forever
         outcome = await task
     assert outcome.status == 201 and phase.answer == 1
+    assert watched_again and all(watched_again)  # the look gave the socket back to the loop
     assert (await request(engine, "unwatched")).replayed
 
 

@@ -15,9 +15,10 @@ next connection may get. libpq itself closes the socket when it finds the connec
 always inside a call made here, so the waiter lets the socket go in that same call.
 
 A loop may stop watching a socket without a word: libuv (uvloop) does when the socket
-reports an error, a connection the server reset, and never calls the reader back. So, as
-psycopg's wait looks again on its timer, a wait still pending after :data:`LOOK` seconds
-looks at the socket itself, and registers it again if it is ready.
+reports an error (a connection the server reset), once it has called the reader a last
+time, and that call may come while no wait is pending. So, as psycopg's wait looks again
+on its timer, while waits are pending the waiter looks at the socket itself every
+:data:`LOOK` seconds, and registers it again when it finds it readable.
 
 What psycopg's wait does beyond waiting stays psycopg's: an interrupted wait (a cancelled
 task) lets the socket go and hands the rest of the conversation to psycopg's own wait,
@@ -38,7 +39,7 @@ from psycopg.waiting import Ready, Wait
 
 RV = TypeVar("RV")
 
-LOOK = 0.1  # seconds a wait goes before it looks at the socket itself: psycopg's interval
+LOOK = 0.1  # seconds between two looks at a socket waited for: psycopg's own interval
 
 
 class Waiter:
@@ -63,8 +64,8 @@ class Waiter:
         self.unwatched = 0  # wakes in a row with nobody waiting
         self.loop.add_reader(self.socket, self._readable)
         self.registered = True
-        self.looked = False  # the last wake was the look's, not the socket's
-        self.look = self.loop.call_later(LOOK, self._look)
+        self.looked = False  # the look woke the wait: what woke it may not be the socket
+        self.look: asyncio.TimerHandle | None = None  # armed while waits are pending
         # On the instance: they shadow psycopg's methods for this borrow only.
         connection.wait = self.wait  # type: ignore[method-assign]
         connection.close = self.close  # type: ignore[method-assign]
@@ -75,7 +76,8 @@ class Waiter:
             return
         if self.registered:
             self.loop.remove_reader(self.socket)
-        self.look.cancel()
+        if self.look is not None:
+            self.look.cancel()
         self.socket = None
         del self.connection.wait, self.connection.close
 
@@ -104,6 +106,8 @@ class Waiter:
                         self.loop.add_reader(socket, self._readable)
                         self.registered = True
                     woken = self.waiting = self.loop.create_future()
+                    if self.look is None:
+                        self.look = self.loop.call_later(LOOK, self._look)
                     if writing:  # the socket's buffer is full: seldom, and only until it drains
                         self.loop.add_writer(socket, _wake, woken)
                     interruption: BaseException | None = None
@@ -119,8 +123,8 @@ class Waiter:
                     if self.looked:
                         self.looked = False
                         ready = _ready_now(socket, state)
-                        if ready:  # and nothing said so: the loop may have stopped watching
-                            self._register_again(socket)
+                        if ready & Ready.R:  # and the loop said nothing: it may have stopped
+                            self._register_again(socket)  # watching (so may a writer's end)
                     else:
                         ready = _ready_now(socket, state) if writing else Ready.R
                 state = gen.send(ready)
@@ -147,10 +151,12 @@ class Waiter:
             self.registered = False
 
     def _look(self) -> None:
+        if self.waiting is None:  # nothing to look for: the next wait arms the look again
+            self.look = None
+            return
         self.look = self.loop.call_later(LOOK, self._look)
-        if self.waiting is not None:
-            self.looked = True
-            _wake(self.waiting)
+        self.looked = True
+        _wake(self.waiting)
 
     def _register_again(self, socket: int) -> None:
         if self.registered:
@@ -200,7 +206,10 @@ def _ready_now(socket: int, state: int) -> int:
     """What ``socket`` is ready for now, of what ``state`` waits for: a socket asked for
     writing nearly always is, and a look without a timeout is cheaper than a trip through
     the loop."""
-    readable, writable, _ = select.select([socket] if state & Wait.R else [], [socket], [], 0)
+    watched = [socket]
+    readable, writable, _ = select.select(
+        watched if state & Wait.R else [], watched if state & Wait.W else [], [], 0
+    )
     return (Ready.R if readable else Ready.NONE) | (Ready.W if writable else Ready.NONE)
 
 
