@@ -102,9 +102,8 @@ class Waiter:
                 ready = _ready_now(socket, state) if writing else Ready.NONE
                 if not ready:
                     self.unwatched = 0
-                    if not self.registered:
-                        self.loop.add_reader(socket, self._readable)
-                        self.registered = True
+                    if not self.registered:  # resting since a wake nobody asked for
+                        self._register_again(socket)
                     woken = self.waiting = self.loop.create_future()
                     if self.look is None:
                         self.look = self.loop.call_later(LOOK, self._look)
@@ -159,6 +158,8 @@ class Waiter:
         _wake(self.waiting)
 
     def _register_again(self, socket: int) -> None:
+        """The socket watched by the loop again: after a rest, or after the loop may have
+        stopped watching it (a registration it holds is replaced, not added to)."""
         if self.registered:
             self.loop.remove_reader(socket)
         self.loop.add_reader(socket, self._readable)
@@ -203,9 +204,9 @@ class _Resumed:
 
 
 def _ready_now(socket: int, state: int) -> int:
-    """What ``socket`` is ready for now, of what ``state`` waits for: a socket asked for
-    writing nearly always is, and a look without a timeout is cheaper than a trip through
-    the loop."""
+    """What ``socket`` is ready for now, of what ``state`` waits for, without a timeout: a
+    socket asked for writing nearly always is, and a look is cheaper than a trip through
+    the loop; the look of :meth:`Waiter._look` asks here too."""
     watched = [socket]
     readable, writable, _ = select.select(
         watched if state & Wait.R else [], watched if state & Wait.W else [], [], 0
