@@ -13,7 +13,7 @@ import re
 
 import sqlalchemy as sa
 
-PARTITIONED = ("idempotency_keys", "staged_jobs")
+PARTITIONED = ("idempotency_keys", "staged_jobs", "key_generations")
 PARTITIONS = 4
 
 # A partition's name in a plan: the table's, then _p and its remainder.

@@ -69,6 +69,21 @@ idempotency_keys = Table(
     # failover is claimed again with the same one. NULL in rows claimed before migration
     # 0009, which derive from their id and creation time.
     Column("derivation_seed", Text),
+    # How many times (scope, operation, key) was used and deleted after its retention
+    # before this request (migration 0013): part of what its derived keys are made from, so
+    # that a reuse gets new ones and a row lost in a failover the same ones.
+    Column("generation", Integer, nullable=False, server_default=text("0")),
+    # When the recovery point was committed: the earliest the step after it was first
+    # called, which its provider's dedupe window counts from. NULL before migration 0013.
+    Column("point_reached_at", DateTime(timezone=True)),
+    # Times the step after the recovery point was called anew with a fresh downstream key,
+    # its provider having forgotten the old one; 0 again when the point moves on.
+    Column("window_renewals", Integer, nullable=False, server_default=text("0")),
+    # Set while the key waits for an operator's reconciliation (the step after its point
+    # is past its provider's window, with no reconcile hook); no worker takes it.
+    Column("reconcile_since", DateTime(timezone=True)),
+    # When the operation's compensation committed for the abandoned key (it runs once).
+    Column("compensated_at", DateTime(timezone=True)),
     PrimaryKeyConstraint("id", "scope", name="idempotency_keys_pkey"),
     # The client's key first: the claim names all three columns, a search by the key alone
     # (the console's, a support ticket's) only the first.
@@ -149,6 +164,22 @@ processed_messages = Table(
     Column("message_id", Text, primary_key=True),
     Column("processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Index("processed_messages_processed_at", "processed_at"),
+)
+
+# The next generation of each key whose finished row was deleted (by the reaper, or by the
+# claim of a reuse past its retention), written in the transaction that deletes the row: a
+# reuse after reaping is a new generation too (recoverypoint.keys.key_seed). Pruned by the
+# reaper after the generations' retention.
+key_generations = Table(
+    "key_generations",
+    metadata,
+    Column("scope", Text, nullable=False),
+    Column("operation", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("generation", Integer, nullable=False),
+    Column("deleted_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("idempotency_key", "scope", "operation", name="key_generations_pkey"),
+    Index("key_generations_deleted_at", "deleted_at"),
 )
 
 # When each kind of worker last ran a pass, per host (workers.loop); `recoverypoint doctor`
