@@ -45,6 +45,7 @@ KEY_COLUMNS = f"""
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,
     k.state AS phase_state, k.response_headers, k.response_body, k.derivation_seed,
+    k.generation,
     EXISTS (SELECT 1 FROM registered AS r
             WHERE r.operation = k.operation AND r.version = k.operation_version) AS known
 """

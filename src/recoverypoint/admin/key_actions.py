@@ -31,6 +31,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
+from .. import generations
 from ..keys import canonical_json
 from ..leases import free_before
 from ..operation import FINISHED
@@ -162,8 +163,9 @@ _DELETE = sa.text(
         WHERE k.scope = :scope AND k.id = s.id
           AND (k.finished_at IS NOT NULL
                OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
-        RETURNING k.id
+        RETURNING k.id, {generations.DELETED}
     ),
+    {generations.record_next("deleted")},
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
         FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id
@@ -200,8 +202,9 @@ _PURGE_BATCH = sa.text(
     deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
         WHERE k.scope = :scope AND k.id = doomed.id
-        RETURNING k.id
+        RETURNING k.id, {generations.DELETED}
     ),
+    {generations.record_next("deleted")},
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
         FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id

@@ -248,9 +248,11 @@ def find_key(
             raise NotFound(f"there is no {what}: list keys with `recoverypoint keys list`")
         jobs = tuple(Job(**j._mapping) for j in conn.execute(_JOBS_OF_KEY, {"id": found.id}))
     values = dict(found._mapping)
-    seed = values.pop("derivation_seed")
+    seed, generation = values.pop("derivation_seed"), values.pop("generation")
     detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
     row = KeyRow(**values)
+    # What StepContext.downstream_key() derives from: the same inputs.
+    material = record_material(seed, row.id, row.created_at, row.operation, generation)
     if not reveal:
         row = dataclasses.replace(row, scope=admin.mask(row.scope))
         detail["fingerprint"] = admin.mask(detail["fingerprint"])
@@ -260,7 +262,7 @@ def find_key(
     return KeyDetail(
         row=row,
         **detail,
-        phases=phases(operation_, row, seed) if operation_ is not None else (),
+        phases=phases(operation_, row, material) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
             row.locked_at + timedelta(seconds=row.lock_timeout)
@@ -283,9 +285,9 @@ _DETAIL_FIELDS = (
 )
 
 
-def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[PhaseMark, ...]:
-    """The declared phases, the key's point marked, each step's downstream key (``seed``:
-    the record's, see :func:`recoverypoint.keys.key_seed`)."""
+def phases(operation: Operation[Any], row: KeyRow, material: str) -> tuple[PhaseMark, ...]:
+    """The declared phases, the key's point marked, each step's downstream key
+    (``material``: the record's, see :func:`recoverypoint.keys.record_material`)."""
     points = [STARTED, *(p.point for p in operation.phases)]
     at = points.index(row.point) if row.point in points else -1
     found: list[PhaseMark] = [PhaseMark(STARTED, "start", _mark(0, at))]
@@ -293,8 +295,6 @@ def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[Ph
         mark = _mark(index, at)
         downstream = None
         if not phase.atomic:
-            # What StepContext.downstream_key() returns in this step: the same inputs.
-            material = record_material(seed, row.id, row.created_at, operation.name)
             downstream = derived_key_of(material, "downstream", phase.point, "")
         found.append(PhaseMark(phase.point, phase.kind, mark, downstream))
     return tuple(found)

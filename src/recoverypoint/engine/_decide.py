@@ -77,6 +77,8 @@ class KeyRecord(NamedTuple):
     attempts: int
     seed: str | None
     """The row's derivation seed; ``None`` for a row claimed before seeds existed."""
+    generation: int
+    """Which use of the key this is (:mod:`recoverypoint.generations`)."""
     ctid: str
     claimed: bool
     inserted: bool
@@ -89,11 +91,11 @@ class KeyRecord(NamedTuple):
         and ``held_for``)."""
         (
             key_id, scope, created_at, version, fingerprint, point, state, params, status,
-            headers, body, attempts, seed, ctid, claimed, inserted, held_for,
+            headers, body, attempts, seed, generation, ctid, claimed, inserted, held_for,
         ) = row  # fmt: skip
         assert key_id and scope is not None and created_at and version and fingerprint
         assert point and state
-        assert params is not None and attempts and ctid
+        assert params is not None and attempts and generation and ctid
         return cls(
             int(key_id),
             scope,
@@ -108,6 +110,7 @@ class KeyRecord(NamedTuple):
             body,
             int(attempts),
             seed,
+            int(generation),
             ctid,
             claimed == "t",
             inserted == "t",

@@ -612,7 +612,9 @@ class _AsyncRun:
         self.operation = operation
         self.record = record
         self.key = KeyRef(record.id, record.scope, token, record.ctid)
-        self.identity = KeyIdentity(operation.name, record.id, record.created_at, record.seed)
+        self.identity = KeyIdentity(
+            operation.name, record.id, record.created_at, record.seed, record.generation
+        )
         self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 
     @functools.cached_property

@@ -32,7 +32,7 @@ import re
 from typing import NamedTuple
 from uuid import UUID
 
-from .. import leases
+from .. import generations, leases
 
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
@@ -97,13 +97,14 @@ NOTHING = "SELECT 1"
 _RETURNED = """
     id, scope, created_at, operation_version, fingerprint, recovery_point, state,
     request_params, response_status, response_headers, response_body, attempts,
-    derivation_seed, ctid
+    derivation_seed, generation, ctid
 """
 _RECORD_COLUMNS = """
     id::text, scope, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
-    response_body::text, attempts::text, derivation_seed, ctid::text AS ctid
+    response_body::text, attempts::text, derivation_seed, generation::text,
+    ctid::text AS ctid
 """
 
 
@@ -120,15 +121,18 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # that started it, which may not be the caller's). An existing row is read,
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
-# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot. A new
+# row takes the key's generation (recoverypoint.generations) in the same statement: one
+# primary-key lookup in the key's scope, no round trip.
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
-            request_path, request_params, fingerprint, derivation_seed, locked_at, lock_token,
-            lock_timeout)
+            request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
+            lock_token, lock_timeout)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s,
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s,
+            {generations.current("%(scope)s", "%(operation)s", "%(key)s")}, now(), %(token)s,
             %(lock_timeout)s)
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RETURNED}
@@ -179,12 +183,16 @@ FIND_FINISHED = Statement("""
 # request, whether or not the reaper got to it. Deleted in the claim's transaction, before
 # CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
 # abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
-PAST_RETENTION = Statement("""
-    DELETE FROM idempotency_keys
-    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
-      AND finished_at <= now() - make_interval(secs => %(retention)s)
-      AND abandoned_at IS NULL
-    RETURNING id
+# Records the key's next generation, which the claim then gives the new row.
+PAST_RETENTION = Statement(f"""
+    WITH deleted AS (
+        DELETE FROM idempotency_keys AS k
+        WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+          AND finished_at <= now() - make_interval(secs => %(retention)s)
+          AND abandoned_at IS NULL
+        RETURNING {generations.DELETED}
+    ), {generations.record_next("deleted")}
+    SELECT generation FROM deleted
 """)
 
 # The database's namespace of derived keys (migration 0009), read once per engine.

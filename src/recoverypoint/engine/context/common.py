@@ -15,8 +15,8 @@ from ...observe import NO_OBSERVER, Observer
 
 class KeyIdentity:
     """The stored fields every derived key is built from (the record's seed, or for a
-    record claimed before seeds existed its id and creation time); what the keys share is
-    made once per run."""
+    record claimed before seeds existed its id and creation time, and its generation); what
+    the keys share is made once per run."""
 
     __slots__ = ("_material", "created_at", "key_id", "operation")
 
@@ -25,12 +25,20 @@ class KeyIdentity:
     created_at: datetime
     _material: str
 
-    def __init__(self, operation: str, key_id: int, created_at: datetime, seed: str | None) -> None:
+    def __init__(
+        self,
+        operation: str,
+        key_id: int,
+        created_at: datetime,
+        seed: str | None,
+        generation: int = 0,
+    ) -> None:
         set_once = object.__setattr__  # read-only after: the material is made from them
         set_once(self, "operation", operation)
         set_once(self, "key_id", key_id)
         set_once(self, "created_at", created_at)
-        set_once(self, "_material", record_material(seed, key_id, created_at, operation))
+        material = record_material(seed, key_id, created_at, operation, generation)
+        set_once(self, "_material", material)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a KeyIdentity is read-only: {name} cannot change")
