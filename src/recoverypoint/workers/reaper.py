@@ -5,7 +5,10 @@ Only finished keys are ever deleted, by the age of ``finished_at``: after their 
 completer have); keys the completer abandoned not before the longer ``abandoned_retention``
 (30 days) either, so a human has time to look at them. An unfinished key is never deleted,
 however old: the completer finishes or abandons it first. Staged jobs of a deleted key keep
-their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement).
+their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement), and
+the key's next generation is recorded in the same statement (:mod:`recoverypoint.generations`),
+so that a reuse of the key hands its providers new keys. Those records are pruned after
+``generations_retention`` (30 days), longer than any provider remembers a key.
 
 A large pass leaves dead rows behind. Where autovacuum looks after the table it reaped,
 that is autovacuum's work; where it is off (for the server or the table), the reaper runs
