@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint import admin
+from recoverypoint.testing import Clock
 from recoverypoint.workers import Reaper
 
 SCHEMA = """
@@ -289,22 +290,35 @@ def test_the_job_keys_of_a_lost_row_are_the_same_again(
     assert len(provider.charges()) == 2
 
 
-def test_the_reaper_prunes_recorded_generations_after_their_retention(
-    worker_db: sa.Engine,
+def test_a_generation_is_kept_for_the_generations_retention_then_pruned(
+    worker_db: sa.Engine, scope: str
 ) -> None:
+    # Its own database: the clock moves every key in it.
     with worker_db.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO key_generations (scope, operation, idempotency_key, generation, "
-                "deleted_at) VALUES ('s', 'o', 'old', 1, now() - interval '31 days'), "
-                "('s', 'o', 'recent', 1, now() - interval '29 days')"
-            )
-        )
-    result = Reaper(rp.Engine(worker_db)).run_once()
-    assert result.generations == 1
+        conn.exec_driver_sql(SCHEMA)
+    provider, clock = StrictProvider(worker_db), Clock(worker_db)
+    engine = rp.Engine(worker_db)
+    op = sync_operation("pruned", provider)
+    engine.register(op)
+    engine.run(op, key="k", scope=scope, params={"amount": 1000})
+    clock.advance(hours=73)
+    reaper = Reaper(engine)
+    assert reaper.run_once().finished == 1
+    clock.advance(days=29)
+    assert reaper.run_once().generations == 0  # kept: a provider may still know the key
+    engine.run(op, key="k", scope=scope, params={"amount": 2500})
+    assert generation(worker_db, "pruned") == 1
+    clock.advance(hours=73)
+    assert reaper.run_once().finished == 1  # records generation 2
+    clock.advance(days=30, seconds=1)
+    assert reaper.run_once().generations == 1
     with worker_db.connect() as conn:
-        kept = conn.execute(sa.text("SELECT idempotency_key FROM key_generations")).scalars()
-        assert list(kept) == ["recent"]
+        assert conn.execute(sa.text("SELECT count(*) FROM key_generations")).scalar_one() == 0
+    # Pruned: a reuse is generation 0 again, and derives the first request's keys, which
+    # every provider has long forgotten (here: they are refused with other params).
+    with pytest.raises(Refused):
+        engine.run(op, key="k", scope=scope, params={"amount": 3000})
+    assert provider.keys_seen[2] == provider.keys_seen[0]
 
 
 @pytest.mark.parametrize("action", ["delete", "purge"])
