@@ -228,9 +228,7 @@ def legacy_key_material(key_id: int, created_at: datetime, operation: str = "") 
     return f"{operation}\x00{key_id}\x00{created}"
 
 
-def record_material(
-    seed: str | None, key_id: int, created_at: datetime, operation: str
-) -> str:
+def record_material(seed: str | None, key_id: int, created_at: datetime, operation: str) -> str:
     """What the keys derived for one key record share: its seed, or for a record claimed
     before seeds existed, its :func:`legacy_key_material`."""
     return seed if seed is not None else legacy_key_material(key_id, created_at, operation)

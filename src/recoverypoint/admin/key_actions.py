@@ -125,7 +125,8 @@ _ABANDON = sa.text(
 
 # The completer's own abandonment: only while the key is unfinished, out of attempts, and
 # its lease is the completer's or free (a client may have taken it since the attempt
-# failed; then the client's attempt decides).
+# failed; then the client's attempt decides), and not held for an operator's
+# reconciliation (abandoned, its step's first call would be forgotten with it).
 _ABANDON_EXHAUSTED = sa.text(
     """
     UPDATE idempotency_keys
@@ -133,7 +134,7 @@ _ABANDON_EXHAUSTED = sa.text(
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
     WHERE scope = :scope AND id = :id AND finished_at IS NULL AND attempts >= :max_attempts
-      AND (lock_token IS NULL OR lock_token = :token)
+      AND (lock_token IS NULL OR lock_token = :token) AND reconcile_since IS NULL
     RETURNING idempotency_key, recovery_point, attempts, last_error
     """
 )
