@@ -9,7 +9,10 @@ the hook's answer is recorded, or the step is called anew with a fresh downstrea
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import threading
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +25,11 @@ import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
+from recoverypoint import admin
+from recoverypoint.cli import main
 from recoverypoint.database import normalize_url
+from recoverypoint.exits import EXIT_OK, EXIT_REFUSED
+from recoverypoint.integrations.prometheus_collector import DatabaseCollector
 from recoverypoint.workers import Completer
 
 REQUEST = rp.Request("POST", "/rides")
@@ -73,7 +80,8 @@ class Provider:
 
 def declare(provider: Provider, asynchronous: bool, hook: bool) -> rp.Operation[Any]:
     """create_ride: an atomic phase, a charge with a 24 h window, the answer."""
-    rides = rp.Operation(f"ride_{asynchronous}_{hook}", max_attempts=3)
+    # Named apart: the tests share a database, and the metrics count by operation.
+    rides = rp.Operation(f"ride_{uuid.uuid4().hex[:12]}", max_attempts=3)
 
     def created(tx: Any, params: Any) -> None:
         tx.state["ride"] = params["ride"]
@@ -88,7 +96,9 @@ def declare(provider: Provider, asynchronous: bool, hook: bool) -> rp.Operation[
         return rp.Response(201, {"charge": tx.state["charge_id"]})
 
     if asynchronous:
-        created, charge, reconcile, finish = (_async(f) for f in (created, charge, reconcile, finish))
+        created, charge, reconcile, finish = (
+            _async(f) for f in (created, charge, reconcile, finish)
+        )
     rides.atomic_phase("ride_created")(created)
     window: dict[str, Any] = {"dedupe_window": WINDOW}
     if hook:
@@ -128,7 +138,9 @@ class Service:
         with self.engine.db.connect() as conn:
             return int(
                 conn.execute(
-                    sa.text("SELECT id FROM idempotency_keys WHERE idempotency_key = :k AND scope = :s"),
+                    sa.text(
+                        "SELECT id FROM idempotency_keys WHERE idempotency_key = :k AND scope = :s"
+                    ),
                     {"k": key, "s": self.scope},
                 ).scalar_one()
             )
@@ -193,10 +205,11 @@ def complete(service: Service) -> Any:
 
 def lost_answer(service: Service, provider: Provider, key: str) -> None:
     """The first attempt charged, and its answer was lost; then the provider forgot the key."""
+    charged = len(provider.charges)
     provider.fail.append("lose")
     with pytest.raises(rp.Retryable):
         service.run(key)
-    assert len(provider.charges) == 1
+    assert len(provider.charges) == charged + 1
 
 
 def test_a_step_inside_its_window_is_called_again_with_the_same_key(
@@ -255,7 +268,9 @@ def test_past_the_window_the_completer_holds_the_key_and_never_abandons_it(
     assert service.row("by-completer").reconcile_since is not None
     with service.engine.db.begin() as conn:  # out of attempts: still not abandoned
         conn.execute(
-            sa.text("UPDATE idempotency_keys SET attempts = 3, next_attempt_at = now() WHERE scope = :s"),
+            sa.text(
+                "UPDATE idempotency_keys SET attempts = 3, next_attempt_at = now() WHERE scope = :s"
+            ),
             {"s": service.scope},
         )
     assert complete(service).abandoned == 0
@@ -307,6 +322,81 @@ def test_a_hook_that_finds_nothing_calls_anew_with_a_fresh_key_that_a_crash_keep
     assert provider.charges == [("ch_1", fresh_key)]
     assert provider.lookups == [first_key]
     assert service.row("renewed").window_renewals == 1  # kept with the finished key
+
+
+def test_an_operator_sees_held_keys_and_reconciles_them(
+    make: Callable[..., Service],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    provider = Provider()
+    service = make(provider, hook=False)
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", database_url)
+    app = types.ModuleType("rp_windows_app")
+    app.engine = service.engine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rp_windows_app", app)
+
+    def cli(*args: str) -> tuple[int, str]:
+        status = main([*args, "--app", "rp_windows_app:engine"])
+        out, err = capsys.readouterr()
+        return status, out + err
+
+    lost_answer(service, provider, "found")
+    provider.fail.append("down")
+    with pytest.raises(rp.Retryable):
+        service.run("not-found")
+    provider.forget()
+    lost_answer(service, provider, "nearing")
+    for key in ("found", "not-found"):
+        service.later(key)
+        with pytest.raises(rp.NeedsReconciliation):
+            service.run(key)
+    service.later("nearing", timedelta(hours=19))  # 79 % of its window
+    found, not_found = service.key_id("found"), service.key_id("not-found")
+
+    # Seen: the listing's state, the doctor, the metric.
+    status, out = cli("keys", "list", "--state", "needs-reconciliation", "--json")
+    assert status == EXIT_OK
+    assert {found, not_found} <= {key["id"] for key in json.loads(out)}
+    ops = admin.Admin.for_engine(service.engine)  # type: ignore[arg-type]
+    [check] = [c for c in admin.diagnose(ops) if c.name == "dedupe windows"]
+    assert check.status == "warn" and "keys reconcile" in check.hint
+    assert admin.keys.nearing_windows(ops) == 1  # of this operation: "nearing" alone
+    [gauge] = [
+        m
+        for m in DatabaseCollector(service.engine.db, service.engine.operations).collect()
+        if m.name == "recoverypoint_keys_needing_reconciliation"
+    ]
+    assert {s.labels["operation"]: s.value for s in gauge.samples}[service.operation.name] == 2
+
+    # `keys retry` refuses, and names what to do.
+    status, out = cli("keys", "retry", str(found))
+    assert status == EXIT_REFUSED and f"keys reconcile {found}" in out
+
+    # Found: recorded as the step's result; the retry goes on without calling the step.
+    status, out = cli("keys", "reconcile", str(found), "--found", '{"charge_id": "ch_1"}')
+    assert status == EXIT_OK, out
+    assert service.run("found").body == {"charge": "ch_1"}
+    # Not found: the step is called anew, with a fresh key, by the completer.
+    status, out = cli("keys", "reconcile", str(not_found), "--not-found")
+    assert status == EXIT_OK, out
+    assert complete(service).finished == 2  # and "nearing", inside its window
+
+    first_found, first_not_found, nearing = provider.calls[:3]
+    [fresh] = set(provider.calls[3:]) - {nearing}
+    assert sorted(provider.calls[3:]) == sorted([nearing, fresh])
+    assert fresh not in (first_found, first_not_found)
+    assert [key for _, key in provider.charges] == [first_found, nearing, fresh]
+    with service.engine.db.connect() as conn:
+        audited = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM audit_log WHERE action = 'keys.reconcile' "
+                "AND ids && CAST(:ids AS bigint[])"
+            ),
+            {"ids": [found, not_found]},
+        ).scalar_one()
+    assert audited == 2
 
 
 def test_windows_are_declared_sanely() -> None:
