@@ -4,7 +4,9 @@ client, the completer, or the completer after an operator's ``keys retry``) is n
 charged blindly again. Without a reconcile hook the key is held for an operator; with one,
 the hook's answer is recorded, or the step is called anew with a fresh downstream key.
 
-"25 hours later" is made by moving the key's timestamps back in SQL, never by sleeping."""
+The operator's commands are those of docs/how-to/operating.md ("When a key needs
+reconciliation"). "25 hours later" is made by moving the key's timestamps back in SQL,
+never by sleeping."""
 
 from __future__ import annotations
 
