@@ -345,6 +345,54 @@ class Stats:
     """Staged jobs the enqueuer may publish now."""
 
 
+NEARING = 0.75
+"""The share of a step's dedupe window after which a key waiting before it is near it."""
+
+# Unfinished keys waiting before a foreign step with a dedupe window (the windows of the
+# operations known here), past NEARING of it and not held yet: a key judges its step's
+# window from when its recovery point was reached (its creation, before migration 0013).
+_NEARING = sa.text(
+    """
+    WITH w AS (
+        SELECT * FROM unnest(
+            CAST(:operations AS text[]), CAST(:versions AS integer[]),
+            CAST(:points AS text[]), CAST(:windows AS double precision[])
+        ) AS w(operation, version, point, seconds)
+    )
+    SELECT count(*) FROM idempotency_keys AS k
+    JOIN w ON w.operation = k.operation AND w.version = k.operation_version
+          AND w.point = k.recovery_point
+    WHERE k.finished_at IS NULL AND k.reconcile_since IS NULL
+      AND coalesce(k.point_reached_at, k.created_at)
+          <= now() - make_interval(secs => w.seconds * :nearing)
+    """
+)
+
+
+def nearing_windows(admin: Admin) -> int:
+    """Unfinished keys past :data:`NEARING` of the dedupe window of the step they wait
+    before, not yet held for reconciliation; of the operations ``admin`` knows."""
+    windows = [
+        (operation, point, phase.dedupe_window)
+        for operation in admin.operations
+        for point, phase in zip(
+            (STARTED, *(p.point for p in operation.phases)), operation.phases, strict=False
+        )
+        if phase.dedupe_window is not None
+    ]
+    if not windows:
+        return 0
+    params = {
+        "operations": [operation.name for operation, _, _ in windows],
+        "versions": [operation.version for operation, _, _ in windows],
+        "points": [point for _, point, _ in windows],
+        "windows": [window.total_seconds() for _, _, window in windows],
+        "nearing": NEARING,
+    }
+    with admin.db.connect() as conn:
+        return int(conn.execute(_NEARING, params).scalar_one())
+
+
 def stats(admin: Admin, *, include_finished: bool = True) -> Stats:
     """Counts of keys by operation, state and recovery point, and of staged jobs.
 

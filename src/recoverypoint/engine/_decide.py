@@ -80,6 +80,13 @@ class KeyRecord(NamedTuple):
     generation: int
     """Which use of the key this is (:mod:`recoverypoint.generations`)."""
     ctid: str
+    point_age: float
+    """Seconds since the recovery point was committed (the key created, in rows older than
+    migration 0013), on the database's clock."""
+    window_renewals: int
+    """Times the step after the point was called anew past its provider's dedupe window."""
+    held: bool
+    """Whether the key waits for an operator's reconciliation."""
     claimed: bool
     inserted: bool
     held_for: float | None
@@ -91,11 +98,13 @@ class KeyRecord(NamedTuple):
         and ``held_for``)."""
         (
             key_id, scope, created_at, version, fingerprint, point, state, params, status,
-            headers, body, attempts, seed, generation, ctid, claimed, inserted, held_for,
+            headers, body, attempts, seed, generation, ctid, point_age, renewals, held,
+            claimed, inserted, held_for,
         ) = row  # fmt: skip
         assert key_id and scope is not None and created_at and version and fingerprint
         assert point and state
-        assert params is not None and attempts and generation and ctid
+        assert params is not None and attempts and generation and ctid and point_age
+        assert renewals
         return cls(
             int(key_id),
             scope,
@@ -112,6 +121,9 @@ class KeyRecord(NamedTuple):
             seed,
             int(generation),
             ctid,
+            float(point_age),
+            int(renewals),
+            held == "true",
             claimed == "t",
             inserted == "t",
             None if held_for is None else float(held_for),
@@ -223,6 +235,14 @@ class Registry:
             self._operations[ident] = operation
 
     def _check_kind(self, operation: Operation[Any], phase: Phase) -> None:
+        if phase.reconcile is not None and (
+            inspect.iscoroutinefunction(phase.reconcile) != self._asynchronous
+        ):
+            kind = "async def" if self._asynchronous else "a plain def"
+            raise DeclarationError(
+                f"{operation.name}: the reconcile hook of {phase.point!r} must be {kind}, "
+                f"as its step is for {type(self).__name__}"
+            )
         if inspect.iscoroutinefunction(phase.fn) == self._asynchronous:
             return
         if self._asynchronous:

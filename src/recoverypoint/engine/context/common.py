@@ -109,11 +109,17 @@ class StepContext:
         A read-only view of what earlier phases committed.
     key_id:
         The key record's id.
+    renewals:
+        How many times the step was called anew past its provider's dedupe window (see
+        ``Operation.foreign_step``); 0 until then.
     """
 
-    def __init__(self, state: Mapping[str, Any], identity: KeyIdentity, point: str) -> None:
+    def __init__(
+        self, state: Mapping[str, Any], identity: KeyIdentity, point: str, renewals: int = 0
+    ) -> None:
         self.state: Mapping[str, Any] = MappingProxyType(dict(state))
         self.key_id = identity.key_id
+        self.renewals = renewals
         self._identity = identity
         self._point = point
 
@@ -122,6 +128,9 @@ class StepContext:
 
         The same for every attempt at this step of this request, different for every other
         step and request, at most 67 characters, and free of the scope and the client's key.
-        Pass ``name`` when one step makes several foreign calls.
+        Pass ``name`` when one step makes several foreign calls. A step called anew after
+        its provider forgot the old key (:attr:`renewals`) gets a fresh one.
         """
+        if self.renewals:
+            return self._identity.derive("downstream", self._point, name or "", str(self.renewals))
         return self._identity.derive("downstream", self._point, name or "")
