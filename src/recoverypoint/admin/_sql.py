@@ -12,7 +12,16 @@ from typing import Any
 
 from ..leases import HOLDERS_TIMEOUT, REGISTERED, free, seconds_left
 
-__all__ = ["DETAIL_COLUMNS", "KEY_COLUMNS", "LIVE", "REGISTERED", "STATE", "where"]
+__all__ = [
+    "AWAITING_COMPENSATION",
+    "COMPENSATION_FAILED",
+    "DETAIL_COLUMNS",
+    "KEY_COLUMNS",
+    "LIVE",
+    "REGISTERED",
+    "STATE",
+    "where",
+]
 
 # A lease nobody may take over: the negation of the engine's own rule. A held lease whose
 # deadline is unknown (the rule is NULL) is live: it may be running a step right now.
@@ -39,8 +48,21 @@ KEY_COLUMNS = f"""
     k.locked_at, k.lock_token, {HOLDERS_TIMEOUT} AS lock_timeout,
     CASE WHEN k.finished_at IS NULL THEN {seconds_left(HOLDERS_TIMEOUT)} END AS lease_left,
     k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
-    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error
+    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at
 """
+
+COMPENSATION_FAILED = "compensation failed: "
+"""How ``last_error`` begins once an abandoned key's compensation has failed."""
+
+# Abandoning a key sets its next_attempt_at to the abandonment's own time, which no key
+# abandoned before compensations existed has; a failed compensation leaves its mark in
+# last_error. (No column says so: migration 0013 added only compensated_at.)
+AWAITING_COMPENSATION = f"""
+    (k.abandoned_at IS NOT NULL AND k.compensated_at IS NULL
+     AND (k.next_attempt_at = k.abandoned_at OR k.last_error LIKE '{COMPENSATION_FAILED}%'))
+"""
+"""SQL: whether abandoned key row ``k`` awaits its operation's compensation, if the
+operation declares one (see :mod:`recoverypoint.workers.compensator`)."""
 
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from ..keys import derived_key_of, record_material
 from ..operation import STARTED, Operation
-from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
+from ._sql import COMPENSATION_FAILED, DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
 from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
@@ -98,6 +98,20 @@ class KeyRow:
     finished_at: datetime | None
     abandoned_at: datetime | None
     last_error: str | None
+    compensated_at: datetime | None
+    """When the operation's compensation committed for the abandoned key."""
+
+    @property
+    def awaits_compensation(self) -> bool:
+        """:data:`~recoverypoint.admin._sql.AWAITING_COMPENSATION`, as read."""
+        return (
+            self.abandoned_at is not None
+            and self.compensated_at is None
+            and (
+                self.next_attempt_at == self.abandoned_at
+                or (self.last_error or "").startswith(COMPENSATION_FAILED)
+            )
+        )
 
     @property
     def live(self) -> bool:
@@ -159,6 +173,9 @@ class KeyDetail:
     lease_expires_at: datetime | None
     reaped_after: datetime | None
     """When the reaper may delete the key (finished keys only)."""
+    compensation: str | None
+    """What became of an abandoned key's committed effects (:func:`compensation`);
+    ``None`` for a key that is not abandoned."""
 
 
 _SELECT = f"""
@@ -268,7 +285,34 @@ def find_key(
             else None
         ),
         reaped_after=_reaped_after(admin, row),
+        compensation=compensation(row, operation_),
     )
+
+
+def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
+    """What became of the effects of an abandoned key's committed phases, in a sentence:
+    compensated, pending (``operation`` declares a compensation; ``None``: the operation
+    is not known here), or left for a human. ``None`` for a key that is not abandoned."""
+    if row.abandoned_at is None:
+        return None
+    if row.compensated_at is not None:
+        return f"compensated at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+    stay = (
+        "not compensated: no phase committed, there is nothing to undo"
+        if row.point == STARTED
+        else f"not compensated: the effects of phases up to {row.point!r} stay, for a human to undo"
+    )
+    declared = operation is not None and operation.compensation_phase is not None
+    if not row.awaits_compensation or (operation is not None and not declared):
+        return stay
+    failing = (row.last_error or "").startswith(COMPENSATION_FAILED)
+    pending = "compensation failing, tried again later" if failing else "compensation pending"
+    if operation is None:
+        return (
+            f"{pending} if its operation declares one (the completer runs it; the operation "
+            f"is not loaded here), else {stay}"
+        )
+    return f"{pending}: the completer runs it"
 
 
 _DETAIL_FIELDS = (

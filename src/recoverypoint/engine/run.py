@@ -373,6 +373,69 @@ class Engine(Registry):
             lease_left = record.lease_left(lock_timeout)
             raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
+    def compensate(self, key_id: int, *, scope: str, token: uuid.UUID) -> bool:
+        """Run the compensation of abandoned key ``key_id`` of ``scope``, whose lease the
+        caller (the completer) took under ``token``, with the operation registered under
+        its stored name and version: in one SERIALIZABLE transaction that locks the key,
+        runs :meth:`Operation.compensation`, and commits ``compensated_at``, the state it
+        left, its staged jobs and the lease's release together.
+
+        ``False`` when the key no longer awaits it under ``token`` (compensated, reopened,
+        its lease taken over): nothing ran. Raises :class:`OperationNotRegistered`, or
+        :class:`DeclarationError` when the operation declares no compensation, and what
+        the compensation raised, with nothing committed (the lease is still the caller's).
+        """
+        ident = store.key_operation(self.db, key_id, scope)
+        if ident is None:
+            return False
+        operation = self.operation(ident[0], ident[1])
+        phase = operation.compensation_phase
+        if phase is None:
+            raise DeclarationError(
+                f"{operation.name} v{operation.version} declares no compensation: "
+                "abandoned keys of it are left to a human"
+            )
+        try:
+            return self._transact(self._compensate, operation, phase, key_id, scope, token)
+        except _DRIVER_ERRORS as exc:
+            if not is_outage(exc):
+                raise
+            raise unavailable(exc) from exc
+
+    def _compensate(
+        self,
+        tx: Transaction,
+        operation: Operation[Any],
+        phase: Phase,
+        key_id: int,
+        scope: str,
+        token: uuid.UUID,
+    ) -> bool:
+        record = store.fence_abandoned(tx, scope, key_id, token)
+        if record is None:
+            return False
+        run = _Run(self, operation, record, token)
+        run.key.locked_by = tx
+        ctx = AtomicContext(tx, json.loads(record.state), run.identity, phase.point, self.observer)
+        ctx.recovery_point = record.recovery_point
+        with phase_guard.Guarding(tx, phase.point):
+            result = phase.fn(ctx, run.params)
+        ctx.close()
+        phase_guard.check_still_open(tx, phase.point)
+        if result is not None:
+            raise TypeError(
+                f"the compensation of {operation.name} returned {type(result).__name__}; "
+                "return None: an abandoned key keeps the response it was abandoned with"
+            )
+        state_json = dump_state(phase, ctx.state)
+        try:
+            store.compensated(tx, run.key, ctx.staged_jobs, state_json)
+        except store.PhaseEndedTransaction:
+            raise phase_guard.ended(phase.point) from None
+        for job in ctx.staged_jobs:  # committed with compensated_at
+            self.observer.job_staged(operation.name, job.name)
+        return True
+
     def _claim(self, tx: Transaction, claim: _Claim) -> Step | None:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
