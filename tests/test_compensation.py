@@ -9,6 +9,7 @@ Its compensation writes a ``refunds`` row and stages a refund email. Both engine
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from workload import rows
 
 import recoverypoint as rp
 from recoverypoint import admin
+from recoverypoint.cli import main
+from recoverypoint.exits import EXIT_OK
 from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult
 
 SCHEMA = """
@@ -335,3 +338,58 @@ def test_a_compensation_is_declared_once_and_of_the_engines_kind() -> None:
     named.compensation(undo)
     with pytest.raises(rp.DeclarationError, match="names the compensation"):
         named.validate()
+
+
+def test_the_cli_says_what_stays_and_what_was_compensated(
+    payments: Callable[..., Payments],
+    worker_db: sa.Engine,
+    worker_database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", worker_database_url)
+    p = payments(compensate=False)
+    p.operation.max_attempts = 5
+    key_id = p.request()
+
+    assert main(["keys", "abandon", str(key_id)]) == EXIT_OK
+    said = capsys.readouterr().out
+    assert f"abandoned key {key_id}: retries now replay a 500" in said
+    assert "What its committed phases did stays" in said
+
+    # Without the application, and without compensation, the key says its effects stay.
+    assert main(["keys", "show", str(key_id)]) == EXIT_OK
+    shown = capsys.readouterr().out
+    assert "abandoned, compensation pending if its operation declares one" in shown
+    assert p.completer().run_once().compensated == 0
+    monkeypatch.setattr(sys.modules[__name__], "application", p.engine, raising=False)
+    assert main(["keys", "show", str(key_id), "--app", f"{__name__}:application"]) == EXIT_OK
+    shown = capsys.readouterr().out
+    assert (
+        "abandoned, not compensated: the effects of phases up to 'charged' stay, for a human "
+        "to undo" in shown
+    )
+    assert main(["keys", "list", "--app", f"{__name__}:application"]) == EXIT_OK
+    assert "abandoned, not compensated" in capsys.readouterr().out
+
+
+def test_keys_list_shows_a_compensation_pending_then_done(
+    payments: Callable[..., Payments],
+    worker_db: sa.Engine,
+    worker_database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", worker_database_url)
+    p = payments()
+    p.operation.max_attempts = 5
+    key_id = p.request()
+    admin.abandon(admin.Admin(worker_db), key_id)
+    monkeypatch.setattr(sys.modules[__name__], "application", p.engine, raising=False)
+    app = f"{__name__}:application"
+
+    assert main(["keys", "list", "--app", app]) == EXIT_OK
+    assert "abandoned, compensation pending" in capsys.readouterr().out
+    assert p.completer().run_once().compensated == 1
+    assert main(["keys", "list", "--app", app]) == EXIT_OK
+    assert "abandoned, compensated" in capsys.readouterr().out

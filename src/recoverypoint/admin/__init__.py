@@ -35,6 +35,7 @@ from .base import (
 from .doctor import Check, WorkerPass, diagnose, worker_passes
 from .jobs import JobActionResult, JobFilter, delete_jobs, find_job, list_jobs, retry_jobs
 from .key_actions import (
+    ABANDON_EFFECTS,
     DEFAULT_ABANDON_MESSAGE,
     DEFAULT_ABANDON_STATUS,
     ActionResult,
@@ -54,6 +55,8 @@ from .keys import (
     PhaseMark,
     Stats,
     StatsRow,
+    compensation,
+    compensation_state,
     find_key,
     list_keys,
     stats,
@@ -63,6 +66,7 @@ from .overview import Hour, Overview, overview
 
 __all__ = [
     "ABANDONED",
+    "ABANDON_EFFECTS",
     "DEFAULT_ABANDONED_RETENTION",
     "DEFAULT_ABANDON_MESSAGE",
     "DEFAULT_ABANDON_STATUS",
@@ -96,6 +100,8 @@ __all__ = [
     "abandon",
     "audit_entries",
     "available",
+    "compensation",
+    "compensation_state",
     "delete",
     "delete_jobs",
     "diagnose",

@@ -42,6 +42,12 @@ from .keys import KeyFilter, KeyRow, find_key, list_keys
 DEFAULT_ABANDON_STATUS = 500
 DEFAULT_ABANDON_MESSAGE = "This request was abandoned by an operator and will not be retried."
 SAMPLE_SIZE = 5
+ABANDON_EFFECTS = (
+    "What its committed phases did stays (a charge, a row), unless its operation declares a "
+    "compensation, which the next completer pass runs; `recoverypoint keys show ID` says which. "
+    "Undo what stays by hand."
+)
+"""What an operator is told as they abandon keys (the CLI, the console)."""
 
 
 @dataclass(frozen=True)

@@ -289,30 +289,44 @@ def find_key(
     )
 
 
-def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
-    """What became of the effects of an abandoned key's committed phases, in a sentence:
-    compensated, pending (``operation`` declares a compensation; ``None``: the operation
-    is not known here), or left for a human. ``None`` for a key that is not abandoned."""
+def compensation_state(row: KeyRow, operation: Operation[Any] | None) -> str | None:
+    """An abandoned key's compensation, in a word or three (what ``keys list`` shows):
+    ``compensated``, ``compensation pending``, ``compensation failing``, ``not
+    compensated``; with ``operation`` unknown (``None``), a key that would await one is
+    ``compensation pending?``. ``None`` for a key that is not abandoned."""
     if row.abandoned_at is None:
         return None
     if row.compensated_at is not None:
-        return f"compensated at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+        return "compensated"
+    declared = operation is None or operation.compensation_phase is not None
+    if not (row.awaits_compensation and declared):
+        return "not compensated"
+    if (row.last_error or "").startswith(COMPENSATION_FAILED):
+        return "compensation failing"
+    return "compensation pending" + ("?" if operation is None else "")
+
+
+def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
+    """What became of the effects of an abandoned key's committed phases, in a sentence
+    (what ``keys show`` says): :func:`compensation_state` and what it means."""
+    state = compensation_state(row, operation)
     stay = (
-        "not compensated: no phase committed, there is nothing to undo"
+        "no phase committed, there is nothing to undo"
         if row.point == STARTED
-        else f"not compensated: the effects of phases up to {row.point!r} stay, for a human to undo"
+        else f"the effects of phases up to {row.point!r} stay, for a human to undo"
     )
-    declared = operation is not None and operation.compensation_phase is not None
-    if not row.awaits_compensation or (operation is not None and not declared):
-        return stay
-    failing = (row.last_error or "").startswith(COMPENSATION_FAILED)
-    pending = "compensation failing, tried again later" if failing else "compensation pending"
+    if state is None or row.compensated_at is not None:
+        return state and f"{state} at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+    if state == "not compensated":
+        return f"{state}: {stay}"
+    if state == "compensation failing":
+        return f"{state}: the completer tries it again, backed off (its error: last error)"
     if operation is None:
         return (
-            f"{pending} if its operation declares one (the completer runs it; the operation "
-            f"is not loaded here), else {stay}"
+            "compensation pending if its operation declares one (the completer runs it; the "
+            f"operation is not loaded here: pass --app), else not compensated: {stay}"
         )
-    return f"{pending}: the completer runs it"
+    return f"{state}: the completer runs it"
 
 
 _DETAIL_FIELDS = (
