@@ -13,8 +13,6 @@ from typing import Any
 from ..leases import HOLDERS_TIMEOUT, REGISTERED, free, seconds_left
 
 __all__ = [
-    "AWAITING_COMPENSATION",
-    "COMPENSATION_FAILED",
     "DETAIL_COLUMNS",
     "KEY_COLUMNS",
     "LIVE",
@@ -51,18 +49,6 @@ KEY_COLUMNS = f"""
     k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at
 """
 
-COMPENSATION_FAILED = "compensation failed: "
-"""How ``last_error`` begins once an abandoned key's compensation has failed."""
-
-# Abandoning a key sets its next_attempt_at to the abandonment's own time, which no key
-# abandoned before compensations existed has; a failed compensation leaves its mark in
-# last_error. (No column says so: migration 0013 added only compensated_at.)
-AWAITING_COMPENSATION = f"""
-    (k.abandoned_at IS NOT NULL AND k.compensated_at IS NULL
-     AND (k.next_attempt_at = k.abandoned_at OR k.last_error LIKE '{COMPENSATION_FAILED}%'))
-"""
-"""SQL: whether abandoned key row ``k`` awaits its operation's compensation, if the
-operation declares one (see :mod:`recoverypoint.workers.compensator`)."""
 
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,

@@ -16,8 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..migrate import VERSION_TABLE, migrations_dir
-from ._sql import COMPENSATION_FAILED
-from .base import STUCK, Admin
+from .base import COMPENSATION_FAILED, STUCK, Admin
 from .keys import stats
 
 OK, WARN, FAIL = "ok", "warn", "fail"

@@ -17,8 +17,8 @@ import sqlalchemy as sa
 
 from ..keys import derived_key_of, record_material
 from ..operation import STARTED, Operation
-from ._sql import COMPENSATION_FAILED, DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
+from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
+from .base import ABANDONED, COMPENSATION_FAILED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
@@ -103,7 +103,7 @@ class KeyRow:
 
     @property
     def awaits_compensation(self) -> bool:
-        """:data:`~recoverypoint.admin._sql.AWAITING_COMPENSATION`, as read."""
+        """:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`, as read."""
         return (
             self.abandoned_at is not None
             and self.compensated_at is None

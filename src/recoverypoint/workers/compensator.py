@@ -13,7 +13,7 @@ finds its fence gone and commits nothing.
 
 Which keys await one: abandoned, not compensated, of a registered version that declares a
 compensation, and abandoned since this release
-(:data:`~recoverypoint.admin._sql.AWAITING_COMPENSATION`). Abandoning sets
+(:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`). Abandoning sets
 ``next_attempt_at`` to the abandonment's own time (``abandoned_at``), which no key
 abandoned before this release has (its ``next_attempt_at`` was written by an earlier
 transaction), so those are never touched; a failed compensation keeps its key awaiting
@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from ..admin._sql import AWAITING_COMPENSATION, COMPENSATION_FAILED
+from ..admin.base import AWAITING_COMPENSATION, COMPENSATION_FAILED
 from ..engine import AsyncEngine, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..leases import REGISTERED, free, registered
@@ -109,11 +109,14 @@ class Compensator:
         for scope in self.worker.scopes_due(_DUE_SCOPES, params):
             while not self.worker.stopping:
                 token = uuid.uuid4()
-                claim = {**params, "scope": scope, "token": token}
+                claim = {
+                    **params,
+                    "scope": scope,
+                    "token": token,
+                    "batch_size": self.worker.batch_size,
+                }
                 with self.worker.db.begin() as conn:
-                    batch = conn.execute(
-                        _CLAIM, {**claim, "batch_size": self.worker.batch_size}
-                    ).all()
+                    batch = conn.execute(_CLAIM, claim).all()
                 for key_id, name, version in batch:
                     # Stopping, a key not run keeps the lease until it expires: no double run.
                     if self.worker.stopping:
@@ -129,13 +132,16 @@ class Compensator:
     ) -> bool | None:
         """Run one key's compensation: ``True`` if it committed, ``False`` if it failed,
         ``None`` if the key was no longer this pass's to compensate."""
+        engines = self.worker.engines
         engine: Engine | AsyncEngine
+        if engines.runs_async(name, version):
+            engine = engines.owner(name, version, AsyncEngine)[0]
+        else:
+            engine = engines.owner(name, version, Engine)[0]
         try:
-            if self.worker.engines.runs_async(name, version):
-                engine = self.worker.engines.owner(name, version, AsyncEngine)[0]
+            if isinstance(engine, AsyncEngine):
                 ran = self.run_async(engine.compensate(key_id, scope=scope, token=token))
             else:
-                engine = self.worker.engines.owner(name, version, Engine)[0]
                 ran = engine.compensate(key_id, scope=scope, token=token)
         except (KeyInUse, LockLost, DatabaseUnavailable):
             return None  # another holder, or the database away: the lease runs out
