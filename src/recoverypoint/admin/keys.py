@@ -315,12 +315,14 @@ def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
         if row.point == STARTED
         else f"the effects of phases up to {row.point!r} stay, for a human to undo"
     )
-    if state is None or row.compensated_at is not None:
-        return state and f"{state} at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+    if state is None:
+        return None
+    if row.compensated_at is not None:
+        return f"{state} at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
     if state == "not compensated":
         return f"{state}: {stay}"
     if state == "compensation failing":
-        return f"{state}: the completer tries it again, backed off (its error: last error)"
+        return f"{state}: the completer tries it again, backed off; its error is the last error"
     if operation is None:
         return (
             "compensation pending if its operation declares one (the completer runs it; the "

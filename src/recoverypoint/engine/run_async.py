@@ -432,31 +432,13 @@ class AsyncEngine(Registry):
         scope: str,
         token: uuid.UUID,
     ) -> bool:
+        """The compensation's transaction: fence, run, commit; ``False`` if the fence missed."""
         record = await store_async.fence_abandoned(tx, scope, key_id, token)
         if record is None:
             return False
         run = _AsyncRun(self, operation, record, token)
         run.key.locked_by = tx
-        ctx = AsyncAtomicContext(
-            tx, json.loads(record.state), run.identity, phase.point, self.observer
-        )
-        ctx.recovery_point = record.recovery_point
-        with phase_guard.Guarding(tx, phase.point):
-            result = await phase.fn(ctx, run.params)
-        await ctx.close()
-        phase_guard.check_still_open(tx, phase.point)
-        if result is not None:
-            raise TypeError(
-                f"the compensation of {operation.name} returned {type(result).__name__}; "
-                "return None: an abandoned key keeps the response it was abandoned with"
-            )
-        state_json = dump_state(phase, ctx.state)
-        try:
-            await store_async.compensated(tx, run.key, ctx.staged_jobs, state_json)
-        except store_async.PhaseEndedTransaction:
-            raise phase_guard.ended(phase.point) from None
-        for job in ctx.staged_jobs:  # committed with compensated_at
-            self.observer.job_staged(operation.name, job.name)
+        await run.compensate(tx, phase)
         return True
 
     async def _claim(self, tx: AsyncTransaction, claim: _Claim) -> Step | None:
@@ -755,10 +737,7 @@ class _AsyncRun:
         ctx = AsyncAtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
         )
-        with phase_guard.Guarding(tx, phase.point):
-            result = await phase.fn(ctx, self.params)
-        await ctx.close()
-        phase_guard.check_still_open(tx, phase.point)
+        result = await self._call(tx, phase, ctx)
         if not (result is None or isinstance(result, Response | RecoveryPoint)):
             raise TypeError(
                 f"atomic phase {phase.point!r} returned {type(result).__name__}; "
@@ -775,6 +754,36 @@ class _AsyncRun:
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
+
+    async def _call(self, tx: AsyncTransaction, phase: Phase, ctx: AsyncAtomicContext) -> object:
+        """Run ``phase``'s code in ``tx``, which it must leave open; what it returned."""
+        with phase_guard.Guarding(tx, phase.point):
+            result = await phase.fn(ctx, self.params)
+        await ctx.close()
+        phase_guard.check_still_open(tx, phase.point)
+        return result
+
+    async def compensate(self, tx: AsyncTransaction, phase: Phase) -> None:
+        """Run the operation's compensation ``phase`` in ``tx``, which holds the abandoned
+        key's row, and commit it with ``compensated_at``, its state and its jobs."""
+        ctx = AsyncAtomicContext(
+            tx, json.loads(self.record.state), self.identity, phase.point, self.engine.observer
+        )
+        ctx.recovery_point = self.record.recovery_point
+        result = await self._call(tx, phase, ctx)
+        if result is not None:
+            raise TypeError(
+                f"the compensation of {self.operation.name} returned {type(result).__name__}; "
+                "return None: an abandoned key keeps the response it was abandoned with"
+            )
+        try:
+            await store_async.compensated(
+                tx, self.key, ctx.staged_jobs, dump_state(phase, ctx.state)
+            )
+        except store_async.PhaseEndedTransaction:
+            raise phase_guard.ended(phase.point) from None
+        for job in ctx.staged_jobs:  # committed with compensated_at
+            self.engine.observer.job_staged(self.operation.name, job.name)
 
     async def _commit_step(
         self,
