@@ -139,6 +139,12 @@ class _Metrics:
         self.abandoned = counter(
             "abandoned_keys", "Keys the completer gave up after max_attempts.", "operation"
         )
+        self.compensations = counter(
+            "compensations",
+            "Compensations of abandoned keys run: committed, or failed (tried again later).",
+            "operation",
+            "outcome",
+        )
         self.reaped_keys = counter("reaped_keys", "Finished keys the reaper deleted.", "outcome")
         self.reaped_messages = counter(
             "reaped_messages", "consume_once records the reaper deleted."
@@ -186,6 +192,9 @@ class PrometheusObserver(Observer):
 
     def key_abandoned(self, operation: str) -> None:
         self._m.of(self._m.abandoned, operation).inc()
+
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        self._m.of(self._m.compensations, operation, "committed" if ok else "failed").inc()
 
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         self._m.of(self._m.reaped_keys, "finished").inc(finished)
