@@ -55,7 +55,7 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from . import _pg, listen, phase_guard, sql, store, waits
+from . import _pg, heartbeat, listen, phase_guard, sql, store, waits
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -164,6 +164,7 @@ class Engine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
         self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
+        self._heartbeat = heartbeat.Heartbeat(self.db)
 
     @property
     def observer(self) -> Observer:
@@ -600,8 +601,14 @@ class _Run:
         if faults.active:
             faults.hit("before_foreign", phase.point)
         state = json.loads(state_json)
-        with self.observed.phase(phase.point, False):
-            result = phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        # Renewed while the step runs, so that no other attempt starts it beside this one.
+        lease = self.engine._heartbeat.hold(self.key, self.operation.lock_timeout.total_seconds())
+        try:
+            with self.observed.phase(phase.point, False):
+                ctx = StepContext(state, self.identity, phase.point, lease)
+                result = phase.fn(ctx, self.params)
+        finally:
+            self.engine._heartbeat.drop(lease)
         if faults.active:
             faults.hit("after_foreign", phase.point)
         response, new_state, new_state_json = step_result(

@@ -55,7 +55,7 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from . import _pg_async, listen_async, phase_guard, sql, store_async, waits
+from . import _pg_async, heartbeat, listen_async, phase_guard, sql, store_async, waits
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -180,6 +180,7 @@ class AsyncEngine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
         self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
+        self._heartbeat = heartbeat.AsyncHeartbeat(self.async_db)
 
     @property
     def observer(self) -> Observer:
@@ -631,8 +632,14 @@ class _AsyncRun:
         if faults.active:
             faults.hit("before_foreign", phase.point)
         state = json.loads(state_json)
-        with self.observed.phase(phase.point, False):
-            result = await phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        # Renewed while the step runs, so that no other attempt starts it beside this one.
+        lease = self.engine._heartbeat.hold(self.key, self.operation.lock_timeout.total_seconds())
+        try:
+            with self.observed.phase(phase.point, False):
+                ctx = StepContext(state, self.identity, phase.point, lease)
+                result = await phase.fn(ctx, self.params)
+        finally:
+            await self.engine._heartbeat.drop(lease)
         if faults.active:
             faults.hit("after_foreign", phase.point)
         response, new_state, new_state_json = step_result(
