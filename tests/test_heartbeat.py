@@ -194,9 +194,11 @@ def test_a_killed_holder_is_taken_over_within_its_lock_timeout(
     assert second.sent_at - killed_at < timedelta(seconds=LEASE + 1.0)
 
 
-def test_a_lease_released_by_force_mid_step_is_lost(driver: Driver, scope: str) -> None:
-    """``keys release --force`` while the step runs: the step sees ``lease_lost``, and its
-    result is not committed (LockLost)."""
+def test_a_lease_released_by_force_mid_step_is_lost(
+    driver: Driver, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``keys release --force`` while the step runs: a renewal finds the token gone, the
+    step sees ``lease_lost``, and its result is not committed (LockLost)."""
     db = driver.engine.db
     mailer = Mailer(db)
     op = operation(driver.kind, mailer)
@@ -210,6 +212,7 @@ def test_a_lease_released_by_force_mid_step_is_lost(driver: Driver, scope: str) 
         key_id,
     )
     until(lambda: step.lease_lost, "the step to see its lease lost")
+    assert f"key {key_id} lost its lease while a foreign step ran" in caplog.text
     mailer.gate.set()
     with pytest.raises(rp.LockLost):
         first.result(60)

@@ -84,12 +84,12 @@ class Lease:
         if held is True:
             self.renewed = sent
         elif held is False:
-            self.gone = True
             logger.warning(
                 "key %s lost its lease while a foreign step ran (released by an operator, or "
                 "taken over): its next commit fails with LockLost",
                 self.key.id,
             )
+            self.gone = True  # after the warning: a step that sees it finds it logged
         elif is_outage(held):
             logger.warning(
                 "could not renew the lease of key %s (the database is away)", self.key.id
