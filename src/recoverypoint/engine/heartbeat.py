@@ -120,7 +120,8 @@ class Heartbeat:
         with self._cond:
             self._leases.setdefault(lease.interval, {})[lease] = None
             self._held = True
-            if self._thread is None:
+            # Not alive: ended in the parent of this forked process (a pre-forking server).
+            if self._thread is None or not self._thread.is_alive():
                 self._wake_at = lease.due
                 self._thread = threading.Thread(
                     target=self._beat, name="recoverypoint-heartbeat", daemon=True
