@@ -49,16 +49,18 @@ class Driver:
 
     def start(self, op: rp.Operation[Any], scope: str) -> Future[rp.Outcome]:
         """A request with key ``k`` in ``scope``, running in the background."""
-        if isinstance(self.engine, rp.AsyncEngine):
-            assert self.loop is not None
-            call = self.engine.run(op, key="k", params={"scope": scope}, scope=scope)
-            return asyncio.run_coroutine_threadsafe(call, self.loop)
-        future: Future[rp.Outcome] = Future()
-        engine = self.engine
+        params = {"scope": scope}
+        return self.submit(self.engine.run, operation=op, key="k", params=params, scope=scope)
+
+    def submit(self, fn: Callable[..., Any], **kwargs: Any) -> Future[Any]:
+        """``fn(**kwargs)`` in the background: in a thread, or awaited on the loop."""
+        if self.loop is not None:
+            return asyncio.run_coroutine_threadsafe(fn(**kwargs), self.loop)
+        future: Future[Any] = Future()
 
         def call() -> None:
             try:
-                future.set_result(engine.run(op, key="k", params={"scope": scope}, scope=scope))
+                future.set_result(fn(**kwargs))
             except BaseException as exc:
                 future.set_exception(exc)
 
@@ -277,3 +279,49 @@ def test_an_atomic_phase_longer_than_its_lease_keeps_its_key(driver: Driver, sco
         answered = None  # it read the key between "held" and "done"
     assert answered is None or answered.replayed
     assert calls == [1]
+
+
+def test_an_idempotent_call_longer_than_its_lease_keeps_its_key(driver: Driver, scope: str) -> None:
+    """``@idempotent`` is an operation of one foreign step: a call past its lock timeout
+    keeps its key; a second call with it gets KeyInUse, and the function runs once."""
+    db = driver.engine.db
+    entered, gate, calls = threading.Event(), threading.Event(), []
+
+    def body(order_id: str) -> str:
+        calls.append(order_id)
+        entered.set()
+        gate.wait(120)  # the test opens it; a failed one must not hang
+        return "sent"
+
+    options: dict[str, Any] = {
+        "key": "order_id",
+        "scope": lambda arguments: scope,
+        "name": "notify_once",
+        "lock_timeout": timedelta(seconds=LEASE),
+    }
+    fn: Callable[..., Any]
+    if isinstance(driver.engine, rp.Engine):
+        fn = rp.idempotent(driver.engine, **options)(body)
+    else:
+
+        @rp.idempotent(driver.engine, **options)
+        async def fn(order_id: str) -> str:
+            return await asyncio.to_thread(body, order_id)
+
+    def call() -> Future[Any]:
+        return driver.submit(fn, order_id="o1")
+
+    first = call()
+    try:
+        assert entered.wait(60)
+        began = key_row(db, scope).locked_at
+        until(
+            lambda: key_row(db, scope).db_now - began > timedelta(seconds=2 * LEASE),
+            "two lock timeouts to pass",
+        )
+        with pytest.raises(rp.KeyInUse):
+            call().result(60)
+    finally:
+        gate.set()
+    assert first.result(60) == "sent"
+    assert calls == ["o1"]
