@@ -1,0 +1,127 @@
+"""A process that a poison key kills: the client of one request, or one completer pass, on
+either engine. Usage: poison_child.py DATABASE_URL client|completer sync|async KIND [KEY]
+
+The poison operation (:func:`poison_operation`) records the call of its poison phase in
+``step_calls`` (workload.py's table, on a connection of its own, committed at once, as a
+foreign system would), then kills the process: ``step`` (a foreign step) and ``phase``
+(an atomic phase) with ``os._exit``, ``kill`` by blocking until the test SIGKILLs it.
+The client prints its answer as JSON; the completer, its pass's counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from workload import Recorder, async_steps_operation, steps_operation
+
+import recoverypoint as rp
+from recoverypoint.workers import Completer
+
+DIED = 86
+"""The exit status of a process the poison phase killed with ``os._exit``."""
+MAX_ATTEMPTS = 3
+LOCK_TIMEOUT = timedelta(seconds=5)
+SCOPE = "planted"  # workload.plant_keys's: the healthy keys share the poison key's batch
+
+
+def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Operation[Any]:
+    """prepared (a foreign step that does nothing, so the claim commits alone) → poisoned
+    (``kind``) → finished (201, never reached)."""
+    op: rp.Operation[Any] = rp.Operation(
+        f"poison_{kind}", max_attempts=MAX_ATTEMPTS, lock_timeout=LOCK_TIMEOUT
+    )
+
+    def die(key_id: int) -> None:
+        recorder.step_called(key_id)
+        if kind == "kill":
+            threading.Event().wait()  # until SIGKILL
+        os._exit(DIED)
+
+    if asynchronous:
+
+        @op.foreign_step("prepared")
+        async def prepare_async(step: rp.StepContext, params: Any) -> None:
+            return None
+
+        if kind == "phase":
+
+            @op.atomic_phase("poisoned")
+            async def poison_atomic_async(tx: rp.AsyncAtomicContext, params: Any) -> None:
+                die(tx.key_id)
+
+        else:
+
+            @op.foreign_step("poisoned")
+            async def poison_step_async(step: rp.StepContext, params: Any) -> None:
+                die(step.key_id)
+
+        @op.atomic_phase("finished")
+        async def finish_async(tx: rp.AsyncAtomicContext, params: Any) -> rp.Response:
+            return rp.Response(201, {})
+
+        return op
+
+    @op.foreign_step("prepared")
+    def prepare(step: rp.StepContext, params: Any) -> None:
+        return None
+
+    if kind == "phase":
+
+        @op.atomic_phase("poisoned")
+        def poison_atomic(tx: rp.AtomicContext, params: Any) -> None:
+            die(tx.key_id)
+
+    else:
+
+        @op.foreign_step("poisoned")
+        def poison_step(step: rp.StepContext, params: Any) -> None:
+            die(step.key_id)
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {})
+
+    return op
+
+
+def engine_with(
+    url: str, flavour: str, kind: str
+) -> tuple[rp.Engine | rp.AsyncEngine, rp.Operation[Any]]:
+    """An engine of ``flavour`` with the poison operation of ``kind`` and the healthy one
+    (workload's three phases, ``healthy``) registered."""
+    recorder = Recorder(sa.create_engine(url))
+    asynchronous = flavour == "async"
+    poison = poison_operation(kind, recorder, asynchronous)
+    healthy = (async_steps_operation if asynchronous else steps_operation)("healthy", recorder)
+    engine = rp.AsyncEngine(url) if asynchronous else rp.Engine(url)
+    engine.register(poison, healthy)
+    return engine, poison
+
+
+def main() -> None:
+    url, role, flavour, kind = sys.argv[1:5]
+    engine, poison = engine_with(url, flavour, kind)
+    if role == "completer":
+        result = Completer(engine, min_age=0).run_once()
+        print(json.dumps(dataclasses.asdict(result)))
+        return
+    key = sys.argv[5]
+    if isinstance(engine, rp.AsyncEngine):
+        outcome = asyncio.run(engine.run(poison, key=key, params={}, scope=SCOPE))
+    else:
+        outcome = engine.run(poison, key=key, params={}, scope=SCOPE)
+    print(
+        json.dumps({"status": outcome.status, "body": outcome.body, "replayed": outcome.replayed})
+    )
+
+
+if __name__ == "__main__":
+    main()
