@@ -182,6 +182,10 @@ def test_the_completer_abandons_a_poison_key_and_finishes_the_rest_of_its_batch(
                     {"ids": healthy},
                 ).scalar_one()
             assert attempts == 0
+        if flavour == "sync" and passes == 2:
+            # Their reservations ran out long before their lock timeout: the next pass
+            # resumed them, before the poison key its claim had backed off.
+            assert unfinished(worker_db, healthy) == 0
         if key_row(worker_db, key).abandoned_at is not None and unfinished(worker_db, healthy) == 0:
             break
         pass_time(worker_db, LATER)
