@@ -1,11 +1,13 @@
-"""A process that a poison key kills: the client of one request, or one completer pass, on
-either engine. Usage: poison_child.py DATABASE_URL client|completer sync|async KIND [KEY]
+"""A process that a poison key kills: the client of one request, one call of an
+``@idempotent`` function, or one completer pass, on either engine. Usage:
+poison_child.py DATABASE_URL client|idempotent|completer sync|async KIND [KEY]
 
 The poison operation (:func:`poison_operation`) records the call of its poison phase in
 ``step_calls`` (workload.py's table, on a connection of its own, committed at once, as a
 foreign system would), then kills the process: ``step`` (a foreign step) and ``phase``
 (an atomic phase) with ``os._exit``, ``kill`` by blocking until the test SIGKILLs it.
-The client prints its answer as JSON; the completer, its pass's counts.
+The client prints its answer as JSON (the function's caller, the AbandonedCall it got);
+the completer, its pass's counts.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ LOCK_TIMEOUT = timedelta(seconds=5)
 SCOPE = "planted"  # workload.plant_keys's: the healthy keys share the poison key's batch
 
 
+def poisoned(recorder: Recorder, kind: str, key_id: int) -> None:
+    """Record the call of key ``key_id``'s poison phase, then kill the process."""
+    recorder.step_called(key_id)
+    if kind == "kill":
+        threading.Event().wait()  # until SIGKILL
+    os._exit(DIED)
+
+
 def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Operation[Any]:
     """prepared (a foreign step that does nothing, so the claim commits alone) → poisoned
     (``kind``) → finished (201, never reached)."""
@@ -40,10 +50,7 @@ def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Op
     )
 
     def die(key_id: int) -> None:
-        recorder.step_called(key_id)
-        if kind == "kill":
-            threading.Event().wait()  # until SIGKILL
-        os._exit(DIED)
+        poisoned(recorder, kind, key_id)
 
     if asynchronous:
 
@@ -106,8 +113,47 @@ def engine_with(
     return engine, poison
 
 
+def call_idempotent(url: str, flavour: str, kind: str, key: str) -> dict[str, Any]:
+    """Call an ``@idempotent`` function whose body is the poison, with ``key``."""
+    db = sa.create_engine(url)
+    recorder = Recorder(db)
+    options: dict[str, Any] = {
+        "key": "order_id",
+        "name": "poison_call",
+        "max_attempts": MAX_ATTEMPTS,
+        "lock_timeout": LOCK_TIMEOUT,
+    }
+
+    def poison(order_id: str) -> None:
+        with db.connect() as conn:
+            query = "SELECT id FROM idempotency_keys WHERE idempotency_key = :k"
+            poisoned(recorder, kind, conn.execute(sa.text(query), {"k": order_id}).scalar_one())
+
+    try:
+        if flavour == "async":
+
+            @rp.idempotent(rp.AsyncEngine(url), **options)
+            async def charge_async(order_id: str) -> str:
+                poison(order_id)
+                return "never"
+
+            return {"returned": asyncio.run(charge_async(key))}
+
+        @rp.idempotent(rp.Engine(url), **options)
+        def charge(order_id: str) -> str:
+            poison(order_id)
+            return "never"
+
+        return {"returned": charge(key)}
+    except rp.AbandonedCall as exc:
+        return {"abandoned": str(exc)}
+
+
 def main() -> None:
     url, role, flavour, kind = sys.argv[1:5]
+    if role == "idempotent":
+        print(json.dumps(call_idempotent(url, flavour, kind, sys.argv[5])))
+        return
     engine, poison = engine_with(url, flavour, kind)
     if role == "completer":
         result = Completer(engine, min_age=0).run_once()

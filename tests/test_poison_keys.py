@@ -63,9 +63,9 @@ def key_row(db: sa.Engine, key: str) -> Any:
             sa.text(
                 "SELECT id, attempts, abandoned_at, finished_at, response_status, "
                 "next_attempt_at > now() AS backing_off "
-                "FROM idempotency_keys WHERE scope = :scope AND idempotency_key = :key"
+                "FROM idempotency_keys WHERE idempotency_key = :key"
             ),
-            {"scope": SCOPE, "key": key},
+            {"key": key},
         ).one()
 
 
@@ -215,3 +215,27 @@ def test_the_completer_abandons_a_poison_key_and_finishes_the_rest_of_its_batch(
         True,
     )
     engine.dispose()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["step", "kill"])
+def test_an_idempotent_function_that_kills_its_process_runs_max_attempts_times(
+    worker_db: sa.Engine, worker_database_url: str, flavour: str, kind: str
+) -> None:
+    key = uuid.uuid4().hex
+    caller = ("idempotent", flavour, kind, key)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        status, output = run_child(worker_db, worker_database_url, *caller)
+        assert killed(status, kind), output
+        row = key_row(worker_db, key)
+        assert (row.attempts, calls(worker_db, [row.id])) == (attempt, attempt)
+        pass_time(worker_db, LATER)
+
+    for _ in range(2):  # abandoned by the first call, replayed to the second
+        status, output = run_child(worker_db, worker_database_url, *caller)
+        assert status == 0, output
+        answer = json.loads(output.splitlines()[-1])
+        assert ABANDONED_RESPONSE.body["message"] in answer["abandoned"]
+    row = key_row(worker_db, key)
+    assert row.abandoned_at is not None
+    assert (row.attempts, calls(worker_db, [row.id])) == (MAX_ATTEMPTS, MAX_ATTEMPTS)

@@ -147,7 +147,9 @@ class Operation(Generic[P]):
         How long a request holds a key before a retry may take it over. Each committed
         phase renews it; make it longer than your slowest foreign step.
     max_attempts:
-        Failed attempts after which the completer abandons a key.
+        Attempts after which a key is abandoned. An attempt counts when it is claimed, so
+        one whose process died counts too; the completer abandons a key out of attempts,
+        and so does a client's retry that would start one more.
     retention:
         How long a finished key of this operation is honoured: until then a call with it
         replays its response; after it, a call with the key is a new request, whether or

@@ -136,9 +136,7 @@ class _Metrics:
             buckets=_LAG_BUCKETS,
             registry=registry,
         )
-        self.abandoned = counter(
-            "abandoned_keys", "Keys the completer gave up after max_attempts.", "operation"
-        )
+        self.abandoned = counter("abandoned_keys", "Keys given up after max_attempts.", "operation")
         self.reaped_keys = counter("reaped_keys", "Finished keys the reaper deleted.", "outcome")
         self.reaped_messages = counter(
             "reaped_messages", "consume_once records the reaper deleted."

@@ -397,7 +397,8 @@ class Completer(Worker[CompleterResult]):
         token: uuid.UUID,
         result: CompleterResult,
     ) -> bool:
-        """Abandon a key out of attempts already (its client's) without another run."""
+        """Abandon a key out of attempts already (its clients', or runs that died) without
+        another run."""
         if key.attempts < operation.max_attempts:
             return False
         result.abandoned += self._abandon(key, observer, operation, token)
@@ -418,7 +419,8 @@ class Completer(Worker[CompleterResult]):
             # lease runs out, and a later pass tries again).
             result.skipped += 1
             return
-        # The engine released the lease, counted the attempt and logged the error.
+        # The engine released the lease and logged the error; the attempt was counted when
+        # the resume claimed the key.
         result.failed += 1
         result.abandoned += self._abandon(key, observer, operation, token)
 
