@@ -303,7 +303,7 @@ class Engine(Registry):
         if claim.run is None:  # a finished key: its replay, or the answer it was abandoned with
             assert isinstance(first, Outcome)
             if claim.abandoned is not None:
-                self._exhausted(operation, claim.abandoned)
+                self._exhausted(*claim.abandoned)
             return first
         return self._drive(claim.run, first)
 
@@ -423,7 +423,7 @@ class Engine(Registry):
                 abandoned = _abandon_exhausted(tx, key)
                 if abandoned is None:
                     raise KeyInUse(key=request.key, retry_after=1)
-                claim.abandoned = record
+                claim.abandoned = (operation, record)
                 return abandoned
             taken = store.claim_by_id(tx, key, self._schedule())
             if taken is None or not taken.claimed:
@@ -572,8 +572,9 @@ class _Claim:
         self.run: _Run | None = None
         """The run, set once the claim took the lease (the transaction may still roll back:
         the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""
-        self.abandoned: KeyRecord | None = None
-        """The key, when the claim abandoned it (out of attempts) instead of taking it."""
+        self.abandoned: tuple[Operation[Any], KeyRecord] | None = None
+        """The key and the version that started it, when the claim abandoned it (out of
+        attempts) instead of taking it."""
 
 
 class _ClaimById:

@@ -324,7 +324,7 @@ class AsyncEngine(Registry):
         if claim.run is None:  # a finished key: its replay, or the answer it was abandoned with
             assert isinstance(first, Outcome)
             if claim.abandoned is not None:
-                self._exhausted(operation, claim.abandoned)
+                self._exhausted(*claim.abandoned)
             return first
         return await self._drive(claim.run, first)
 
@@ -444,7 +444,7 @@ class AsyncEngine(Registry):
                 abandoned = await _abandon_exhausted(tx, key)
                 if abandoned is None:
                     raise KeyInUse(key=request.key, retry_after=1)
-                claim.abandoned = record
+                claim.abandoned = (operation, record)
                 return abandoned
             taken = await store_async.claim_by_id(tx, key, self._schedule())
             if taken is None or not taken.claimed:
@@ -599,8 +599,9 @@ class _Claim:
         self.run: _AsyncRun | None = None
         """The run, set once the claim took the lease (the transaction may still roll back:
         the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""
-        self.abandoned: KeyRecord | None = None
-        """The key, when the claim abandoned it (out of attempts) instead of taking it."""
+        self.abandoned: tuple[Operation[Any], KeyRecord] | None = None
+        """The key and the version that started it, when the claim abandoned it (out of
+        attempts) instead of taking it."""
 
 
 class _ClaimById:
