@@ -116,6 +116,7 @@ BOTH_LAYOUTS = frozenset(
         "test_completer",
         "test_reaper",
         "test_enqueuer",
+        "test_generations",
     }
 )
 

@@ -77,6 +77,7 @@ def test_each_key_is_in_exactly_one_state(ops: admin.Admin) -> None:
         + plant(db, next_attempt_at="now() - interval '1 minute'"),  # due, not yet stuck
         "finished": plant(db, **FINISHED),
         "abandoned": plant(db, **ABANDONED),
+        "needs-reconciliation": plant(db, **OVERDUE, reconcile_since="now()"),
     }
     for state, ids in planted.items():
         found = admin.list_keys(ops, admin.KeyFilter(states=(state,)))

@@ -204,6 +204,11 @@ def test_derived_keys_never_change_between_releases() -> None:
     assert derived_key_of(seed, "downstream", "charged", "") == seeded
     identity = KeyIdentity("rides", 7, at, seed)
     assert identity.derive("downstream", "charged", "") == seeded
+    # A key reused after its retention (recoverypoint.generations): generation 0 derives
+    # the keys above, every later one its own.
+    assert KeyIdentity("rides", 7, at, seed, 0).derive("downstream", "charged", "") == seeded
+    reused = "rp_67aaeafb232722f8de52b7fdf13efad5dd4aca6492729950419192969d07bc32"
+    assert KeyIdentity("rides", 7, at, seed, 1).derive("downstream", "charged", "") == reused
     with pytest.raises(AttributeError, match="read-only"):
         identity.key_id = 8  # type: ignore[misc]
 

@@ -6,6 +6,7 @@ Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
    observe (the hooks every layer calls), leases (the lease rule, in SQL and Python),
+   generations (the rule of a key's generation, in SQL),
    _faults (the fault points the engine consults), and the request path's pure part
    (engine._decide)
 1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
@@ -51,6 +52,7 @@ LAYERS = {
             "engine.waits",
             "observe",
             "leases",
+            "generations",
             "_faults",
         ],
         0,

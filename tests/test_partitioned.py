@@ -122,6 +122,17 @@ WORKER_CLAIMS = [
             "batch_size": 10,
         },
     ),
+    ("reaper's pruning", reaper._PRUNE_GENERATIONS, {"retention": 1.0, "batch_size": 10}),
+    (
+        "operator's delete",
+        key_actions._DELETE,
+        {"ids": [1], "tokens": [None], "free_before": [None], "force": False},
+    ),
+    (
+        "operator's purge",
+        key_actions._PURGE_BATCH,
+        {"older_than": 1.0, "abandoned": False, "batch_size": 10},
+    ),
 ]
 
 

@@ -22,6 +22,7 @@ from poison_child import DIED, LOCK_TIMEOUT, MAX_ATTEMPTS, SCOPE, engine_with
 from workload import plant_keys
 
 import recoverypoint as rp
+from recoverypoint.testing import Clock
 from recoverypoint.workers import ABANDONED_RESPONSE, Completer
 
 CHILD = Path(__file__).with_name("poison_child.py")
@@ -34,20 +35,8 @@ LATER = max(LOCK_TIMEOUT.total_seconds(), Completer.reservation) + 15
 
 
 def pass_time(db: sa.Engine, seconds: float) -> None:
-    """Move every key's clock back by ``seconds``, as if that much time had passed."""
-    with db.begin() as conn:
-        conn.execute(
-            sa.text(
-                """
-                UPDATE idempotency_keys SET
-                    created_at = created_at - make_interval(secs => :s),
-                    locked_at = locked_at - make_interval(secs => :s),
-                    next_attempt_at = next_attempt_at - make_interval(secs => :s),
-                    last_run_at = last_run_at - make_interval(secs => :s)
-                """
-            ),
-            {"s": seconds},
-        )
+    """As if ``seconds`` had passed: every stored moment of the test's database moves back."""
+    Clock(db).advance(seconds=seconds)
 
 
 def calls(db: sa.Engine, key_ids: list[int]) -> int:

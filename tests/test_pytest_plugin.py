@@ -155,6 +155,29 @@ def test_next(rp_engine, rp_faults, rp_key):
     result.stdout.fnmatch_lines(["*InjectedFault: before_foreign:charge_created*"])
 
 
+def test_the_clock_moves_the_tests_keys_forward(
+    pytester: pytest.Pytester, user_env: str
+) -> None:
+    pytester.makepyfile(
+        test_clock=APP
+        + """
+def test_71_hours_later_it_replays(rp_engine, rp_clock, rp_key, rp_db):
+    rp_engine.register(rides)
+    assert not rp_engine.run(rides, key=rp_key, params=body, scope="u1").replayed
+    rp_clock.advance(hours=71)
+    assert rp_engine.run(rides, key=rp_key, params=body, scope="u1").replayed
+    rp_clock.advance(hours=1)
+    with rp_db.connect() as conn:
+        age = conn.scalar(
+            sa.text("SELECT now() - finished_at FROM idempotency_keys WHERE idempotency_key = :k"),
+            {"k": rp_key},
+        )
+    assert age >= rp_clock.moved
+"""
+    )
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
 def test_the_async_engine(pytester: pytest.Pytester, user_env: str) -> None:
     pytester.makepyfile(
         test_async=APP

@@ -18,6 +18,7 @@ from .errors import (
     InvalidParams,
     KeyInUse,
     LockLost,
+    NeedsReconciliation,
     OperationNotRegistered,
     ParamsMismatch,
     RequestTooLarge,
@@ -25,7 +26,15 @@ from .errors import (
     TransactionEnded,
 )
 from .idempotent import downstream_key, idempotent
-from .operation import Operation, Outcome, RecoveryPoint, Request, Response, Withdrawn
+from .operation import (
+    NotFound,
+    Operation,
+    Outcome,
+    RecoveryPoint,
+    Request,
+    Response,
+    Withdrawn,
+)
 
 __all__ = [
     "AbandonedCall",
@@ -42,6 +51,8 @@ __all__ = [
     "InvalidParams",
     "KeyInUse",
     "LockLost",
+    "NeedsReconciliation",
+    "NotFound",
     "Operation",
     "OperationNotRegistered",
     "Outcome",

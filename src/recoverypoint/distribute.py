@@ -2,9 +2,10 @@
 
 On a Citus coordinator, after ``recoverypoint migrate``:
 
-- ``idempotency_keys`` is distributed by ``scope``, and ``staged_jobs`` with it
-  (co-located: a key's staged jobs live on its shard, so a phase that stages them commits
-  on one worker, without two-phase commit);
+- ``idempotency_keys`` is distributed by ``scope``, and ``staged_jobs`` and
+  ``key_generations`` with it (co-located: a key's staged jobs and recorded generation
+  live on its shard, so a phase that stages jobs, and a claim or deletion that reads or
+  records the generation, commits on one worker, without two-phase commit);
 - the small tables every process reads or writes by their own keys (``processed_messages``,
   ``worker_passes``, ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``)
   become reference tables, copied to every worker;
@@ -26,7 +27,7 @@ import sqlalchemy as sa
 from .errors import ConfigurationError
 
 DISTRIBUTED = "idempotency_keys"
-CO_LOCATED = ("staged_jobs",)
+CO_LOCATED = ("staged_jobs", "key_generations")
 REFERENCE = (
     "processed_messages",
     "worker_passes",

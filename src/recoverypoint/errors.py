@@ -17,6 +17,8 @@
     ├── ConfigurationError           500  the service is set up wrongly; no retry helps
     │   ├── OperationNotRegistered   500  the engine does not know the operation (or version)
     │   └── DeclarationError         500  an operation declared wrongly (raised at import time)
+    ├── NeedsReconciliation          423  a foreign step's provider forgot its key: the
+    │                                     request is held for an operator
     ├── TransactionEnded             500  phase code ended the phase's transaction itself
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
@@ -122,6 +124,17 @@ class OperationNotRegistered(ConfigurationError):
 
 class DeclarationError(ConfigurationError):
     """The operation is declared wrongly; fix its phases before serving requests."""
+
+
+class NeedsReconciliation(IdempotencyError):
+    """The request is held for the service's operators: it stopped at a step whose
+    provider no longer remembers the step's first call, so calling it again could repeat
+    it (a second charge). Retrying with this key answers the same until they have found out
+    what that call did; do not send the request with another key meanwhile."""
+
+    # 423 Locked: the key is held, by a human's decision still to come. Not 409 or 503,
+    # which retrying clients retry, nor 500: nothing failed, and nothing must run again.
+    http_status = 423
 
 
 class TransactionEnded(IdempotencyError):

@@ -229,11 +229,22 @@ def legacy_key_material(key_id: int, created_at: datetime, operation: str = "") 
 
 
 def record_material(
-    seed: str | None, key_id: int, created_at: datetime, operation: str
+    seed: str | None, key_id: int, created_at: datetime, operation: str, generation: int = 0
 ) -> str:
     """What the keys derived for one key record share: its seed, or for a record claimed
-    before seeds existed, its :func:`legacy_key_material`."""
-    return seed if seed is not None else legacy_key_material(key_id, created_at, operation)
+    before seeds existed, its :func:`legacy_key_material`; then its generation.
+
+    The seed is a function of what the client sent, so a row lost in a failover (claimed
+    again at the same generation) hands out the same keys. The generation tells apart the
+    requests that reused the key after its earlier uses were deleted past their retention:
+    a provider must see a new key for a new request, or it refuses the request (a known key
+    with other params) or skips its call. Generation 0 is the material alone, so the keys
+    of rows written before generations existed do not change."""
+    material = seed if seed is not None else legacy_key_material(key_id, created_at, operation)
+    if generation == 0:
+        return material
+    text = f"recoverypoint-generation-1\x00{material}\x00{generation}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def derived_key_of(material: str, kind: str, *names: str) -> str:

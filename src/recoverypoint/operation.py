@@ -28,6 +28,10 @@ FINISHED = "finished"
 
 # Retentions are added to timestamps in SQL, as leases are (leases.MAX_LOCK_TIMEOUT).
 MAX_RETENTION = timedelta(days=36500)
+# A provider's dedupe window: a minute is shorter than any provider keeps keys (and than a
+# step's own retries); a year is longer than any does.
+MIN_DEDUPE_WINDOW = timedelta(minutes=1)
+MAX_DEDUPE_WINDOW = timedelta(days=365)
 DEFAULT_RETENTION = timedelta(hours=72)
 """How long a finished key is honoured (replayed) when its operation names no retention of
 its own; the reaper's default too."""
@@ -94,6 +98,18 @@ def problem_response(status: int, kind: str, title: str, detail: str) -> Respons
     return Response(status, body, {"content-type": "application/problem+json"})
 
 
+class _NotFound:
+    """The type of :data:`NotFound`, its one instance (compared with ``is``)."""
+
+    def __repr__(self) -> str:
+        return "rp.NotFound"
+
+
+NotFound = _NotFound()
+"""What a foreign step's ``reconcile=`` hook returns when the provider has no trace of the
+step's first call: the engine then calls the step anew, with a fresh downstream key."""
+
+
 AtomicResult = Response | RecoveryPoint | None
 StepResult = Response | Mapping[str, Any] | None
 
@@ -106,6 +122,10 @@ class Phase:
     kind: Literal["atomic", "foreign"]
     fn: Callable[..., Any]
     jumps_to: tuple[str, ...] = field(default=())
+    dedupe_window: timedelta | None = None
+    """A foreign step's: how long its provider remembers a downstream key."""
+    reconcile: Callable[..., Any] | None = None
+    """A foreign step's: asks its provider what a call made past the window did."""
 
     @property
     def atomic(self) -> bool:
@@ -234,19 +254,57 @@ class Operation(Generic[P]):
         phase may return as :class:`RecoveryPoint`."""
         return self._declare(point, "atomic", tuple(jumps_to))
 
-    def foreign_step(self, point: str) -> Callable[[F], F]:
+    def foreign_step(
+        self,
+        point: str,
+        *,
+        dedupe_window: timedelta | None = None,
+        reconcile: Callable[..., Any] | None = None,
+    ) -> Callable[[F], F]:
         """Declare the next phase: ``fn(step: StepContext, params)`` outside any transaction;
         what it returns is committed with ``point``.
+
+        ``dedupe_window``: how long the step's provider remembers an idempotency key
+        (Stripe: 24 hours). Once that long has passed since the step was first called, the
+        engine never calls it blindly again: it calls ``reconcile(step: StepContext,
+        params)`` instead, with the downstream key the first call used, which asks the
+        provider what that call did and returns the step's result (found) or
+        :data:`NotFound` (the step is then called anew, with a fresh downstream key).
+        Without ``reconcile`` the key waits for an operator (``recoverypoint keys
+        reconcile``) and the request raises :class:`~recoverypoint.NeedsReconciliation`.
 
         The step has run once it returns, so its effect may have happened: a result that
         cannot be stored (not a dict, ``None`` or a :class:`Response`; not JSON; text with
         NUL...) does not make it run again. The key finishes with a 500
         ``application/problem+json`` answer saying the work was done but its result not
         recorded, every retry gets it, and the error is logged for the operator."""
-        return self._declare(point, "foreign", ())
+        if dedupe_window is not None and not (
+            isinstance(dedupe_window, timedelta)
+            and MIN_DEDUPE_WINDOW <= dedupe_window <= MAX_DEDUPE_WINDOW
+        ):
+            raise DeclarationError(
+                f"{self.name}: the dedupe_window of foreign step {point!r} must be between "
+                f"{MIN_DEDUPE_WINDOW} and {MAX_DEDUPE_WINDOW.days} days (how long its provider "
+                f"remembers an idempotency key), got {dedupe_window}"
+            )
+        if reconcile is not None and (dedupe_window is None or not callable(reconcile)):
+            raise DeclarationError(
+                f"{self.name}: foreign step {point!r} declares reconcile= "
+                + (
+                    "without a dedupe_window: it is called only once the window has passed"
+                    if dedupe_window is None
+                    else f"as {type(reconcile).__name__}: pass a function (step, params)"
+                )
+            )
+        return self._declare(point, "foreign", (), dedupe_window, reconcile)
 
     def _declare(
-        self, point: str, kind: Literal["atomic", "foreign"], jumps_to: tuple[str, ...]
+        self,
+        point: str,
+        kind: Literal["atomic", "foreign"],
+        jumps_to: tuple[str, ...],
+        dedupe_window: timedelta | None = None,
+        reconcile: Callable[..., Any] | None = None,
     ) -> Callable[[F], F]:
         if not isinstance(point, str) or not point or len(point) > 100 or not _storable(point):
             raise DeclarationError(
@@ -261,7 +319,7 @@ class Operation(Generic[P]):
             raise DeclarationError(f"{self.name}: no phase may follow {FINISHED!r}")
 
         def register(fn: F) -> F:
-            self.phases.append(Phase(point, kind, fn, jumps_to))
+            self.phases.append(Phase(point, kind, fn, jumps_to, dedupe_window, reconcile))
             return fn
 
         return register

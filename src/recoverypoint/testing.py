@@ -32,6 +32,23 @@ registry, disarmed before and after each test.
 
 :func:`temporary_database` gives a test (or a demo run) an empty database of its own on a
 server you run, and drops it afterwards.
+
+:class:`Clock` moves recoverypoint's time forward, so that a test can say "the lease ran
+out", "72 hours later" or "past the provider's window" in one line instead of sleeping
+through it::
+
+    clock = Clock(engine)
+    clock.advance(hours=72)   # the finished key is past its retention now
+
+Every rule about time is judged on the database's clock (``now()``), never the process's,
+and each is a duration since a moment stored in a row (a lease's ``locked_at``, a finished
+key's ``finished_at``, a back-off's ``next_attempt_at``, a recovery point's
+``point_reached_at``, a deleted key's generation...). Moving every such moment back by the
+same amount is, to every rule, the same as the clock moving forward: nothing in the
+request path or the workers reads a clock of its own, and the database's clock is left
+alone. A live holder's heartbeat renews its lease from the real ``now()`` afterwards, as it
+would in production once that much time had passed. Under pytest, the ``rp_clock`` fixture
+is a :class:`Clock` on the plugin's database.
 """
 
 from __future__ import annotations
@@ -39,16 +56,21 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
+from typing import Protocol
 
+import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 # The fault points live beside the engine that consults them; they are the kit's to offer.
 from ._faults import BOUNDARIES, FAULT_EXIT_STATUS, Effect, Faults, InjectedFault, faults
 from .database import create_engine, normalize_url
+from .schema import metadata
 
 __all__ = [
     "BOUNDARIES",
     "FAULT_EXIT_STATUS",
+    "Clock",
     "Effect",
     "Faults",
     "InjectedFault",
@@ -80,3 +102,50 @@ def temporary_database(server_url: str, prefix: str = "rp_test") -> Iterator[str
                 connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         admin.dispose()
+
+
+class _HasDatabase(Protocol):
+    """An :class:`~recoverypoint.Engine` or :class:`~recoverypoint.AsyncEngine`: each has
+    a sync SQLAlchemy engine on its database."""
+
+    @property
+    def db(self) -> sa.Engine: ...
+
+
+# Every moment recoverypoint stores, table by table: the columns a rule about time measures
+# from. Read off the schema, so that a column added later moves with the others.
+_MOMENTS = [
+    (table, [column for column in table.columns if isinstance(column.type, sa.DateTime)])
+    for table in metadata.sorted_tables
+]
+
+
+class Clock:
+    """recoverypoint's time in a test database, moved forward on demand (see the module's
+    docstring for why moving the stored moments back is the same thing).
+
+    ``database``: a SQLAlchemy engine on the database, or the :class:`~recoverypoint.Engine`
+    or :class:`~recoverypoint.AsyncEngine` that runs on it. Every key, job and worker record
+    of that database moves: give a test that moves time a database of its own (the
+    ``rp_database`` fixture's is one per session; keys of other tests move too).
+    """
+
+    def __init__(self, database: sa.Engine | _HasDatabase) -> None:
+        self._db = database if isinstance(database, sa.Engine) else database.db
+        self.moved = timedelta(0)
+        """How far this clock has moved time so far."""
+
+    def advance(self, by: timedelta | None = None, **parts: float) -> None:
+        """Move time forward by ``by`` or by ``timedelta(**parts)`` (``hours=72``,
+        ``seconds=91``...), in one transaction: a concurrent request sees all of its key's
+        moments moved, or none."""
+        if (by is None) == (not parts):
+            raise TypeError("advance() takes a timedelta or timedelta's keywords, not both")
+        step = by if by is not None else timedelta(**parts)
+        if step < timedelta(0):
+            raise ValueError(f"time only moves forward: advance({step!r})")
+        with self._db.begin() as conn:
+            for table, columns in _MOMENTS:
+                if columns:
+                    conn.execute(table.update().values({c.name: c - step for c in columns}))
+        self.moved += step

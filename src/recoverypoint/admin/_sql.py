@@ -22,6 +22,7 @@ STATE = f"""
     CASE
         WHEN k.abandoned_at IS NOT NULL THEN 'abandoned'
         WHEN k.finished_at IS NOT NULL THEN 'finished'
+        WHEN k.reconcile_since IS NOT NULL THEN 'needs-reconciliation'
         WHEN {LIVE} THEN 'in-flight'
         WHEN k.next_attempt_at
              < now() - make_interval(secs => CAST(:stuck_after AS double precision))
@@ -45,6 +46,7 @@ KEY_COLUMNS = f"""
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,
     k.state AS phase_state, k.response_headers, k.response_body, k.derivation_seed,
+    k.generation,
     EXISTS (SELECT 1 FROM registered AS r
             WHERE r.operation = k.operation AND r.version = k.operation_version) AS known
 """
@@ -78,6 +80,7 @@ _STATE_HINTS = {
     "unfinished": _UNFINISHED_HINT,
     "finished": "k.finished_at IS NOT NULL",
     "abandoned": "k.abandoned_at IS NOT NULL",
+    "needs-reconciliation": "k.reconcile_since IS NOT NULL",
 }
 
 

@@ -55,12 +55,20 @@ class KeyState(str, Enum):
     client retry that would have started one more) or by an operator (``abandon``);
     ``reopen`` makes it unfinished again."""
 
+    NEEDS_RECONCILIATION = "needs-reconciliation"
+    """Unfinished, stopped before a foreign step whose provider's dedupe window has passed
+    and which has no reconcile hook: calling it again could repeat its first call (a second
+    charge), so no request and no worker runs it. An operator finds out what that call did,
+    then ``reconcile`` records its result (found) or has it called anew (not found)."""
+
     def __str__(self) -> str:
         return self.value
 
 
 # The states' names as text, as queries and filters take them.
-UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED = (state.value for state in KeyState)
+UNFINISHED, IN_FLIGHT, STUCK, FINISHED, ABANDONED, NEEDS_RECONCILIATION = (
+    state.value for state in KeyState
+)
 STATES = tuple(state.value for state in KeyState)
 """Every :class:`KeyState`, by its name, in the order a listing shows them."""
 

@@ -16,8 +16,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..migrate import VERSION_TABLE, migrations_dir
-from .base import STUCK, Admin
-from .keys import stats
+from .base import NEEDS_RECONCILIATION, STUCK, Admin
+from .keys import nearing_windows, stats
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 TABLES = ("idempotency_keys", "staged_jobs")
@@ -188,6 +188,33 @@ def _keys(admin: Admin) -> Check:
     return Check("keys", OK, detail)
 
 
+def _windows(admin: Admin) -> Check:
+    held = stats(admin, include_finished=False).by_state[NEEDS_RECONCILIATION]
+    nearing = nearing_windows(admin)
+    detail = (
+        f"{held} keys need reconciliation, {nearing} near their step's dedupe window "
+        "(of the operations known here)"
+    )
+    if held:
+        return Check(
+            "dedupe windows",
+            WARN,
+            detail,
+            "their steps' providers forgot the first calls: see `recoverypoint keys list "
+            "--state needs-reconciliation`, ask each provider, then `recoverypoint keys "
+            "reconcile ID --found JSON` or `--not-found`",
+        )
+    if nearing:
+        return Check(
+            "dedupe windows",
+            WARN,
+            detail,
+            "finish them before their windows pass (is the completer running? is a "
+            "provider down?), or they will wait for reconciliation",
+        )
+    return Check("dedupe windows", OK, detail)
+
+
 @dataclass(frozen=True)
 class WorkerPass:
     """A kind of worker's last pass, on whichever host ran it last."""
@@ -270,5 +297,6 @@ _CHECKS: tuple[Callable[[Admin], Check], ...] = (
     _workers,
     _jobs,
     _keys,
+    _windows,
     _pooler,
 )

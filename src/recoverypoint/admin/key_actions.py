@@ -1,4 +1,5 @@
-"""Changing keys: retry, release, abandon, reopen, delete, purge; one key or many.
+"""Changing keys: retry, release, abandon, reopen, delete, purge, reconcile; one key or
+many (reconcile: one).
 
 Every action is fenced like the engine's own writes. It is decided on rows as they were
 read (their id and lease token), then applied in one UPDATE or DELETE whose WHERE checks
@@ -21,7 +22,7 @@ seconds at most, then refuses. Every action that runs (not a dry run) writes an 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -31,12 +32,13 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
+from .. import generations
 from ..keys import canonical_json
 from ..leases import free_before
 from ..operation import FINISHED
 from . import audit
 from ._sql import KEY_COLUMNS, REGISTERED
-from .base import ABANDONED, Admin, Refused
+from .base import ABANDONED, NEEDS_RECONCILIATION, Admin, Refused
 from .keys import KeyFilter, KeyRow, find_key, list_keys
 
 DEFAULT_ABANDON_STATUS = 500
@@ -90,6 +92,7 @@ _RETRY = sa.text(
     SET next_attempt_at = now(), attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
     FROM seen AS s
     WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
+      AND k.reconcile_since IS NULL
     RETURNING k.id
     """
 )
@@ -125,7 +128,8 @@ _ABANDON = sa.text(
 
 # The completer's own abandonment: only while the key is unfinished, out of attempts, and
 # its lease is the completer's or free (a client may have taken it since the attempt
-# failed; then the client's attempt decides).
+# failed; then the client's attempt decides), and not held for an operator's
+# reconciliation (abandoned, its step's first call would be forgotten with it).
 _ABANDON_EXHAUSTED = sa.text(
     """
     UPDATE idempotency_keys
@@ -133,7 +137,7 @@ _ABANDON_EXHAUSTED = sa.text(
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
     WHERE scope = :scope AND id = :id AND finished_at IS NULL AND attempts >= :max_attempts
-      AND (lock_token IS NULL OR lock_token = :token)
+      AND (lock_token IS NULL OR lock_token = :token) AND reconcile_since IS NULL
     RETURNING idempotency_key, recovery_point, attempts, last_error
     """
 )
@@ -162,13 +166,35 @@ _DELETE = sa.text(
         WHERE k.scope = :scope AND k.id = s.id
           AND (k.finished_at IS NOT NULL
                OR (:force AND k.lock_token IS NOT DISTINCT FROM s.lock_token))
-        RETURNING k.id
+        RETURNING k.id, {generations.DELETED}
     ),
+    {generations.record_next("deleted")},
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
         FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id
     )
     SELECT id FROM deleted
+    """
+)
+
+# A key held for reconciliation, resolved as its step's reconcile hook would have: the
+# step's result found (``:found``), recorded as the step's recovery point with the state
+# merged, as the engine records a step; or nothing found, and the step is called anew with
+# a fresh downstream key (a renewal). Due now either way, at the point it was read at, and
+# only while no lease holds it (a held key gave its lease up).
+_RECONCILE = sa.text(
+    f"""
+    WITH {_SEEN}
+    UPDATE idempotency_keys AS k
+    SET recovery_point = CASE WHEN :found THEN :step ELSE k.recovery_point END,
+        state = CASE WHEN :found THEN k.state || CAST(:result AS jsonb) ELSE k.state END,
+        window_renewals = CASE WHEN :found THEN 0 ELSE k.window_renewals + 1 END,
+        point_reached_at = now(), reconcile_since = NULL, next_attempt_at = now()
+    FROM seen AS s
+    WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
+      AND k.reconcile_since IS NOT NULL AND k.recovery_point = :point
+      AND k.lock_token IS NULL
+    RETURNING k.id
     """
 )
 
@@ -200,8 +226,9 @@ _PURGE_BATCH = sa.text(
     deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
         WHERE k.scope = :scope AND k.id = doomed.id
-        RETURNING k.id
+        RETURNING k.id, {generations.DELETED}
     ),
+    {generations.record_next("deleted")},
     unlinked AS (
         UPDATE staged_jobs AS j SET idempotency_key_id = NULL
         FROM deleted AS d WHERE j.scope = :scope AND j.idempotency_key_id = d.id
@@ -230,6 +257,19 @@ def _retryable(row: KeyRow, force: bool) -> str | None:
     if row.finished:
         hint = "; reopen it to run it again" if row.state == ABANDONED else ""
         return f"key {row.id} is {row.state} (status {row.status}): nothing to retry{hint}"
+    if row.state == NEEDS_RECONCILIATION:
+        return (
+            f"key {row.id} needs reconciliation: a retry could call its step again after its "
+            "provider forgot the first call. Find out what that call did, then run "
+            f"`recoverypoint keys reconcile {row.id} --found JSON` (its result) or "
+            "`--not-found` (call it anew)"
+        )
+    return None
+
+
+def _reconcilable(row: KeyRow, force: bool) -> str | None:
+    if row.state != NEEDS_RECONCILIATION:
+        return f"key {row.id} is {row.state}: it does not wait for reconciliation"
     return None
 
 
@@ -303,6 +343,46 @@ def retry(
     """Make unfinished keys due now (the completer takes them on its next pass, once their
     ``min_age`` has passed), optionally with their attempts counted from zero."""
     return _act(admin, "keys.retry", target, _retryable, _RETRY, dry_run, reset=reset_attempts)
+
+
+def reconcile(
+    admin: Admin,
+    key_id: int,
+    *,
+    found: Mapping[str, Any] | None,
+    dry_run: bool = False,
+) -> ActionResult:
+    """Resolve key ``key_id``, held for reconciliation, as its step's reconcile hook would:
+    ``found``, the step's result (what the step would have returned), recorded as the
+    step's; ``None``, nothing found: the step is called anew, with a fresh downstream key.
+    Either way the key is due now, for the completer or its client."""
+    row = find_key(admin, key_id, reveal=True).row
+    reason = _reconcilable(row, False)
+    if reason is not None:
+        raise Refused(reason)
+    step = ""
+    result = "{}"
+    if found is not None:
+        operation = admin.operation(row.operation, row.version)
+        if operation is None:
+            raise Refused(
+                f"key {key_id} is of {row.operation} v{row.version}, which is not known here: "
+                "name the application (--app) so that its step's result can be recorded"
+            )
+        step = operation.phases[operation.next_phase(row.point)].point
+        result = canonical_json(dict(found))
+    return _act(
+        admin,
+        "keys.reconcile",
+        key_id,
+        _reconcilable,
+        _RECONCILE,
+        dry_run,
+        found=found is not None,
+        point=row.point,
+        step=step,
+        result=result,
+    )
 
 
 def release(

@@ -248,9 +248,11 @@ def find_key(
             raise NotFound(f"there is no {what}: list keys with `recoverypoint keys list`")
         jobs = tuple(Job(**j._mapping) for j in conn.execute(_JOBS_OF_KEY, {"id": found.id}))
     values = dict(found._mapping)
-    seed = values.pop("derivation_seed")
+    seed, generation = values.pop("derivation_seed"), values.pop("generation")
     detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
     row = KeyRow(**values)
+    # What StepContext.downstream_key() derives from: the same inputs.
+    material = record_material(seed, row.id, row.created_at, row.operation, generation)
     if not reveal:
         row = dataclasses.replace(row, scope=admin.mask(row.scope))
         detail["fingerprint"] = admin.mask(detail["fingerprint"])
@@ -260,7 +262,7 @@ def find_key(
     return KeyDetail(
         row=row,
         **detail,
-        phases=phases(operation_, row, seed) if operation_ is not None else (),
+        phases=phases(operation_, row, material) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
             row.locked_at + timedelta(seconds=row.lock_timeout)
@@ -283,9 +285,9 @@ _DETAIL_FIELDS = (
 )
 
 
-def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[PhaseMark, ...]:
-    """The declared phases, the key's point marked, each step's downstream key (``seed``:
-    the record's, see :func:`recoverypoint.keys.key_seed`)."""
+def phases(operation: Operation[Any], row: KeyRow, material: str) -> tuple[PhaseMark, ...]:
+    """The declared phases, the key's point marked, each step's downstream key
+    (``material``: the record's, see :func:`recoverypoint.keys.record_material`)."""
     points = [STARTED, *(p.point for p in operation.phases)]
     at = points.index(row.point) if row.point in points else -1
     found: list[PhaseMark] = [PhaseMark(STARTED, "start", _mark(0, at))]
@@ -293,8 +295,6 @@ def phases(operation: Operation[Any], row: KeyRow, seed: str | None) -> tuple[Ph
         mark = _mark(index, at)
         downstream = None
         if not phase.atomic:
-            # What StepContext.downstream_key() returns in this step: the same inputs.
-            material = record_material(seed, row.id, row.created_at, operation.name)
             downstream = derived_key_of(material, "downstream", phase.point, "")
         found.append(PhaseMark(phase.point, phase.kind, mark, downstream))
     return tuple(found)
@@ -343,6 +343,54 @@ class Stats:
     oldest_job: float | None
     due_jobs: int = 0
     """Staged jobs the enqueuer may publish now."""
+
+
+NEARING = 0.75
+"""The share of a step's dedupe window after which a key waiting before it is near it."""
+
+# Unfinished keys waiting before a foreign step with a dedupe window (the windows of the
+# operations known here), past NEARING of it and not held yet: a key judges its step's
+# window from when its recovery point was reached (its creation, before migration 0013).
+_NEARING = sa.text(
+    """
+    WITH w AS (
+        SELECT * FROM unnest(
+            CAST(:operations AS text[]), CAST(:versions AS integer[]),
+            CAST(:points AS text[]), CAST(:windows AS double precision[])
+        ) AS w(operation, version, point, seconds)
+    )
+    SELECT count(*) FROM idempotency_keys AS k
+    JOIN w ON w.operation = k.operation AND w.version = k.operation_version
+          AND w.point = k.recovery_point
+    WHERE k.finished_at IS NULL AND k.reconcile_since IS NULL
+      AND coalesce(k.point_reached_at, k.created_at)
+          <= now() - make_interval(secs => w.seconds * :nearing)
+    """
+)
+
+
+def nearing_windows(admin: Admin) -> int:
+    """Unfinished keys past :data:`NEARING` of the dedupe window of the step they wait
+    before, not yet held for reconciliation; of the operations ``admin`` knows."""
+    windows = [
+        (operation, point, phase.dedupe_window)
+        for operation in admin.operations
+        for point, phase in zip(
+            (STARTED, *(p.point for p in operation.phases)), operation.phases, strict=False
+        )
+        if phase.dedupe_window is not None
+    ]
+    if not windows:
+        return 0
+    params = {
+        "operations": [operation.name for operation, _, _ in windows],
+        "versions": [operation.version for operation, _, _ in windows],
+        "points": [point for _, point, _ in windows],
+        "windows": [window.total_seconds() for _, _, window in windows],
+        "nearing": NEARING,
+    }
+    with admin.db.connect() as conn:
+        return int(conn.execute(_NEARING, params).scalar_one())
 
 
 def stats(admin: Admin, *, include_finished: bool = True) -> Stats:

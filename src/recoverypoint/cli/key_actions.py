@@ -1,4 +1,4 @@
-"""``recoverypoint keys retry|release|abandon|reopen|delete|purge``.
+"""``recoverypoint keys retry|release|abandon|reopen|delete|purge|reconcile``.
 
 One key by ID; several by IDs; or every key some filters select, which needs ``--yes``
 (``--dry-run`` prints how many and a sample instead). The fencing is the library's
@@ -9,6 +9,7 @@ alone, and a single key that changed is refused (exit 4).
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -73,6 +74,23 @@ def add_key_actions(commands: Subparsers) -> None:
     )
     delete = action("delete", "delete finished keys (unfinished ones need --force)", _delete)
     delete.add_argument("--force", action="store_true", help="unfinished keys too")
+
+    reconcile = commands.add_parser(
+        "reconcile",
+        help="resolve a key that needs reconciliation: its step's result, or call it anew",
+        description="A key needs reconciliation when its next foreign step is past its "
+        "provider's dedupe window and declares no reconcile hook. Ask the provider what the "
+        "step's last call did (its downstream key: `keys show ID`), then record its result "
+        "with --found JSON (what the step returns), or pass --not-found to have the step "
+        "called anew with a fresh downstream key. The key is then due now.",
+    )
+    reconcile.add_argument("id", type=record_id, metavar="ID", help="the key record's id")
+    found = reconcile.add_mutually_exclusive_group(required=True)
+    found.add_argument("--found", type=_json_object, metavar="JSON", help="the step's result")
+    found.add_argument("--not-found", action="store_true", help="call the step anew")
+    reconcile.add_argument("--dry-run", action="store_true", help="check it; change nothing")
+    add_common(reconcile, reveal=False)
+    reconcile.set_defaults(handler=guarded("keys reconcile", _reconcile), reveal=False)
 
     purge = commands.add_parser(
         "purge",
@@ -163,6 +181,29 @@ def _delete(args: argparse.Namespace) -> int:
     return _report(
         args, result, isinstance(target, int), "deleted", "gone; its staged jobs stay, unlinked"
     )
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): pass the step's result") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            'pass the step\'s result as a JSON object, such as \'{"charge_id": "ch_1"}\''
+        )
+    return value
+
+
+def _reconcile(args: argparse.Namespace) -> int:
+    with admin_for(args) as ops:
+        result = admin.reconcile(ops, args.id, found=args.found, dry_run=args.dry_run)
+    effect = (
+        "its step's result is recorded; it runs on"
+        if args.found is not None
+        else "its step is called anew, with a fresh downstream key"
+    )
+    return _report(args, result, True, "reconciled", f"{effect}, due now")
 
 
 def _purge(args: argparse.Namespace) -> int:

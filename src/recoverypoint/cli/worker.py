@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
+from ..generations import DEFAULT_GENERATIONS_RETENTION
 from ..logfmt import logfmt
 from ..migrate import VERSION_TABLE, migrations_dir
 from ..workers.completer import Completer, CompleterResult
@@ -105,6 +106,15 @@ def add_worker(subparsers: _Subparsers) -> None:
         default=DEFAULT_ABANDONED_RETENTION.total_seconds(),
         metavar="DURATION",
         help="reaper: delete abandoned keys this old (default 30d)",
+    )
+    parser.add_argument(
+        "--generations-retention",
+        type=_duration,
+        default=DEFAULT_GENERATIONS_RETENTION.total_seconds(),
+        metavar="DURATION",
+        help="reaper: forget a deleted key's generation this long after its deletion, so "
+        "that a reuse derives its first request's keys again; longer than any provider "
+        "remembers a key (default 30d)",
     )
     parser.add_argument(
         "--vacuum-after",
@@ -244,6 +254,7 @@ def _workers(
             batch_size=args.batch_size,
             retention=timedelta(seconds=args.retention),
             abandoned_retention=timedelta(seconds=args.abandoned_retention),
+            generations_retention=timedelta(seconds=args.generations_retention),
             vacuum_after=args.vacuum_after or None,
             stop_event=stop,
         ),

@@ -91,7 +91,16 @@ class KeyRecord(NamedTuple):
     attempts: int
     seed: str | None
     """The row's derivation seed; ``None`` for a row claimed before seeds existed."""
+    generation: int
+    """Which use of the key this is (:mod:`recoverypoint.generations`)."""
     ctid: str
+    point_age: float
+    """Seconds since the recovery point was committed (the key created, in rows older than
+    migration 0013), on the database's clock."""
+    window_renewals: int
+    """Times the step after the point was called anew past its provider's dedupe window."""
+    held: bool
+    """Whether the key waits for an operator's reconciliation."""
     claimed: bool
     inserted: bool
     held_for: float | None
@@ -103,11 +112,13 @@ class KeyRecord(NamedTuple):
         and ``held_for``)."""
         (
             key_id, scope, created_at, version, fingerprint, point, state, params, status,
-            headers, body, attempts, seed, ctid, claimed, inserted, held_for,
+            headers, body, attempts, seed, generation, ctid, point_age, renewals, held,
+            claimed, inserted, held_for,
         ) = row  # fmt: skip
         assert key_id and scope is not None and created_at and version and fingerprint
         assert point and state
-        assert params is not None and attempts and ctid
+        assert params is not None and attempts and generation and ctid and point_age
+        assert renewals
         return cls(
             int(key_id),
             scope,
@@ -122,7 +133,11 @@ class KeyRecord(NamedTuple):
             body,
             int(attempts),
             seed,
+            int(generation),
             ctid,
+            float(point_age),
+            int(renewals),
+            held == "true",
             claimed == "t",
             inserted == "t",
             None if held_for is None else float(held_for),
@@ -134,8 +149,9 @@ class KeyRecord(NamedTuple):
 
     def exhausted(self, max_attempts: int) -> bool:
         """Whether the unfinished key has counted ``max_attempts`` attempts: the next one
-        it would start abandons it instead."""
-        return self.response_status is None and self.attempts >= max_attempts
+        it would start abandons it instead. Never one held for an operator's
+        reconciliation, whose decision that is."""
+        return self.response_status is None and not self.held and self.attempts >= max_attempts
 
 
 class Finished(NamedTuple):
@@ -239,6 +255,14 @@ class Registry:
             self._operations[ident] = operation
 
     def _check_kind(self, operation: Operation[Any], phase: Phase) -> None:
+        if phase.reconcile is not None and (
+            inspect.iscoroutinefunction(phase.reconcile) != self._asynchronous
+        ):
+            kind = "async def" if self._asynchronous else "a plain def"
+            raise DeclarationError(
+                f"{operation.name}: the reconcile hook of {phase.point!r} must be {kind}, "
+                f"as its step is for {type(self).__name__}"
+            )
         if inspect.iscoroutinefunction(phase.fn) == self._asynchronous:
             return
         if self._asynchronous:

@@ -174,8 +174,8 @@ class AsyncTransaction:
     def literal(self, value: str) -> str:
         """``value`` as an SQL string literal, quoted by libpq for this connection."""
         encoding = self.connection.info.encoding
-        return Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(
-            encoding
+        return (
+            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
         )
 
     async def commit(self) -> None:
@@ -296,7 +296,6 @@ async def serializable(
     finally:
         await _give_back(db, pooled, connection, switched)
     raise AssertionError("unreachable")
-
 
 
 def _left_over(tx: AsyncTransaction) -> bool:

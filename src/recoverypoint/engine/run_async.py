@@ -33,7 +33,13 @@ from sqlalchemy.engine import URL
 from .. import _pooler, backoff
 from .._faults import faults
 from ..database import create_engine, normalize_url
-from ..errors import ConfigurationError, DeclarationError, KeyInUse, LockLost
+from ..errors import (
+    ConfigurationError,
+    DeclarationError,
+    KeyInUse,
+    LockLost,
+    NeedsReconciliation,
+)
 from ..jobs import JobBackend
 from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
 from ..observe import (
@@ -47,6 +53,7 @@ from ..observe import (
 )
 from ..operation import (
     STARTED,
+    NotFound,
     Operation,
     Outcome,
     Phase,
@@ -400,6 +407,8 @@ class AsyncEngine(Registry):
                 return observed.finished(claim.abandoned)
             if record.response_status is not None:
                 return observed.finished(replay(record))
+            if record.held:
+                raise NeedsReconciliation(f"key record {key_id} waits for reconciliation")
             lease_left = record.lease_left(lock_timeout)
             raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
@@ -431,6 +440,8 @@ class AsyncEngine(Registry):
             operation = self.judge(operation, request, params, record)
             if record.response_status is not None:  # it finished since the lookup
                 return replay(record)
+            if record.held:  # for an operator: no step is called, whoever asks
+                raise NeedsReconciliation(key=request.key)
             lock_timeout = operation.lock_timeout.total_seconds()
             lease_left = record.lease_left(lock_timeout)
             if lease_left > 0:
@@ -470,8 +481,8 @@ class AsyncEngine(Registry):
                     progress.reached(step)
                 phase = run.operation.phases[run.operation.next_phase(progress.at)]
                 step = await run.next(phase, progress.state)
-        except LockLost:
-            raise
+        except (LockLost, NeedsReconciliation):
+            raise  # the lease is someone else's, or was given up holding the key
         except BaseException as exc:
             await self._abandon(run, exc)
             raise
@@ -666,7 +677,9 @@ class _AsyncRun:
         self.operation = operation
         self.record = record
         self.key = KeyRef(record.id, record.scope, token, record.ctid)
-        self.identity = KeyIdentity(operation.name, record.id, record.created_at, record.seed)
+        self.identity = KeyIdentity(
+            operation.name, record.id, record.created_at, record.seed, record.generation
+        )
         self.progress = Progress(record.recovery_point, record.state, record.recovery_point)
 
     @functools.cached_property
@@ -685,8 +698,16 @@ class _AsyncRun:
         if faults.active:
             faults.hit("before_foreign", phase.point)
         state = json.loads(state_json)
-        with self.observed.phase(phase.point, False):
-            result = await phase.fn(StepContext(state, self.identity, phase.point), self.params)
+        renewals = self.record.window_renewals
+        result: object = NotFound
+        if self._past_window(phase):
+            result = await self._reconcile(phase, state)
+            if result is NotFound:  # the provider forgot the call: call anew, with a fresh key
+                renewals = await self.engine._transact(self._renew_window, renewals)
+        if result is NotFound:
+            with self.observed.phase(phase.point, False):
+                context = StepContext(state, self.identity, phase.point, renewals)
+                result = await phase.fn(context, self.params)
         if faults.active:
             faults.hit("after_foreign", phase.point)
         response, new_state, new_state_json = step_result(
@@ -730,6 +751,41 @@ class _AsyncRun:
                         "could not record foreign step %r of key %s", phase.point, self.record.id
                     )
             raise
+
+    def _past_window(self, phase: Phase) -> bool:
+        """Whether the foreign step ``phase`` may have been called longer ago than its
+        provider's dedupe window, so that calling it again could repeat it. Only the step
+        right after the point the run was claimed at can be: once the run commits a point,
+        the step after it is well inside its window."""
+        window = phase.dedupe_window
+        return (
+            window is not None
+            and self.progress.at == self.record.recovery_point
+            and self.record.point_age >= window.total_seconds()
+        )
+
+    async def _reconcile(self, phase: Phase, state: dict[str, Any]) -> object:
+        """Ask the provider, through the step's ``reconcile`` hook, what the step's last call
+        did: its result, or :data:`NotFound`. Without a hook, hold the key for an operator
+        and raise :class:`NeedsReconciliation`."""
+        if phase.reconcile is None:
+            reason = (
+                f"foreign step {phase.point!r} is past its provider's dedupe window "
+                f"({phase.dedupe_window}) and declares no reconcile hook: find out what its "
+                f"last call did, then run `recoverypoint keys reconcile {self.record.id} "
+                "--found JSON` or `--not-found`"
+            )
+            if not await store_async.hold(self.engine.async_db, self.key, reason):
+                raise LockLost()
+            logger.warning("key %s is held for reconciliation: %s", self.record.id, reason)
+            raise NeedsReconciliation()
+        context = StepContext(state, self.identity, phase.point, self.record.window_renewals)
+        with self.observed.phase(phase.point, False):
+            return await phase.reconcile(context, self.params)
+
+    async def _renew_window(self, tx: AsyncTransaction, renewals: int) -> int:
+        """Commit a renewal of the window of the step after the recovery point."""
+        return await store_async.renew_window(tx, self.key, self.progress.at, renewals)
 
     async def fenced(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request

@@ -32,7 +32,7 @@ import re
 from typing import NamedTuple
 from uuid import UUID
 
-from .. import backoff, leases
+from .. import backoff, generations, leases
 
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
@@ -89,7 +89,10 @@ NOTHING = "SELECT 1"
 
 # Every column as text, read one way whichever path it came by (a cursor, or libpq's own
 # text results): see KeyRecord.parse. JSON is parsed where it is used, once; the creation
-# time is the instant in UTC, so that no session's TimeZone or DateStyle changes it.
+# time is the instant in UTC, so that no session's TimeZone or DateStyle changes it. The
+# recovery point's age (seconds, on the database's clock: no process's clock judges a
+# provider's dedupe window) is taken from the creation time in rows older than migration
+# 0013, which is earlier still: a window is judged passed sooner, never later.
 #
 # Formatted outside the statement that writes the row: Citus refuses a function that is
 # not IMMUTABLE (to_char) in a RETURNING clause, so the claims return the row's columns
@@ -97,13 +100,16 @@ NOTHING = "SELECT 1"
 _RETURNED = """
     id, scope, created_at, operation_version, fingerprint, recovery_point, state,
     request_params, response_status, response_headers, response_body, attempts,
-    derivation_seed, ctid
+    derivation_seed, generation, ctid, point_reached_at, window_renewals, reconcile_since
 """
 _RECORD_COLUMNS = """
     id::text, scope, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
-    response_body::text, attempts::text, derivation_seed, ctid::text AS ctid
+    response_body::text, attempts::text, derivation_seed, generation::text,
+    ctid::text AS ctid,
+    extract(epoch FROM now() - coalesce(point_reached_at, created_at))::float8::text,
+    window_renewals::text, (reconcile_since IS NOT NULL)::text
 """
 
 
@@ -124,16 +130,19 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # that started it, which may not be the caller's). An existing row is read,
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
-# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot. A new
+# row takes the key's generation (recoverypoint.generations) in the same statement: one
+# primary-key lookup in the key's scope, no round trip.
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
-            request_path, request_params, fingerprint, derivation_seed, locked_at, lock_token,
-            lock_timeout, attempts, next_attempt_at)
+            request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
+            lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, now(), %(token)s,
-            %(lock_timeout)s, 1, now() + make_interval(secs => {backoff.delay_sql("0")}))
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s,
+            {generations.current("%(scope)s", "%(operation)s", "%(key)s")}, now(), %(token)s,
+            %(lock_timeout)s, now(), 1, now() + make_interval(secs => {backoff.delay_sql("0")}))
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RETURNED}
     )
@@ -146,10 +155,11 @@ CLAIM = Statement(f"""
 """)
 
 # Take an unfinished key by id when its lease is free, expired or already held under
-# :token (the completer reserves keys in batches, then resumes each), and it has attempts
-# left; otherwise return the row so the caller can tell a replay, a key in use and a key
-# out of attempts (ABANDON_EXHAUSTED) apart. The lease is checked in the UPDATE itself, so
-# two callers never both get it.
+# :token (the completer reserves keys in batches, then resumes each), when it has attempts
+# left and does not wait for an operator's reconciliation; otherwise return the row so the
+# caller can tell a replay, a key in use, a key held and a key out of attempts
+# (ABANDON_EXHAUSTED) apart. The lease is checked in the UPDATE itself, so two callers
+# never both get it.
 CLAIM_BY_ID = Statement(f"""
     WITH claimed AS (
         UPDATE idempotency_keys AS k
@@ -157,7 +167,7 @@ CLAIM_BY_ID = Statement(f"""
             last_run_at = now(), attempts = k.attempts + 1,
             next_attempt_at = now() + make_interval(secs => {backoff.delay_sql("k.attempts")})
         WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
-          AND k.attempts < %(max_attempts)s
+          AND k.attempts < %(max_attempts)s AND k.reconcile_since IS NULL
           AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
         RETURNING {_RETURNED}
     )
@@ -168,16 +178,17 @@ CLAIM_BY_ID = Statement(f"""
     WHERE scope = %(scope)s AND id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
 """)
 
-# A key out of attempts whose lease is free (or :token's, a completer's reservation):
-# finished with the abandoned answer instead of another attempt, in the claim's transaction.
-# Retries replay it; the reaper keeps it for the abandoned keys' retention.
+# A key out of attempts whose lease is free (or :token's, a completer's reservation), and
+# that waits for no operator's reconciliation: finished with the abandoned answer instead
+# of another attempt, in the claim's transaction. Retries replay it; the reaper keeps it
+# for the abandoned keys' retention.
 ABANDON_EXHAUSTED = Statement(f"""
     UPDATE idempotency_keys AS k
     SET finished_at = now(), abandoned_at = now(), response_status = %(status)s,
         response_headers = '{{}}'::jsonb, response_body = %(body)s::jsonb,
         locked_at = NULL, lock_token = NULL
     WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
-      AND k.attempts >= %(max_attempts)s
+      AND k.attempts >= %(max_attempts)s AND k.reconcile_since IS NULL
       AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
     RETURNING k.response_body::text
 """)
@@ -200,12 +211,16 @@ FIND_FINISHED = Statement("""
 # request, whether or not the reaper got to it. Deleted in the claim's transaction, before
 # CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
 # abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
-PAST_RETENTION = Statement("""
-    DELETE FROM idempotency_keys
-    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
-      AND finished_at <= now() - make_interval(secs => %(retention)s)
-      AND abandoned_at IS NULL
-    RETURNING id
+# Records the key's next generation, which the claim then gives the new row.
+PAST_RETENTION = Statement(f"""
+    WITH deleted AS (
+        DELETE FROM idempotency_keys AS k
+        WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
+          AND finished_at <= now() - make_interval(secs => %(retention)s)
+          AND abandoned_at IS NULL
+        RETURNING {generations.DELETED}
+    ), {generations.record_next("deleted")}
+    SELECT generation FROM deleted
 """)
 
 # The database's namespace of derived keys (migration 0009), read once per engine.
@@ -382,12 +397,15 @@ def fence_by_ctid(scope_literal: str, ctid: str, key_id: int, token: UUID) -> st
 # clock_timestamp(), which Citus refuses in an UPDATE as VOLATILE). Only from the
 # point the run started the phase at: a recovery point never moves backwards, even when a
 # run records a step's result after the phase that followed it did commit (an ambiguous
-# COMMIT failure).
+# COMMIT failure). The new point's time starts the dedupe window of the foreign step after
+# it, which is called after this commits: judged from here, a window passes early, never
+# late; and that step has not been called anew yet.
 ADVANCE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET recovery_point = %(point)s, state = %(state)s::jsonb,
-        locked_at = statement_timestamp(), last_run_at = now()
+        locked_at = statement_timestamp(), last_run_at = now(),
+        point_reached_at = statement_timestamp(), window_renewals = 0
     WHERE recovery_point = %(from_point)s AND {where}
 """,
     returning="state::text",
@@ -425,4 +443,36 @@ RELEASE = _by_ctid_and_by_id(
 # as nothing was recorded under it.
 WITHDRAW = _by_ctid_and_by_id(
     "DELETE FROM idempotency_keys WHERE recovery_point = 'started' AND {where}", wakes=True
+)
+
+
+# The foreign step after the recovery point is about to be called anew, past its
+# provider's dedupe window (its reconciliation found nothing): count the renewal, which
+# gives the step a fresh downstream key, and start the window again, in a commit of its
+# own before the call, so that a run that dies after it calls with that same fresh key.
+# Only from the renewal the run read: two runs never renew twice for one call.
+RENEW_WINDOW = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET window_renewals = window_renewals + 1, point_reached_at = statement_timestamp(),
+        locked_at = statement_timestamp()
+    WHERE recovery_point = %(point)s AND window_renewals = %(renewals)s AND {where}
+""",
+    returning="window_renewals",
+)
+
+# The foreign step after the recovery point is past its provider's dedupe window and
+# nothing can ask the provider what its first call did: hold the key for an operator's
+# reconciliation (``recoverypoint keys reconcile``). The lease is given up; no worker takes
+# the key: the completer skips it, and its next attempt never comes, for a completer older
+# than migration 0013's columns too (the last year Python's datetime holds, not 'infinity',
+# which it cannot read). No claim takes it either. Not an attempt: nothing failed.
+HOLD = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET reconcile_since = now(), locked_at = NULL, lock_token = NULL,
+        next_attempt_at = '9999-01-01 00:00:00+00', last_error = %(error)s
+    WHERE {where}
+""",
+    wakes=True,
 )

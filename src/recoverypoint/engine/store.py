@@ -138,6 +138,19 @@ def finish(
     return _commit_fenced(tx, key, sql.FINISH, params, jobs)
 
 
+def renew_window(tx: Transaction, key: KeyRef, point: str, renewals: int) -> int:
+    """Count a renewal of the dedupe window of the step after ``point``, from ``renewals``
+    (see :data:`~recoverypoint.engine.sql.RENEW_WINDOW`), and commit; the new count."""
+    params = {"point": point, "renewals": renewals}
+    return int(_commit_fenced(tx, key, sql.RENEW_WINDOW, params, ()))
+
+
+def hold(db: sa.Engine, key: KeyRef, reason: str) -> bool:
+    """Hold the key for an operator's reconciliation and give the lease up; ``False`` if
+    the lease was already taken over."""
+    return _fenced_alone(db, key, sql.HOLD, {"error": reason})
+
+
 def release(db: sa.Engine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
     return _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})

@@ -144,6 +144,19 @@ async def finish(
     return await _commit_fenced(tx, key, sql.FINISH, params, jobs)
 
 
+async def renew_window(tx: AsyncTransaction, key: KeyRef, point: str, renewals: int) -> int:
+    """Count a renewal of the dedupe window of the step after ``point``, from ``renewals``
+    (see :data:`~recoverypoint.engine.sql.RENEW_WINDOW`), and commit; the new count."""
+    params = {"point": point, "renewals": renewals}
+    return int(await _commit_fenced(tx, key, sql.RENEW_WINDOW, params, ()))
+
+
+async def hold(db: sa_async.AsyncEngine, key: KeyRef, reason: str) -> bool:
+    """Hold the key for an operator's reconciliation and give the lease up; ``False`` if
+    the lease was already taken over."""
+    return await _fenced_alone(db, key, sql.HOLD, {"error": reason})
+
+
 async def release(db: sa_async.AsyncEngine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
     return await _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})

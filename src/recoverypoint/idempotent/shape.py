@@ -115,7 +115,8 @@ class Shape:
         except Exception as exc:  # whatever pydantic or the type raises
             raise ReturnNotStored(
                 f"{self.qualname} returned a value that cannot be stored "
-                f"({type(exc).__name__}: {exc}"[:1000] + "): annotate its return type with "
+                f"({type(exc).__name__}: {exc}"[:1000]
+                + "): annotate its return type with "
                 "what it returns (a pydantic model, a dataclass...) and return JSON-able data"
             ) from exc
         return {JSON_TEXT: text}

@@ -328,8 +328,7 @@ class BaseIdempotency(Generic[RequestT]):
             raise
         except Exception as exc:
             error = ConfigurationError(
-                f"the scope function {name} failed ({type(exc).__name__}: {exc}); it runs "
-                f"{when}"
+                f"the scope function {name} failed ({type(exc).__name__}: {exc}); it runs {when}"
             )
             logger.error("%s", error, exc_info=exc)
             return problem_reply(error, retry_after=self.retry_after)

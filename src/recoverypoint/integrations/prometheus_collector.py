@@ -18,7 +18,14 @@ import sqlalchemy as sa
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..admin import ABANDONED, DEFAULT_STUCK_AFTER, IN_FLIGHT, STUCK, Admin
+from ..admin import (
+    ABANDONED,
+    DEFAULT_STUCK_AFTER,
+    IN_FLIGHT,
+    NEEDS_RECONCILIATION,
+    STUCK,
+    Admin,
+)
 from ..admin._sql import REGISTERED, STATE
 from ..operation import Operation
 
@@ -54,6 +61,10 @@ _KEY_GAUGES = {
     "keys_unfinished": "Keys without a response yet: in flight, stuck or waiting.",
     "keys_stuck": "Unfinished keys, lease free, next attempt overdue by more than stuck_after.",
     "keys_abandoned": "Abandoned keys not yet reaped.",
+    "keys_needing_reconciliation": (
+        "Unfinished keys held for an operator: a foreign step past its provider's dedupe "
+        "window, with no reconcile hook (`recoverypoint keys reconcile`)."
+    ),
     "oldest_unfinished_key_age_seconds": "Age of the oldest key without a response.",
 }
 _JOB_GAUGES = {
@@ -132,6 +143,8 @@ class DatabaseCollector(Collector):
                 values["keys_in_flight"][operation] += keys
             elif state == STUCK:
                 values["keys_stuck"][operation] += keys
+            elif state == NEEDS_RECONCILIATION:
+                values["keys_needing_reconciliation"][operation] += keys
             ages = values["oldest_unfinished_key_age_seconds"]
             ages[operation] = max(ages[operation], oldest)
         for name, doc in _KEY_GAUGES.items():

@@ -35,7 +35,7 @@ from .. import migrate
 from ..database import create_engine, normalize_url
 from ..engine import AsyncEngine, Engine
 from ..explore import Exploration, Subject, explore
-from ..testing import Faults, faults, temporary_database
+from ..testing import Clock, Faults, faults, temporary_database
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 SERVER_URL_INI = "recoverypoint_test_database_url"
@@ -120,6 +120,14 @@ def rp_faults() -> Iterator[Faults]:
     finally:
         faults.disarm()
         faults.fired.clear()
+
+
+@pytest.fixture
+def rp_clock(rp_db: sa.Engine) -> Clock:
+    """recoverypoint's time on :func:`rp_database`, moved forward by ``rp_clock.advance(...)``
+    (:class:`~recoverypoint.testing.Clock`): leases, back-off, retention and providers'
+    windows run out without the test sleeping through them."""
+    return Clock(rp_db)
 
 
 @pytest.fixture

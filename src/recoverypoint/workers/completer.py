@@ -37,7 +37,7 @@ from sqlalchemy import Connection, text
 from ..admin.key_actions import abandon_exhausted
 from ..engine import AsyncEngine, Engine
 from ..engine._decide import ABANDONED_RESPONSE
-from ..errors import DatabaseUnavailable, KeyInUse, LockLost
+from ..errors import DatabaseUnavailable, KeyInUse, LockLost, NeedsReconciliation
 from ..leases import REGISTERED, free, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome
@@ -46,9 +46,11 @@ from .engines import AnyEngine
 from .loop import Result, Worker
 
 # An unfinished key whose next attempt is due and whose client has had :min_age seconds
-# since its last run to come back on its own.
+# since its last run to come back on its own. Never one held for an operator's
+# reconciliation (its next attempt never comes either: said twice, as it matters).
 _DUE = """
     k.finished_at IS NULL
+    AND k.reconcile_since IS NULL
     AND k.next_attempt_at <= now()
     AND k.last_run_at <= now() - make_interval(secs => :min_age)
 """
@@ -155,6 +157,9 @@ class CompleterResult(Result):
     """Keys given up after ``max_attempts``."""
     skipped: int = 0
     """Keys a client took over between the claim and the resume."""
+    held: int = 0
+    """Keys found past a foreign step's dedupe window with no reconcile hook: held for an
+    operator's reconciliation, never resumed again until then."""
     unregistered: int = 0
     """Due keys of operations (or versions) this engine does not have; left alone."""
     errors: int = 0
@@ -414,6 +419,9 @@ class Completer(Worker[CompleterResult]):
         result: CompleterResult,
     ) -> None:
         """Count a resume that raised; abandon the key if that was its last attempt."""
+        if isinstance(exc, NeedsReconciliation):
+            result.held += 1  # not a failure, and never abandoned: an operator decides
+            return
         if isinstance(exc, (KeyInUse, LockLost, DatabaseUnavailable)):
             # Not an attempt that failed: another holder, or the database away (the key's
             # lease runs out, and a later pass tries again).

@@ -5,7 +5,10 @@ Only finished keys are ever deleted, by the age of ``finished_at``: after their 
 completer have); keys the completer abandoned not before the longer ``abandoned_retention``
 (30 days) either, so a human has time to look at them. An unfinished key is never deleted,
 however old: the completer finishes or abandons it first. Staged jobs of a deleted key keep
-their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement).
+their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement), and
+the key's next generation is recorded in the same statement (:mod:`recoverypoint.generations`),
+so that a reuse of the key hands its providers new keys. Those records are pruned after
+``generations_retention`` (30 days), longer than any provider remembers a key.
 
 A large pass leaves dead rows behind. Where autovacuum looks after the table it reaped,
 that is autovacuum's work; where it is off (for the server or the table), the reaper runs
@@ -24,7 +27,9 @@ from typing import Any, ClassVar
 
 from sqlalchemy import TextClause, text
 
+from .. import generations
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
+from ..generations import DEFAULT_GENERATIONS_RETENTION
 from .engines import AnyEngine
 from .loop import Result, Worker
 
@@ -60,7 +65,7 @@ _DUE_SCOPES = text(
 # finished_at finds them by the shortest retention; each row is then held to its own. Rows
 # locked elsewhere are skipped, so reapers never wait for each other.
 _REAP_KEYS = text(
-    """
+    f"""
     WITH own AS (
         SELECT * FROM unnest(
             CAST(:operations AS text[]), CAST(:versions AS integer[]),
@@ -79,8 +84,8 @@ _REAP_KEYS = text(
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
         WHERE k.scope = :scope AND k.id = doomed.id
-        RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned
-    ), unlinked AS (
+        RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned, {generations.DELETED}
+    ), {generations.record_next("deleted")}, unlinked AS (
         -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
         -- NULL. A job an enqueuer is publishing right now is skipped, not waited for: it is
         -- about to be deleted, and a stale id there harms nobody.
@@ -92,6 +97,32 @@ _REAP_KEYS = text(
         )
     )
     SELECT abandoned FROM deleted
+    """
+)
+
+# The scopes with recorded generations past the generations' retention, the oldest first.
+_DUE_GENERATION_SCOPES = text(
+    """
+    SELECT scope FROM key_generations
+    WHERE deleted_at < now() - make_interval(secs => :retention)
+    GROUP BY scope ORDER BY min(deleted_at) LIMIT :scopes
+    """
+)
+
+# One batch of one scope's recorded generations past the generations' retention: a reuse
+# of their key is generation 0 again (recoverypoint.generations).
+_PRUNE_GENERATIONS = text(
+    """
+    WITH doomed AS (
+        SELECT operation, idempotency_key FROM key_generations
+        WHERE scope = :scope AND deleted_at < now() - make_interval(secs => :retention)
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM key_generations AS g USING doomed
+    WHERE g.scope = :scope AND g.operation = doomed.operation
+      AND g.idempotency_key = doomed.idempotency_key
+    RETURNING 1
     """
 )
 
@@ -119,6 +150,8 @@ class ReaperResult(Result):
     """Abandoned keys deleted."""
     messages: int = 0
     """Consume-once records deleted."""
+    generations: int = 0
+    """Recorded generations of deleted keys pruned."""
     vacuumed: int = 0
     """Tables the reaper vacuumed itself after this pass (autovacuum being off for them),
     or found another reaper vacuuming."""
@@ -127,7 +160,10 @@ class ReaperResult(Result):
 class Reaper(Worker[ReaperResult]):
     """Deletes finished keys past their retention (their operation's ``retention``, else
     ``retention``), abandoned ones also past ``abandoned_retention`` (which may not be
-    shorter than ``retention``) and consume-once records past ``processed_retention``, one
+    shorter than ``retention``), consume-once records past ``processed_retention`` and the
+    recorded generations of deleted keys past ``generations_retention`` (longer than any
+    provider remembers a key: see
+    :data:`~recoverypoint.generations.DEFAULT_GENERATIONS_RETENTION`), one
     transaction per batch; then vacuums a table it deleted ``vacuum_after`` rows or more
     from, if autovacuum does not (``None``: never)."""
 
@@ -143,11 +179,14 @@ class Reaper(Worker[ReaperResult]):
         retention: timedelta = DEFAULT_RETENTION,
         abandoned_retention: timedelta = DEFAULT_ABANDONED_RETENTION,
         processed_retention: timedelta = DEFAULT_PROCESSED_RETENTION,
+        generations_retention: timedelta = DEFAULT_GENERATIONS_RETENTION,
         vacuum_after: int | None = DEFAULT_VACUUM_AFTER,
         stop_event: threading.Event | None = None,
     ) -> None:
         super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
-        if min(retention, abandoned_retention, processed_retention) < timedelta(0):
+        if min(retention, abandoned_retention, processed_retention, generations_retention) < (
+            timedelta(0)
+        ):
             raise ValueError("reaper: retentions must be >= 0")
         if abandoned_retention < retention:
             raise ValueError(
@@ -159,6 +198,7 @@ class Reaper(Worker[ReaperResult]):
         self.retention = retention
         self.abandoned_retention = abandoned_retention
         self.processed_retention = processed_retention
+        self.generations_retention = generations_retention
         self.vacuum_after = vacuum_after
 
     def run_once(self) -> ReaperResult:
@@ -181,6 +221,15 @@ class Reaper(Worker[ReaperResult]):
             return len(abandoned)
 
         self.by_scope(_DUE_SCOPES, keys, reap)
+
+        pruned = {"retention": self.generations_retention.total_seconds()}
+
+        def prune(scope: str) -> int:
+            deleted = len(self._batch(_PRUNE_GENERATIONS, {**pruned, "scope": scope}, result))
+            result.generations += deleted
+            return deleted
+
+        self.by_scope(_DUE_GENERATION_SCOPES, pruned, prune)
         messages = {"retention": self.processed_retention.total_seconds()}
         while not self.stopping:
             deleted = len(self._batch(_REAP_MESSAGES, messages, result))

@@ -60,6 +60,10 @@ _INSERT_AUDIT = (
     "CAST(%(ip)s AS cidr), %(ride_id)s, 'ride', %(user_id)s)"
 )
 _CUSTOMER = "SELECT customer_id FROM users WHERE id = %s"
+# How long the provider remembers an idempotency key, as Stripe does. A ride whose charge
+# is resumed later than this is held for an operator (`recoverypoint keys reconcile`):
+# charging it again with the same key might charge twice.
+PROVIDER_WINDOW = timedelta(hours=24)
 _RECORD_CHARGE = "UPDATE rides SET charge_id = %s WHERE id = %s"
 
 
@@ -75,7 +79,7 @@ def ride_operation(
         tx.execute(_INSERT_AUDIT, _audit(params, tx.state["ride_id"]))
         tx.state["customer"] = tx.scalar(_CUSTOMER, (params.user_id,))
 
-    @rides.foreign_step("charge_created")
+    @rides.foreign_step("charge_created", dedupe_window=PROVIDER_WINDOW)
     def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
         try:
             answer = provider.post("/charges", **_charge(step))
@@ -103,7 +107,7 @@ def async_ride_operation(
         await tx.execute(_INSERT_AUDIT, _audit(params, tx.state["ride_id"]))
         tx.state["customer"] = await tx.scalar(_CUSTOMER, (params.user_id,))
 
-    @rides.foreign_step("charge_created")
+    @rides.foreign_step("charge_created", dedupe_window=PROVIDER_WINDOW)
     async def charge(step: rp.StepContext, params: RideParams) -> dict[str, Any] | rp.Response:
         try:
             answer = await provider.post("/charges", **_charge(step))

@@ -15,8 +15,8 @@ from ...observe import NO_OBSERVER, Observer
 
 class KeyIdentity:
     """The stored fields every derived key is built from (the record's seed, or for a
-    record claimed before seeds existed its id and creation time); what the keys share is
-    made once per run."""
+    record claimed before seeds existed its id and creation time, and its generation); what
+    the keys share is made once per run."""
 
     __slots__ = ("_material", "created_at", "key_id", "operation")
 
@@ -25,12 +25,20 @@ class KeyIdentity:
     created_at: datetime
     _material: str
 
-    def __init__(self, operation: str, key_id: int, created_at: datetime, seed: str | None) -> None:
+    def __init__(
+        self,
+        operation: str,
+        key_id: int,
+        created_at: datetime,
+        seed: str | None,
+        generation: int = 0,
+    ) -> None:
         set_once = object.__setattr__  # read-only after: the material is made from them
         set_once(self, "operation", operation)
         set_once(self, "key_id", key_id)
         set_once(self, "created_at", created_at)
-        set_once(self, "_material", record_material(seed, key_id, created_at, operation))
+        material = record_material(seed, key_id, created_at, operation, generation)
+        set_once(self, "_material", material)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a KeyIdentity is read-only: {name} cannot change")
@@ -101,11 +109,17 @@ class StepContext:
         A read-only view of what earlier phases committed.
     key_id:
         The key record's id.
+    renewals:
+        How many times the step was called anew past its provider's dedupe window (see
+        ``Operation.foreign_step``); 0 until then.
     """
 
-    def __init__(self, state: Mapping[str, Any], identity: KeyIdentity, point: str) -> None:
+    def __init__(
+        self, state: Mapping[str, Any], identity: KeyIdentity, point: str, renewals: int = 0
+    ) -> None:
         self.state: Mapping[str, Any] = MappingProxyType(dict(state))
         self.key_id = identity.key_id
+        self.renewals = renewals
         self._identity = identity
         self._point = point
 
@@ -114,6 +128,9 @@ class StepContext:
 
         The same for every attempt at this step of this request, different for every other
         step and request, at most 67 characters, and free of the scope and the client's key.
-        Pass ``name`` when one step makes several foreign calls.
+        Pass ``name`` when one step makes several foreign calls. A step called anew after
+        its provider forgot the old key (:attr:`renewals`) gets a fresh one.
         """
+        if self.renewals:
+            return self._identity.derive("downstream", self._point, name or "", str(self.renewals))
         return self._identity.derive("downstream", self._point, name or "")
