@@ -50,6 +50,7 @@ SURFACE = {
     ],
     "recoverypoint.admin": [
         "ABANDONED",
+        "ABANDON_EFFECTS",
         "DEFAULT_ABANDONED_RETENTION",
         "DEFAULT_ABANDON_MESSAGE",
         "DEFAULT_ABANDON_STATUS",
@@ -84,6 +85,8 @@ SURFACE = {
         "abandon",
         "audit_entries",
         "available",
+        "compensation",
+        "compensation_state",
         "delete",
         "delete_jobs",
         "diagnose",

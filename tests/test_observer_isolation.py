@@ -47,6 +47,7 @@ HOOKS = (
     "job_published",
     "job_publish_failed",
     "key_abandoned",
+    "key_compensated",
     "worker_pass",
     "reaped",
     "consuming",
@@ -101,6 +102,9 @@ class Failing(Observer):
 
     def key_abandoned(self, operation: str) -> None:
         self.hook("key_abandoned")
+
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        self.hook("key_compensated")
 
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         self.hook("reaped")
@@ -290,9 +294,7 @@ def test_the_workers_and_consume_once_carry_on_past_a_failing_observer(
 ) -> None:
     published: list[Job] = []
     observer = Failing(set(HOOKS))
-    engine = rp.Engine(
-        worker_db, observer=observer, jobs=InProcessBackend({JOB: published.append})
-    )
+    engine = rp.Engine(worker_db, observer=observer, jobs=InProcessBackend({JOB: published.append}))
     recorder = Recorder(worker_db, on_step=lambda: None)
     engine.register(steps_operation("charges", recorder))
     scope = uuid.uuid4().hex

@@ -178,6 +178,10 @@ class Observer:
     def key_abandoned(self, operation: str) -> None:
         """The completer gave a key up after its last attempt."""
 
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        """The completer ran an abandoned key's compensation: it committed (``ok``), or
+        it raised and is tried again later."""
+
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         """A reaper pass deleted these finished keys, abandoned keys and consume-once records."""
 
@@ -255,6 +259,10 @@ class _Observers(Observer):
     def key_abandoned(self, operation: str) -> None:
         for o in self.observers:
             o.key_abandoned(operation)
+
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        for o in self.observers:
+            o.key_compensated(operation, ok)
 
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         for o in self.observers:
@@ -475,6 +483,9 @@ class _Isolated(Observer):
 
     def key_abandoned(self, operation: str) -> None:
         self._event("key_abandoned", lambda: self.observer.key_abandoned(operation))
+
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        self._event("key_compensated", lambda: self.observer.key_compensated(operation, ok))
 
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         self._event("reaped", lambda: self.observer.reaped(finished, abandoned, messages))

@@ -25,6 +25,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 STARTED = "started"
 FINISHED = "finished"
+COMPENSATED = "compensated"
+"""What an operation's compensation is named (in its staged jobs' keys, its errors): no
+phase of an operation that declares one may take the name."""
 
 # Retentions are added to timestamps in SQL, as leases are (leases.MAX_LOCK_TIMEOUT).
 MAX_RETENTION = timedelta(days=36500)
@@ -238,6 +241,8 @@ class Operation(Generic[P]):
         self.retention = retention
         self.honoured_for = retention or DEFAULT_RETENTION
         self.phases: list[Phase] = []
+        self.compensation_phase: Phase | None = None
+        """What undoes the committed phases of an abandoned key (:meth:`compensation`)."""
         self._adapter: TypeAdapter[P] | None = TypeAdapter(params) if params is not None else None
         # Sets dump in hash-seed order, which differs between processes: sorted when present.
         self._has_sets = self._adapter is not None and _has_sets(self._adapter.core_schema)
@@ -298,6 +303,25 @@ class Operation(Generic[P]):
             )
         return self._declare(point, "foreign", (), dedupe_window, reconcile)
 
+    def compensation(self, fn: F) -> F:
+        """Declare what undoes the committed phases of a key once it is abandoned (by the
+        completer after ``max_attempts``, or by an operator): ``fn(tx: AtomicContext,
+        params)``, ``async def`` for :class:`~recoverypoint.AsyncEngine`, as the phases are.
+
+        The completer runs it once per abandoned key, in one SERIALIZABLE transaction
+        that holds the key's lease, records ``compensated_at`` and commits the jobs it
+        stages. ``tx.state`` is the key's state and ``tx.recovery_point`` the last point
+        it committed, so the compensation knows which phases' effects to undo; the key's
+        stored response never changes. A compensation that raises commits nothing and is
+        tried again on a later pass, with back-off. Without one, an abandoned key's
+        committed effects stay, for a human to undo."""
+        if self.compensation_phase is not None:
+            raise DeclarationError(f"{self.name}: the compensation is declared twice")
+        if not callable(fn):
+            raise DeclarationError(f"{self.name}: a compensation is a function, got {fn!r:.80}")
+        self.compensation_phase = Phase(COMPENSATED, "atomic", fn)
+        return fn
+
     def _declare(
         self,
         point: str,
@@ -332,6 +356,10 @@ class Operation(Generic[P]):
             raise DeclarationError(
                 f"{self.name}: the last phase {self.phases[-1].point!r} is a foreign step; "
                 "end with an atomic phase that records its result and returns a Response"
+            )
+        if self.compensation_phase is not None and any(p.point == COMPENSATED for p in self.phases):
+            raise DeclarationError(
+                f"{self.name}: {COMPENSATED!r} names the compensation; name the phase otherwise"
             )
         for index, phase in enumerate(self.phases):
             later = {p.point for p in self.phases[index + 1 :]}

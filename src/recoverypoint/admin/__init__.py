@@ -36,6 +36,7 @@ from .base import (
 from .doctor import Check, WorkerPass, diagnose, worker_passes
 from .jobs import JobActionResult, JobFilter, delete_jobs, find_job, list_jobs, retry_jobs
 from .key_actions import (
+    ABANDON_EFFECTS,
     DEFAULT_ABANDON_MESSAGE,
     DEFAULT_ABANDON_STATUS,
     ActionResult,
@@ -56,6 +57,8 @@ from .keys import (
     PhaseMark,
     Stats,
     StatsRow,
+    compensation,
+    compensation_state,
     find_key,
     list_keys,
     stats,
@@ -65,6 +68,7 @@ from .overview import Hour, Overview, overview
 
 __all__ = [
     "ABANDONED",
+    "ABANDON_EFFECTS",
     "DEFAULT_ABANDONED_RETENTION",
     "DEFAULT_ABANDON_MESSAGE",
     "DEFAULT_ABANDON_STATUS",
@@ -99,6 +103,8 @@ __all__ = [
     "abandon",
     "audit_entries",
     "available",
+    "compensation",
+    "compensation_state",
     "delete",
     "delete_jobs",
     "diagnose",

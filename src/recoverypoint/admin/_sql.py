@@ -12,7 +12,14 @@ from typing import Any
 
 from ..leases import HOLDERS_TIMEOUT, REGISTERED, free, seconds_left
 
-__all__ = ["DETAIL_COLUMNS", "KEY_COLUMNS", "LIVE", "REGISTERED", "STATE", "where"]
+__all__ = [
+    "DETAIL_COLUMNS",
+    "KEY_COLUMNS",
+    "LIVE",
+    "REGISTERED",
+    "STATE",
+    "where",
+]
 
 # A lease nobody may take over: the negation of the engine's own rule. A held lease whose
 # deadline is unknown (the rule is NULL) is live: it may be running a step right now.
@@ -40,8 +47,9 @@ KEY_COLUMNS = f"""
     k.locked_at, k.lock_token, {HOLDERS_TIMEOUT} AS lock_timeout,
     CASE WHEN k.finished_at IS NULL THEN {seconds_left(HOLDERS_TIMEOUT)} END AS lease_left,
     k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
-    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error
+    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at
 """
+
 
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,

@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..migrate import VERSION_TABLE, migrations_dir
-from .base import NEEDS_RECONCILIATION, STUCK, Admin
+from .base import COMPENSATION_FAILED, NEEDS_RECONCILIATION, STUCK, Admin
 from .keys import nearing_windows, stats
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -215,6 +215,32 @@ def _windows(admin: Admin) -> Check:
     return Check("dedupe windows", OK, detail)
 
 
+# Abandoned keys whose compensation raised and awaits another try (through the partial
+# index of abandoned keys): their committed effects stay until a human looks.
+_FAILING_COMPENSATIONS = sa.text(
+    f"""
+    SELECT count(*), min(k.abandoned_at) FROM idempotency_keys AS k
+    WHERE k.abandoned_at IS NOT NULL AND k.compensated_at IS NULL
+      AND k.last_error LIKE '{COMPENSATION_FAILED}%'
+    """
+)
+
+
+def _compensations(admin: Admin) -> Check:
+    with admin.db.connect() as conn:
+        failing, oldest = conn.execute(_FAILING_COMPENSATIONS).one()
+    if failing:
+        return Check(
+            "compensations",
+            WARN,
+            f"{failing} abandoned keys' compensations failed (the oldest abandoned at "
+            f"{oldest:%Y-%m-%d %H:%M:%S}); the completer tries them again, backed off",
+            "fix the compensation (its error is each key's last_error: `recoverypoint keys "
+            "list --state abandoned`), or undo those keys' effects by hand",
+        )
+    return Check("compensations", OK, "none failing")
+
+
 @dataclass(frozen=True)
 class WorkerPass:
     """A kind of worker's last pass, on whichever host ran it last."""
@@ -298,5 +324,6 @@ _CHECKS: tuple[Callable[[Admin], Check], ...] = (
     _jobs,
     _keys,
     _windows,
+    _compensations,
     _pooler,
 )

@@ -44,6 +44,12 @@ from .keys import KeyFilter, KeyRow, find_key, list_keys
 DEFAULT_ABANDON_STATUS = 500
 DEFAULT_ABANDON_MESSAGE = "This request was abandoned by an operator and will not be retried."
 SAMPLE_SIZE = 5
+ABANDON_EFFECTS = (
+    "What its committed phases did stays (a charge, a row), unless its operation declares a "
+    "compensation, which the next completer pass runs; `recoverypoint keys show ID` says which. "
+    "Undo what stays by hand."
+)
+"""What an operator is told as they abandon keys (the CLI, the console)."""
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,16 @@ _RELEASE = sa.text(
     """
 )
 
-# As the completer abandons a key: finished with an error response, its lease cleared;
+# As the completer abandons a key: finished with an error response, its lease cleared,
+# due for its operation's compensation, if any, at once (workers.compensator: a
+# next_attempt_at equal to abandoned_at tells a key abandoned since compensations exist);
 # only while the lease it was read with (or none) still holds it, and, unforced, is free.
 _ABANDON = sa.text(
     f"""
     WITH {_SEEN}
     UPDATE idempotency_keys AS k
-    SET finished_at = now(), abandoned_at = now(), response_status = :status,
+    SET finished_at = now(), abandoned_at = now(), next_attempt_at = now(),
+        response_status = :status,
         response_headers = '{{}}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
     FROM seen AS s
@@ -126,14 +135,16 @@ _ABANDON = sa.text(
     """
 )
 
-# The completer's own abandonment: only while the key is unfinished, out of attempts, and
-# its lease is the completer's or free (a client may have taken it since the attempt
-# failed; then the client's attempt decides), and not held for an operator's
-# reconciliation (abandoned, its step's first call would be forgotten with it).
+# The completer's own abandonment, due for a compensation as above: only while the key
+# is unfinished, out of attempts, and its lease is the completer's or free (a client may
+# have taken it since the attempt failed; then the client's attempt decides), and not
+# held for an operator's reconciliation (abandoned, its step's first call would be
+# forgotten with it).
 _ABANDON_EXHAUSTED = sa.text(
     """
     UPDATE idempotency_keys
-    SET finished_at = now(), abandoned_at = now(), response_status = :status,
+    SET finished_at = now(), abandoned_at = now(), next_attempt_at = now(),
+        response_status = :status,
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
     WHERE scope = :scope AND id = :id AND finished_at IS NULL AND attempts >= :max_attempts

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from ..keys import derived_key_of, record_material
 from ..operation import STARTED, Operation
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
+from .base import ABANDONED, COMPENSATION_FAILED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
@@ -98,6 +98,20 @@ class KeyRow:
     finished_at: datetime | None
     abandoned_at: datetime | None
     last_error: str | None
+    compensated_at: datetime | None
+    """When the operation's compensation committed for the abandoned key."""
+
+    @property
+    def awaits_compensation(self) -> bool:
+        """:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`, as read."""
+        return (
+            self.abandoned_at is not None
+            and self.compensated_at is None
+            and (
+                self.next_attempt_at == self.abandoned_at
+                or (self.last_error or "").startswith(COMPENSATION_FAILED)
+            )
+        )
 
     @property
     def live(self) -> bool:
@@ -159,6 +173,9 @@ class KeyDetail:
     lease_expires_at: datetime | None
     reaped_after: datetime | None
     """When the reaper may delete the key (finished keys only)."""
+    compensation: str | None
+    """What became of an abandoned key's committed effects (:func:`compensation`);
+    ``None`` for a key that is not abandoned."""
 
 
 _SELECT = f"""
@@ -270,7 +287,50 @@ def find_key(
             else None
         ),
         reaped_after=_reaped_after(admin, row),
+        compensation=compensation(row, operation_),
     )
+
+
+def compensation_state(row: KeyRow, operation: Operation[Any] | None) -> str | None:
+    """An abandoned key's compensation, in a word or three (what ``keys list`` shows):
+    ``compensated``, ``compensation pending``, ``compensation failing``, ``not
+    compensated``; with ``operation`` unknown (``None``), a key that would await one is
+    ``compensation pending?``. ``None`` for a key that is not abandoned."""
+    if row.abandoned_at is None:
+        return None
+    if row.compensated_at is not None:
+        return "compensated"
+    declared = operation is None or operation.compensation_phase is not None
+    if not (row.awaits_compensation and declared):
+        return "not compensated"
+    if (row.last_error or "").startswith(COMPENSATION_FAILED):
+        return "compensation failing"
+    return "compensation pending" + ("?" if operation is None else "")
+
+
+def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
+    """What became of the effects of an abandoned key's committed phases, in a sentence
+    (what ``keys show`` says): :func:`compensation_state` and what it means."""
+    state = compensation_state(row, operation)
+    stay = (
+        "no phase committed, there is nothing to undo"
+        if row.point == STARTED
+        else f"the effects of phases up to {row.point!r} stay, for a human to undo"
+    )
+    if state is None:
+        return None
+    if row.compensated_at is not None:
+        return f"{state} at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+    if state == "not compensated":
+        return f"{state}: {stay}"
+    if state == "compensation failing":
+        return f"{state}: the completer tries it again, backed off; its error is the last error"
+    if operation is None:
+        return (
+            "compensation pending if its operation declares one (the completer runs it; the "
+            f"operation is not loaded here: pass --app), else not compensated: {stay}"
+        )
+    return f"{state}: the completer runs it"
 
 
 _DETAIL_FIELDS = (

@@ -85,7 +85,8 @@ KEY_HEADERS = (
 )
 
 
-def key_cells(row: admin.KeyRow) -> list[object]:
+def key_cells(row: admin.KeyRow, ops: admin.Admin | None = None) -> list[object]:
+    """A key's cells under :data:`KEY_HEADERS`; ``ops`` knows its operation's compensation."""
     lease = None
     if row.live:
         lease = "unknown" if row.lease_left is None else seconds(row.lease_left)
@@ -96,7 +97,7 @@ def key_cells(row: admin.KeyRow) -> list[object]:
         f"{row.operation}@{row.version}",
         truncate(row.key, 36),
         row.point,
-        row.state,
+        _state(row, ops),
         row.attempts,
         None if row.finished else due(row.next_attempt_in),
         lease,
@@ -104,3 +105,9 @@ def key_cells(row: admin.KeyRow) -> list[object]:
         seconds(row.age),
         truncate(row.last_error),
     ]
+
+
+def _state(row: admin.KeyRow, ops: admin.Admin | None) -> str:
+    operation = None if ops is None else ops.operation(row.operation, row.version)
+    compensation = admin.compensation_state(row, operation)
+    return row.state if compensation is None else f"{row.state}, {compensation}"

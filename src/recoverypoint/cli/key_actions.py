@@ -154,7 +154,7 @@ def _abandon(args: argparse.Namespace) -> int:
         result,
         isinstance(target, int),
         "abandoned",
-        f"retries now replay a {args.response_status}",
+        f"retries now replay a {args.response_status}. {admin.ABANDON_EFFECTS}",
     )
 
 

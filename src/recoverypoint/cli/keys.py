@@ -57,7 +57,7 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
     else:
-        print_table(KEY_HEADERS, [key_cells(row) for row in rows])
+        print_table(KEY_HEADERS, [key_cells(row, ops) for row in rows])
     return EXIT_OK
 
 
@@ -100,7 +100,7 @@ def _print_detail(detail: admin.KeyDetail) -> None:
             ("operation", f"{row.operation}@{row.version}"),
             ("scope", row.scope),
             ("key", row.key),
-            ("state", row.state),
+            ("state", ", ".join(filter(None, (row.state, detail.compensation)))),
             ("recovery point", row.point),
             ("request", f"{detail.request_method} {detail.request_path}"),
             ("params", _json(detail.request_params)),

@@ -118,7 +118,7 @@ async def confirm_one(site: Site, request: Request) -> Response:
         refusal = str(exc)
     return page(request, "confirm.html", 200 if refusal is None else 409, action=action,
                 row=detail.row, refusal=refusal, bulk=None,
-                defaults=_options(action, None))  # fmt: skip
+                defaults=_options(action, None), effects=admin.ABANDON_EFFECTS)  # fmt: skip
 
 
 @guarded
@@ -139,7 +139,8 @@ async def confirm_bulk(site: Site, request: Request) -> Response:
     result = await run_in_threadpool(lambda: action.run(site.admin, selection.filter, dry_run=True))
     return page(request, "confirm.html", action=action, row=None, refusal=None,
                 bulk=result, selection=selection, ids=forms.joined(result.eligible),
-                limit=forms.BULK_LIMIT, defaults=_options(action, None))  # fmt: skip
+                limit=forms.BULK_LIMIT, defaults=_options(action, None),
+                effects=admin.ABANDON_EFFECTS)  # fmt: skip
 
 
 @guarded

@@ -244,7 +244,8 @@ class Registry:
         :class:`DeclarationError` on the first mistake."""
         for operation in operations:
             operation.validate()
-            for phase in operation.phases:
+            compensation = operation.compensation_phase
+            for phase in [*operation.phases, *([compensation] if compensation else [])]:
                 self._check_kind(operation, phase)
             ident = (operation.name, operation.version)
             known = self._operations.get(ident)

@@ -412,6 +412,53 @@ class AsyncEngine(Registry):
             lease_left = record.lease_left(lock_timeout)
             raise KeyInUse(f"key record {key_id} is in use", retry_after=max(1, lease_left))
 
+    async def compensate(self, key_id: int, *, scope: str, token: uuid.UUID) -> bool:
+        """Run the compensation of abandoned key ``key_id`` of ``scope``, whose lease the
+        caller (the completer) took under ``token``, with the operation registered under
+        its stored name and version: in one SERIALIZABLE transaction that locks the key,
+        runs :meth:`Operation.compensation`, and commits ``compensated_at``, the state it
+        left, its staged jobs and the lease's release together.
+
+        ``False`` when the key no longer awaits it under ``token`` (compensated, reopened,
+        its lease taken over): nothing ran. Raises :class:`OperationNotRegistered`, or
+        :class:`DeclarationError` when the operation declares no compensation, and what
+        the compensation raised, with nothing committed (the lease is still the caller's).
+        """
+        ident = await store_async.key_operation(self.async_db, key_id, scope)
+        if ident is None:
+            return False
+        operation = self.operation(ident[0], ident[1])
+        phase = operation.compensation_phase
+        if phase is None:
+            raise DeclarationError(
+                f"{operation.name} v{operation.version} declares no compensation: "
+                "abandoned keys of it are left to a human"
+            )
+        try:
+            return await self._transact(self._compensate, operation, phase, key_id, scope, token)
+        except _DRIVER_ERRORS as exc:
+            if not is_outage(exc):
+                raise
+            raise unavailable(exc) from exc
+
+    async def _compensate(
+        self,
+        tx: AsyncTransaction,
+        operation: Operation[Any],
+        phase: Phase,
+        key_id: int,
+        scope: str,
+        token: uuid.UUID,
+    ) -> bool:
+        """The compensation's transaction: fence, run, commit; ``False`` if the fence missed."""
+        record = await store_async.fence_abandoned(tx, scope, key_id, token)
+        if record is None:
+            return False
+        run = _AsyncRun(self, operation, record, token)
+        run.key.locked_by = tx
+        await run.compensate(tx, phase)
+        return True
+
     async def _claim(self, tx: AsyncTransaction, claim: _Claim) -> Step | None:
         """The claim's transaction; a new key runs its first atomic phase in it too, so a
         new request costs one commit less and leaves nothing behind if that phase fails.
@@ -800,10 +847,7 @@ class _AsyncRun:
         ctx = AsyncAtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer
         )
-        with phase_guard.Guarding(tx, phase.point):
-            result = await phase.fn(ctx, self.params)
-        await ctx.close()
-        phase_guard.check_still_open(tx, phase.point)
+        result = await self._call(tx, phase, ctx)
         if not (result is None or isinstance(result, Response | RecoveryPoint)):
             raise TypeError(
                 f"atomic phase {phase.point!r} returned {type(result).__name__}; "
@@ -820,6 +864,36 @@ class _AsyncRun:
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
+
+    async def _call(self, tx: AsyncTransaction, phase: Phase, ctx: AsyncAtomicContext) -> object:
+        """Run ``phase``'s code in ``tx``, which it must leave open; what it returned."""
+        with phase_guard.Guarding(tx, phase.point):
+            result = await phase.fn(ctx, self.params)
+        await ctx.close()
+        phase_guard.check_still_open(tx, phase.point)
+        return result
+
+    async def compensate(self, tx: AsyncTransaction, phase: Phase) -> None:
+        """Run the operation's compensation ``phase`` in ``tx``, which holds the abandoned
+        key's row, and commit it with ``compensated_at``, its state and its jobs."""
+        ctx = AsyncAtomicContext(
+            tx, json.loads(self.record.state), self.identity, phase.point, self.engine.observer
+        )
+        ctx.recovery_point = self.record.recovery_point
+        result = await self._call(tx, phase, ctx)
+        if result is not None:
+            raise TypeError(
+                f"the compensation of {self.operation.name} returned {type(result).__name__}; "
+                "return None: an abandoned key keeps the response it was abandoned with"
+            )
+        try:
+            await store_async.compensated(
+                tx, self.key, ctx.staged_jobs, dump_state(phase, ctx.state)
+            )
+        except store_async.PhaseEndedTransaction:
+            raise phase_guard.ended(phase.point) from None
+        for job in ctx.staged_jobs:  # committed with compensated_at
+            self.engine.observer.job_staged(self.operation.name, job.name)
 
     async def _commit_step(
         self,

@@ -478,3 +478,26 @@ HOLD = _by_ctid_and_by_id(
 """,
     wakes=True,
 )
+
+# The compensation of an abandoned key (Operation.compensation), which the completer claimed
+# under ``token``: lock its row and read it, while it is still abandoned, not compensated,
+# and the lease is the completer's (an operator's reopen, or a second completer whose lease
+# took over an expired one, make it miss: nothing runs).
+FENCE_ABANDONED = Statement(f"""
+    SELECT {_RECORD_COLUMNS}, 't' AS claimed, 'f' AS inserted, NULL AS held_for
+    FROM idempotency_keys
+    WHERE scope = %(scope)s AND id = %(id)s AND lock_token = %(token)s
+      AND abandoned_at IS NOT NULL AND compensated_at IS NULL
+    FOR UPDATE
+""")
+
+# The compensation committed: recorded once, with the state it left, and the lease given
+# up. The stored (abandoned) response stays as it is.
+COMPENSATE = _by_ctid_and_by_id(
+    """
+    UPDATE idempotency_keys
+    SET compensated_at = now(), state = %(state)s::jsonb, locked_at = NULL, lock_token = NULL
+    WHERE abandoned_at IS NOT NULL AND compensated_at IS NULL AND {where}
+""",
+    returning="id",
+)

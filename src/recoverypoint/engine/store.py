@@ -151,6 +151,18 @@ def hold(db: sa.Engine, key: KeyRef, reason: str) -> bool:
     return _fenced_alone(db, key, sql.HOLD, {"error": reason})
 
 
+def fence_abandoned(tx: Transaction, scope: str, key_id: int, token: UUID) -> KeyRecord | None:
+    """Lock abandoned key ``key_id`` for its compensation, if it still awaits one under the
+    lease ``token``; ``None`` when it does not."""
+    params = {"scope": scope, "id": key_id, "token": token}
+    return _fetch_record(tx, sql.FENCE_ABANDONED, params)
+
+
+def compensated(tx: Transaction, key: KeyRef, jobs: Sequence[StagedJob], state_json: str) -> None:
+    """Record the compensation of the key ``tx`` holds, with its jobs, and commit."""
+    _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs)
+
+
 def release(db: sa.Engine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
     return _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})

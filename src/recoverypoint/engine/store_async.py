@@ -157,6 +157,22 @@ async def hold(db: sa_async.AsyncEngine, key: KeyRef, reason: str) -> bool:
     return await _fenced_alone(db, key, sql.HOLD, {"error": reason})
 
 
+async def fence_abandoned(
+    tx: AsyncTransaction, scope: str, key_id: int, token: UUID
+) -> KeyRecord | None:
+    """Lock abandoned key ``key_id`` for its compensation, if it still awaits one under the
+    lease ``token``; ``None`` when it does not."""
+    params = {"scope": scope, "id": key_id, "token": token}
+    return await _fetch_record(tx, sql.FENCE_ABANDONED, params)
+
+
+async def compensated(
+    tx: AsyncTransaction, key: KeyRef, jobs: Sequence[StagedJob], state_json: str
+) -> None:
+    """Record the compensation of the key ``tx`` holds, with its jobs, and commit."""
+    await _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs)
+
+
 async def release(db: sa_async.AsyncEngine, key: KeyRef, error: str, retry_in: float) -> bool:
     """Give up the lease after a failure; ``False`` if it was already taken over."""
     return await _fenced_alone(db, key, sql.RELEASE, {"error": error, "retry_in": retry_in})

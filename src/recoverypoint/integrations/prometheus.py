@@ -137,6 +137,12 @@ class _Metrics:
             registry=registry,
         )
         self.abandoned = counter("abandoned_keys", "Keys given up after max_attempts.", "operation")
+        self.compensations = counter(
+            "compensations",
+            "Compensations of abandoned keys run: committed, or failed (tried again later).",
+            "operation",
+            "outcome",
+        )
         self.reaped_keys = counter("reaped_keys", "Finished keys the reaper deleted.", "outcome")
         self.reaped_messages = counter(
             "reaped_messages", "consume_once records the reaper deleted."
@@ -184,6 +190,9 @@ class PrometheusObserver(Observer):
 
     def key_abandoned(self, operation: str) -> None:
         self._m.of(self._m.abandoned, operation).inc()
+
+    def key_compensated(self, operation: str, ok: bool) -> None:
+        self._m.of(self._m.compensations, operation, "committed" if ok else "failed").inc()
 
     def reaped(self, finished: int, abandoned: int, messages: int) -> None:
         self._m.of(self._m.reaped_keys, "finished").inc(finished)

@@ -12,7 +12,9 @@ them. The claim of each attempt also schedules the next with exponential backoff
 jitter (``retry_base=…, retry_cap=…``), so a key whose attempt killed the completer is
 backed off like one that failed. Once a key has counted ``max_attempts`` attempts (the
 operation's), it is abandoned: finished with :data:`ABANDONED_RESPONSE`, which a retrying
-client gets replayed, and reported in one log line.
+client gets replayed, and reported in one log line. An abandoned key's compensation, when
+its operation declares one, runs at the end of a pass
+(:mod:`recoverypoint.workers.compensator`), whoever abandoned the key.
 
 Only keys of operations registered with the engine, at the stored version, are claimed;
 others are counted and reported, never locked or written.
@@ -42,6 +44,7 @@ from ..leases import REGISTERED, free, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome
 from ..outage import is_outage
+from .compensator import Compensator, run_on
 from .engines import AnyEngine
 from .loop import Result, Worker
 
@@ -171,6 +174,10 @@ class CompleterResult(Result):
     """Unfinished keys left alone, their next attempt not due yet (after a failed one)."""
     leased: int = 0
     """Due keys left alone, a live request holding their lease."""
+    compensated: int = 0
+    """Abandoned keys whose operation's compensation committed."""
+    compensation_failed: int = 0
+    """Compensations that raised; each is logged and tried again on a later pass."""
 
     _not_work: ClassVar[tuple[str, ...]] = ("batches", "too_recent", "backing_off", "leased")
 
@@ -223,6 +230,7 @@ class Completer(Worker[CompleterResult]):
         self.min_age = min_age
         self._reported: dict[tuple[str, int], int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._compensator = Compensator(self, run_on(self._event_loop))
 
     def run_once(self) -> CompleterResult:
         result = CompleterResult()
@@ -244,6 +252,7 @@ class Completer(Worker[CompleterResult]):
             if self.stopping or len(batch) < self.batch_size:
                 break
         self._count_held_back(operations, result)
+        result.compensated, result.compensation_failed = self._compensator.run_once()
         self.engines.observer.worker_pass(self.name)
         return result
 
@@ -287,9 +296,13 @@ class Completer(Worker[CompleterResult]):
             self._complete(key, token, result)
             done.add(key.id)
         if later and not self.stopping:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            self._loop.run_until_complete(self._complete_all(later, token, result, done))
+            self._event_loop().run_until_complete(self._complete_all(later, token, result, done))
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the async engines' work runs on, made on first use."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
 
     async def _complete_all(
         self, keys: list[_Claimed], token: uuid.UUID, result: CompleterResult, done: set[int]

@@ -67,7 +67,13 @@ class Staging:
         A mutable dict persisted with the recovery point: what later phases need to know.
     key_id:
         The key record's id, for linking business rows to the request.
+    recovery_point:
+        In an operation's compensation: the last recovery point the abandoned key
+        committed, which tells the phases whose effects are to be undone. ``None`` in a
+        phase.
     """
+
+    recovery_point: str | None = None
 
     def __init__(
         self,
