@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import sqlalchemy.ext.asyncio as sa_async
