@@ -12,6 +12,7 @@ the short pauses between polls only pace them."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 from heartbeats import LEASE, SCHEMA, Mailer, operation
 
 import recoverypoint as rp
@@ -177,6 +179,13 @@ def test_a_killed_holder_is_taken_over_within_its_lock_timeout(
         child.kill()
         _, stderr = child.communicate(timeout=60)
     assert child.returncode == -9, stderr
+    taken_over_after_death(driver, scope)
+
+
+def taken_over_after_death(driver: Driver, scope: str) -> None:
+    """The holder of key ``k`` in ``scope`` was just killed: a retry takes its key over
+    within its lock timeout (and a margin), with the same downstream key."""
+    db = driver.engine.db
     killed_at: datetime = one(db, "SELECT now()")[0]
     mailer = Mailer(db)
     mailer.gate.set()
@@ -194,6 +203,96 @@ def test_a_killed_holder_is_taken_over_within_its_lock_timeout(
     first, second = sends(db, scope)
     assert first.downstream_key == second.downstream_key
     assert second.sent_at - killed_at < timedelta(seconds=LEASE + 1.0)
+
+
+def test_a_forked_child_renews_none_of_its_parents_leases(
+    driver: Driver, database_url: str, scope: str
+) -> None:
+    """A process forks mid-step (a pre-forking server) and its child starts the heartbeat
+    again with a lease of its own; the parent is killed: the child, alive, does not keep
+    the parent's lease, which a retry takes over within its lock timeout."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), database_url, scope, driver.kind, "fork"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdin is not None
+    forked = int(child.stdout.readline())  # it holds its own lease by now
+    try:
+        child.kill()
+        child.wait(60)
+        assert child.returncode == -9
+        taken_over_after_death(driver, scope)
+        os.kill(forked, 0)  # alive all along
+    finally:
+        child.communicate(timeout=60)  # closes stdin: the forked child exits
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_step_keeps_its_key_while_the_pool_is_busy(
+    kind: str, database_url: str, scope: str
+) -> None:
+    """The renewals need nothing of the engine's pool: its only connection, taken by the
+    application for three lock timeouts while a step runs, holds none back. A retry from
+    another engine meanwhile is refused each time; the provider is called once."""
+    engine: rp.Engine | rp.AsyncEngine
+    if kind == "sync":
+        engine = rp.Engine(sa.create_engine(database_url, pool_size=1, max_overflow=0))
+        pool = engine.db
+    else:
+        engine = rp.AsyncEngine(create_async_engine(database_url, pool_size=1, max_overflow=0))
+        pool = engine.async_db.sync_engine
+    other = rp.Engine(database_url)
+    driver = Driver(kind, engine)
+    release = threading.Event()
+    try:
+        with other.db.begin() as conn:
+            conn.exec_driver_sql(SCHEMA)
+        mailer, retry_mailer = Mailer(other.db), Mailer(other.db)
+        retry_mailer.gate.set()
+        op, retry_op = operation(kind, mailer), operation("sync", retry_mailer)
+        engine.register(op)
+        other.register(retry_op)
+        first = driver.start(op, scope)
+        assert mailer.calling.wait(60)
+        taken = threading.Event()
+
+        async def take_async() -> None:
+            async with engine.async_db.connect():  # type: ignore[union-attr]
+                taken.set()
+                await asyncio.to_thread(release.wait, 120)
+
+        def take() -> None:
+            with pool.connect():
+                taken.set()
+                release.wait(120)
+
+        busy = driver.submit(take_async) if kind == "async" else driver.submit(take)
+        assert taken.wait(60)
+        assert pool.pool.checkedout() == 1  # type: ignore[attr-defined]
+        began = key_row(other.db, scope).locked_at
+        while key_row(other.db, scope).db_now - began < timedelta(seconds=3 * LEASE):
+            with pytest.raises(rp.KeyInUse):
+                other.run(retry_op, key="k", params={"scope": scope}, scope=scope)
+            time.sleep(POLL)
+        release.set()
+        busy.result(60)
+        mailer.gate.set()
+        outcome = first.result(60)
+        assert outcome.status == 201 and outcome.body == {"lost": False}
+        assert len(sends(other.db, scope)) == 1
+        assert retry_mailer.steps == []
+    finally:
+        release.set()
+        mailer.gate.set()
+        if isinstance(engine, rp.AsyncEngine):
+            driver.submit(engine.async_db.dispose).result(60)
+        else:
+            engine.db.dispose()
+        driver.close()
+        other.dispose()
 
 
 def test_a_lease_released_by_force_mid_step_is_lost(

@@ -44,11 +44,15 @@ Every rule about time is judged on the database's clock (``now()``), never the p
 and each is a duration since a moment stored in a row (a lease's ``locked_at``, a finished
 key's ``finished_at``, a back-off's ``next_attempt_at``, a recovery point's
 ``point_reached_at``, a deleted key's generation...). Moving every such moment back by the
-same amount is, to every rule, the same as the clock moving forward: nothing in the
-request path or the workers reads a clock of its own, and the database's clock is left
-alone. A live holder's heartbeat renews its lease from the real ``now()`` afterwards, as it
-would in production once that much time had passed. Under pytest, the ``rp_clock`` fixture
-is a :class:`Clock` on the plugin's database.
+same amount is, to every rule, the same as the clock moving forward, and the database's
+clock is left alone. A live holder's heartbeat renews its lease from the real ``now()``
+afterwards, as it would in production once that much time had passed. One thing reads a
+clock of its own, and does not move: a running step's
+:attr:`~recoverypoint.StepContext.lease_lost`, the time since its last renewal on the
+process's monotonic clock: after ``clock.advance`` past ``lock_timeout``, another attempt
+may take a running step's key over before its next renewal while its ``lease_lost`` is
+still ``False`` (the fence fails its commit with LockLost all the same). Under pytest, the
+``rp_clock`` fixture is a :class:`Clock` on the plugin's database.
 """
 
 from __future__ import annotations

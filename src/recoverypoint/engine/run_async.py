@@ -190,7 +190,7 @@ class AsyncEngine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
         self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
-        self._heartbeat = heartbeat.AsyncHeartbeat(self.async_db)
+        self._heartbeat = heartbeat.AsyncHeartbeat(self.db)
 
     @property
     def observer(self) -> Observer:

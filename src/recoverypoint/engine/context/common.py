@@ -150,8 +150,9 @@ class StepContext:
         step keeps its key however long it takes. This turns ``True`` once a renewal found
         the lease gone (an operator's ``recoverypoint keys release --force``; another
         attempt may have taken the key), or once the last renewal that succeeded is older
-        than the operation's ``lock_timeout`` (the database away): another attempt may be
-        running this step now, and this one's next commit fails with
+        than the operation's ``lock_timeout`` on this process's monotonic clock (the
+        database away; :class:`recoverypoint.testing.Clock` does not move it): another
+        attempt may be running this step now, and this one's next commit fails with
         :class:`~recoverypoint.LockLost`, whatever the step returns. A step that makes
         several calls may check it between them and stop early (raise, and let the attempt
         that holds the key carry on).
