@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from heartbeats import LEASE, SCHEMA, Mailer, operation
 
 import recoverypoint as rp
 from recoverypoint import admin
+from recoverypoint.engine import heartbeat
 from recoverypoint.workers import Completer
 
 T = TypeVar("T")
@@ -208,9 +210,9 @@ def taken_over_after_death(driver: Driver, scope: str) -> None:
 def test_a_forked_child_renews_none_of_its_parents_leases(
     driver: Driver, database_url: str, scope: str
 ) -> None:
-    """A process forks mid-step (a pre-forking server) and its child starts the heartbeat
-    again with a lease of its own; the parent is killed: the child, alive, does not keep
-    the parent's lease, which a retry takes over within its lock timeout."""
+    """A process forks mid-step (a pre-forking server) and its child runs a step of its
+    own; the parent is killed: the child, alive, does not keep the parent's lease, which a
+    retry takes over within its lock timeout, and keeps its own."""
     child = subprocess.Popen(
         [sys.executable, str(CHILD), database_url, scope, driver.kind, "fork"],
         stdin=subprocess.PIPE,
@@ -226,6 +228,12 @@ def test_a_forked_child_renews_none_of_its_parents_leases(
         assert child.returncode == -9
         taken_over_after_death(driver, scope)
         os.kill(forked, 0)  # alive all along
+        own = f"{scope}-fork"
+        sent_at = sends(driver.engine.db, own)[0].sent_at
+        until(
+            lambda: key_row(driver.engine.db, own).locked_at > sent_at + timedelta(seconds=LEASE),
+            "the child to renew its own lease past its lock timeout",
+        )
     finally:
         child.communicate(timeout=60)  # closes stdin: the forked child exits
 
@@ -424,3 +432,90 @@ def test_an_idempotent_call_longer_than_its_lease_keeps_its_key(driver: Driver, 
         gate.set()
     assert first.result(60) == "sent"
     assert calls == ["o1"]
+
+
+class Freezer:
+    """A TCP proxy to the database that forwards until :meth:`freeze`, then forwards
+    nothing more while keeping every socket open: a half-open connection, which neither
+    keepalives (the proxy's kernel answers them) nor any timeout of the server ends."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.frozen = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.target)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if self.frozen.is_set():
+                    return  # swallowed, and nothing read or sent again
+                sink.sendall(data)
+        except OSError:
+            return
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_renewal_stuck_on_a_half_open_socket_is_left_behind(
+    driver: Driver,
+    scope: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The heartbeat's connection goes silent mid-renewal: after an interval the renewal
+    is left behind with its connection, and the lease is renewed on a fresh one. Retries
+    for three lock timeouts are refused; the provider is called once."""
+    db = driver.engine.db
+    url = db.url
+    freezer = Freezer(url.host or "127.0.0.1", url.port or 5432)
+    connects: list[float] = []
+    connect = heartbeat._Link._connect
+
+    def first_through_the_freezer(link: Any, timeout: float) -> Any:
+        connects.append(timeout)
+        if len(connects) == 1:
+            link._db = sa.create_engine(url.set(host="127.0.0.1", port=freezer.port))
+        return connect(link, timeout)
+
+    monkeypatch.setattr(heartbeat._Link, "_connect", first_through_the_freezer)
+    mailer = Mailer(db)
+    op = operation(driver.kind, mailer)
+    driver.engine.register(op)
+    first = driver.start(op, scope)
+    try:
+        assert mailer.calling.wait(60)
+        began = key_row(db, scope).locked_at
+        until(lambda: key_row(db, scope).locked_at > began, "a renewal through the proxy")
+        freezer.freeze()
+        frozen_at = key_row(db, scope).db_now
+        while key_row(db, scope).db_now - frozen_at < timedelta(seconds=3 * LEASE):
+            with pytest.raises(rp.KeyInUse):
+                driver.run(op, scope)
+            time.sleep(POLL)
+    finally:
+        mailer.gate.set()
+        freezer.close()
+    outcome = first.result(60)
+    assert outcome.status == 201 and outcome.body == {"lost": False}
+    assert len(sends(db, scope)) == 1
+    assert len(connects) >= 2
+    assert "no answer within" in caplog.text
