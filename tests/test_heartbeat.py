@@ -238,6 +238,58 @@ def test_a_forked_child_renews_none_of_its_parents_leases(
         child.communicate(timeout=60)  # closes stdin: the forked child exits
 
 
+def refused_for_three_leases(other: rp.Engine, op: rp.Operation[Any], scope: str) -> None:
+    """Retries of key ``k`` in ``scope`` from ``other`` are refused for three lock timeouts
+    on the database's clock."""
+    began = key_row(other.db, scope).db_now
+    while key_row(other.db, scope).db_now - began < timedelta(seconds=3 * LEASE):
+        with pytest.raises(rp.KeyInUse):
+            other.run(op, key="k", params={"scope": scope}, scope=scope)
+        time.sleep(POLL)
+
+
+def test_an_async_step_blocking_its_loop_keeps_its_key(database_url: str, scope: str) -> None:
+    """An ``async def`` step making a sync call blocks its event loop for three lock
+    timeouts: its renewals, from the heartbeat's thread, go on. A retry from another
+    engine meanwhile is refused each time; the provider is called once."""
+    engine, other = rp.AsyncEngine(database_url), rp.Engine(database_url)
+    driver = Driver("async", engine)
+    try:
+        with other.db.begin() as conn:
+            conn.exec_driver_sql(SCHEMA)
+        mailer, retry_mailer = Mailer(other.db), Mailer(other.db)
+        retry_mailer.gate.set()
+        op: rp.Operation[Any] = rp.Operation("notify", lock_timeout=timedelta(seconds=LEASE))
+
+        @op.atomic_phase("begun")
+        async def begin(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+            return None
+
+        @op.foreign_step("sent")
+        async def send(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
+            return mailer.send(step, params["scope"])  # blocks the loop
+
+        @op.atomic_phase("done")
+        async def done(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+            return rp.Response(201, dict(tx.state))
+
+        engine.register(op)
+        retry_op = operation("sync", retry_mailer)
+        other.register(retry_op)
+        first = driver.start(op, scope)
+        assert mailer.calling.wait(60)
+        refused_for_three_leases(other, retry_op, scope)
+        mailer.gate.set()
+        outcome = first.result(60)
+        assert outcome.status == 201 and outcome.body == {"lost": False}
+        assert len(sends(other.db, scope)) == 1
+        assert retry_mailer.steps == []
+    finally:
+        mailer.gate.set()
+        driver.close()
+        other.dispose()
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_step_keeps_its_key_while_the_pool_is_busy(
     kind: str, database_url: str, scope: str
@@ -280,11 +332,7 @@ def test_a_step_keeps_its_key_while_the_pool_is_busy(
         busy = driver.submit(take_async) if kind == "async" else driver.submit(take)
         assert taken.wait(60)
         assert pool.pool.checkedout() == 1  # type: ignore[attr-defined]
-        began = key_row(other.db, scope).locked_at
-        while key_row(other.db, scope).db_now - began < timedelta(seconds=3 * LEASE):
-            with pytest.raises(rp.KeyInUse):
-                other.run(retry_op, key="k", params={"scope": scope}, scope=scope)
-            time.sleep(POLL)
+        refused_for_three_leases(other, retry_op, scope)
         release.set()
         busy.result(60)
         mailer.gate.set()
