@@ -130,9 +130,12 @@ class Lease:
                 self.key.id,
             )
             self.gone = True  # after the warning: a step that sees it finds it logged
-        elif is_outage(held):
+        elif is_outage(held) or isinstance(held, _LATE):
             logger.warning(
-                "could not renew the lease of key %s (the database is away)", self.key.id
+                "could not renew the lease of key %s (the database is away or slow: %s); "
+                "retried at its next renewal",
+                self.key.id,
+                held,
             )
         else:
             logger.error("could not renew the lease of key %s", self.key.id, exc_info=held)
@@ -141,6 +144,9 @@ class Lease:
 class RenewalTimedOut(Exception):
     """A renewal still unanswered after a renewal interval: its connection was left behind."""
 
+
+_LATE = (RenewalTimedOut, psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)
+"""A renewal that ran out of time: the watchdog's interval, or the connection's timeouts."""
 
 _MISSED = RenewalTimedOut()
 """A renewal of a batch left behind."""
@@ -193,7 +199,6 @@ class _Link:
 
     def _renew(self, lease: Lease) -> str | None:
         key = lease.key
-        lease.sent_from = key.ctid
         # Every wait ends within half an interval, so that a failure is known (and retried)
         # before the next renewal falls due.
         timeout_ms = max(1, int(lease.interval * 500))
@@ -332,6 +337,7 @@ class Heartbeat:
                     break
                 del leases[lease]
                 lease.renewing, lease.due = True, now + lease.interval
+                lease.sent_from = lease.key.ctid
                 leases[lease] = None
                 due.append(lease)
         return due
@@ -347,14 +353,23 @@ class Heartbeat:
                 self._link = _Link(self._db)
             for lease in due:
                 held = results.get(lease, _MISSED)
-                if held is _MISSED:  # retried at once, on a fresh connection
+                if held is _MISSED:
                     held = RenewalTimedOut(f"no answer within {lease.interval:.3g} s")
-                    lease.due = time.monotonic()
+                    self._retry_now(lease)
                 lease.record(sent, held)
                 lease.renewing = False
                 if lease.gone:
                     self._leases[lease.interval].pop(lease, None)
             self._cond.notify_all()
+
+    def _retry_now(self, lease: Lease) -> None:
+        """Make ``lease`` due now, first of its dict, for the fresh connection (under the
+        lock; rare: a batch left behind)."""
+        leases = self._leases[lease.interval]
+        if lease in leases:  # not dropped meanwhile
+            del leases[lease]
+            lease.due = time.monotonic()
+            self._leases[lease.interval] = {lease: None, **leases}
 
 
 class AsyncHeartbeat(Heartbeat):
