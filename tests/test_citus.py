@@ -425,3 +425,63 @@ def test_an_action_behind_a_running_phase_is_refused_after_its_wait(
         with pytest.raises(admin.Refused, match="running phase"):
             admin.release(admin.Admin(citus, lock_wait=0.2), key_id)
     assert admin.release(admin.Admin(citus), key_id).changed == (key_id,)
+
+
+# The rules about time (attempts, leases, generations, windows, compensations): each
+# statement of theirs on a real cluster. Time moves by writing a scope's moments back with
+# constants: Citus refuses `column - interval` in an UPDATE (testing.Clock's way).
+
+
+def _key_row(db: sa.Engine, scope: str) -> Any:
+    with db.connect() as conn:
+        return conn.execute(
+            sa.text("SELECT * FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+        ).one()
+
+
+def _finished_long_ago(db: sa.Engine, scope: str) -> None:
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET finished_at = now() - interval '40 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+
+
+def test_a_reused_key_gets_a_new_generation_the_reaper_records_and_prunes(
+    citus: sa.Engine, scope: str
+) -> None:
+    op = _notes(f"citus_generations_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(citus)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    engine.run(op, key="k", params=params, scope=scope)
+
+    # Past its retention (the row still there): the claim deletes it and inserts generation 1.
+    _finished_long_ago(citus, scope)
+    again = engine.run(op, key="k", params=params, scope=scope)
+    assert not again.replayed and _key_row(citus, scope).generation == 1
+
+    # Reaped: its next generation recorded, which the reuse after it takes.
+    _finished_long_ago(citus, scope)
+    Reaper(engine, retention=timedelta(days=1)).run_once()
+    recorded = "SELECT generation FROM key_generations WHERE scope = :s"
+    assert _count(citus, recorded, s=scope) == 2
+    third = engine.run(op, key="k", params=params, scope=scope)
+    assert not third.replayed and _key_row(citus, scope).generation == 2
+
+    # The record, once past the generations' retention, is pruned.
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE key_generations SET deleted_at = now() - interval '40 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    Reaper(engine, generations_retention=timedelta(days=30)).run_once()
+    assert _count(citus, "SELECT count(*) FROM key_generations WHERE scope = :s", s=scope) == 0
+    # Each use ran its phases: a new request, not a replay.
+    assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 3

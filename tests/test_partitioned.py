@@ -37,6 +37,7 @@ _KEY = {
     "params": "{}",
     "fingerprint": "f",
     "seed": "s",
+    "generation": 0,
     "token": uuid.uuid4(),
     "lock_timeout": 90.0,
     "max_attempts": 3,

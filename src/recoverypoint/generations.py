@@ -45,11 +45,16 @@ def record_next(deleted: str) -> str:
     CTE ``deleted`` returns (its scope, operation, idempotency_key and generation). To
     follow ``deleted`` in the WITH of the statement that deletes the rows."""
     # greatest(): a recorded generation never goes back, whatever order deletions come in.
+    # The deletion's time comes in with the inserted row: Citus refuses a function that is
+    # not IMMUTABLE (now()) in DO UPDATE SET.
     return f"""generations AS (
-        INSERT INTO key_generations AS g (scope, operation, idempotency_key, generation)
-        SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1 FROM {deleted} AS d
+        INSERT INTO key_generations AS g (
+            scope, operation, idempotency_key, generation, deleted_at)
+        SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1, now()
+        FROM {deleted} AS d
         ON CONFLICT (idempotency_key, scope, operation) DO UPDATE
-        SET generation = greatest(g.generation, excluded.generation), deleted_at = now()
+        SET generation = greatest(g.generation, excluded.generation),
+            deleted_at = excluded.deleted_at
     )"""
 
 

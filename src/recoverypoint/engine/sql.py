@@ -130,9 +130,14 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # that started it, which may not be the caller's). An existing row is read,
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
-# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot. A new
-# row takes the key's generation (recoverypoint.generations) in the same statement: one
-# primary-key lookup in the key's scope, no round trip.
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+#
+# A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
+# before the transaction (Citus refuses a sub-select in INSERT ... VALUES), and returns
+# only while the generation recorded in the claim's transaction is still that one: a
+# deletion of the key in between (a reaper's, an operator's) makes the claim return no row,
+# as a key reaped under it does, and the transaction rolls back. No round trip: the check
+# runs on the scope's shard in the statement that reads the row back.
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
@@ -140,13 +145,14 @@ CLAIM = Statement(f"""
             request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
             lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s,
-            {generations.current("%(scope)s", "%(operation)s", "%(key)s")}, now(), %(token)s,
-            %(lock_timeout)s, now(), 1, now() + make_interval(secs => {backoff.delay_sql("0")}))
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, %(generation)s, now(),
+            %(token)s, %(lock_timeout)s, now(), 1,
+            now() + make_interval(secs => {backoff.delay_sql("0")}))
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RETURNED}
     )
     SELECT {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for FROM claimed
+    WHERE generation = {generations.current("%(scope)s", "%(operation)s", "%(key)s")}
     UNION ALL
     SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
@@ -165,7 +171,7 @@ CLAIM_BY_ID = Statement(f"""
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
             last_run_at = now(), attempts = k.attempts + 1,
-            next_attempt_at = now() + make_interval(secs => {backoff.delay_sql("k.attempts")})
+            next_attempt_at = {leases.from_now(backoff.delay_sql("k.attempts"))}
         WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
           AND k.attempts < %(max_attempts)s AND k.reconcile_since IS NULL
           AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
@@ -195,16 +201,24 @@ ABANDON_EXHAUSTED = Statement(f"""
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it. Only what a replay reads (see
-# Finished.parse): the request's params and the phases' state may be large. The last
-# column: whether it is past the retention it is honoured for (see PAST_RETENTION).
+# Finished.parse): the request's params and the phases' state may be large. Then whether
+# it is past the retention it is honoured for (see PAST_RETENTION), and the generation a
+# new row of the key takes (recoverypoint.generations): the finished row's next when it is
+# past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
+# CLAIM, which checks it in its transaction. One row, whether or not the key exists; one
+# shard on Citus (both tables are distributed by scope, co-located).
 FIND_FINISHED = Statement("""
-    SELECT operation_version::text, fingerprint, response_status::text,
-           response_headers::text, response_body::text,
-           (abandoned_at IS NULL
-            AND finished_at <= now() - make_interval(secs => %(retention)s))::text
-    FROM idempotency_keys
-    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
-      AND finished_at IS NOT NULL
+    SELECT k.operation_version::text, k.fingerprint, k.response_status::text,
+           k.response_headers::text, k.response_body::text,
+           (k.abandoned_at IS NULL
+            AND k.finished_at <= now() - make_interval(secs => %(retention)s))::text,
+           coalesce(greatest(k.generation + 1, g.generation), 0)::text
+    FROM (SELECT) AS lookup
+    LEFT JOIN idempotency_keys AS k
+      ON k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
+     AND k.finished_at IS NOT NULL
+    LEFT JOIN key_generations AS g
+      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s
 """)
 
 # A key finished longer ago than the retention it is honoured for: a reuse of it is a new

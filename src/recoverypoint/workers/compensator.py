@@ -37,7 +37,7 @@ from sqlalchemy import text
 from ..admin.base import AWAITING_COMPENSATION, COMPENSATION_FAILED
 from ..engine import AsyncEngine, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
-from ..leases import REGISTERED, free, registered
+from ..leases import REGISTERED, free, from_now, registered
 from .loop import Worker
 
 _DUE = f"{AWAITING_COMPENSATION} AND k.next_attempt_at <= now()"
@@ -75,13 +75,14 @@ _CLAIM = text(
     """
 )
 
-# A compensation that raised: the lease given up, the error kept, the next try backed off.
+# A compensation that raised: the lease given up, the error kept, the next try backed off
+# (after as long again as the key has waited since it was abandoned, within :base and :cap).
+_RETRY_IN = "least(:cap, greatest(:base, extract(epoch FROM now() - k.abandoned_at)))"
 _FAILED = text(
-    """
+    f"""
     UPDATE idempotency_keys AS k
     SET locked_at = NULL, lock_token = NULL, last_error = :error,
-        next_attempt_at = now() + make_interval(
-            secs => least(:cap, greatest(:base, extract(epoch FROM now() - k.abandoned_at))))
+        next_attempt_at = {from_now(_RETRY_IN)}
     WHERE k.scope = :scope AND k.id = :id AND k.lock_token = :token
     """
 )

@@ -40,7 +40,7 @@ from ..admin.key_actions import abandon_exhausted
 from ..engine import AsyncEngine, Engine
 from ..engine._decide import ABANDONED_RESPONSE
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost, NeedsReconciliation
-from ..leases import REGISTERED, free, registered
+from ..leases import REGISTERED, free, from_now, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome
 from ..outage import is_outage
@@ -95,8 +95,7 @@ _CLAIM_DUE = text(
     ),
     reserved AS (
         UPDATE idempotency_keys AS k
-        SET locked_at = now() - make_interval(
-                secs => due.lock_timeout - least(due.lock_timeout, :reservation)),
+        SET locked_at = {from_now("least(due.lock_timeout, :reservation) - due.lock_timeout")},
             lock_token = :token, lock_timeout = due.lock_timeout
         FROM due
         WHERE k.scope = :scope AND k.id = due.id

@@ -62,7 +62,9 @@ _DUE_SCOPES = text(
 
 # One batch of one scope's finished keys past their retention: their operation's own (``Operation(
 # retention=...)``, a table from three arrays) or the reaper's. The partial index on
-# finished_at finds them by the shortest retention; each row is then held to its own. Rows
+# finished_at finds them by the shortest retention; each row is then held to its own (a
+# sub-select, not a join: Citus, which runs this batch's CTEs one by one for the INSERT
+# that records generations, reads a locked join's result in the wrong format). Rows
 # locked elsewhere are skipped, so reapers never wait for each other.
 _REAP_KEYS = text(
     f"""
@@ -73,10 +75,12 @@ _REAP_KEYS = text(
         ) AS o(operation, version, retention)
     ), doomed AS (
         SELECT k.id FROM idempotency_keys AS k
-        LEFT JOIN own ON own.operation = k.operation AND own.version = k.operation_version
         WHERE k.scope = :scope
           AND k.finished_at < now() - make_interval(secs => :shortest)
-          AND k.finished_at < now() - make_interval(secs => coalesce(own.retention, :retention))
+          AND k.finished_at < now() - make_interval(secs => coalesce(
+              (SELECT min(o.retention) FROM own AS o
+               WHERE o.operation = k.operation AND o.version = k.operation_version),
+              :retention))
           AND (k.abandoned_at IS NULL
                OR k.abandoned_at < now() - make_interval(secs => :abandoned_retention))
         LIMIT :batch_size
