@@ -10,8 +10,8 @@ before generations existed). The rule, written here once in SQL:
 - every deletion of a key row (the claim of a reuse past the retention, the reaper, an
   operator's ``keys delete`` and ``keys purge``) records the key's next generation in
   ``key_generations``, in the statement that deletes the row (:func:`record_next`);
-- the claim that inserts a key row takes the recorded generation, 0 when none
-  (:func:`current`).
+- the claim that inserts a key row takes the recorded generation, 0 when none, as the
+  lookup before its transaction read it (:data:`recoverypoint.engine.sql.FIND_FINISHED`).
 
 A row lost in a failover to a lagging standby is claimed again at the generation it had:
 its deletion's record was lost with it, or kept with it, as the two were written in one
@@ -30,14 +30,6 @@ DEFAULT_GENERATIONS_RETENTION = timedelta(days=30)
 Once it is pruned, a reuse of the key is generation 0 again and derives the keys the first
 request did: safe only when every provider has forgotten them. Providers remember keys for
 hours to days (Stripe 24 hours, most others at most 7 days), so 30 days is far beyond any."""
-
-
-def current(scope: str, operation: str, key: str) -> str:
-    """SQL: the generation a new row of the key takes; the arguments are SQL expressions."""
-    return f"""coalesce((
-        SELECT g.generation FROM key_generations AS g
-        WHERE g.scope = {scope} AND g.operation = {operation} AND g.idempotency_key = {key}
-    ), 0)"""
 
 
 def record_next(deleted: str) -> str:

@@ -460,8 +460,7 @@ class Engine(Registry):
             return replay(finished)
         record = store.claim(tx, request, generation, self._schedule())
         if record is None:
-            # The row was deleted between the conflict and the read, or the key since the
-            # lookup read its generation: a reaper or an operator raced us.
+            # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
         if not record.inserted:
             # A key is judged by the version that started it: its params rules, its lease.

@@ -133,11 +133,11 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
 #
 # A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
-# before the transaction (Citus refuses a sub-select in INSERT ... VALUES), and returns
-# only while the generation recorded in the claim's transaction is still that one: a
-# deletion of the key in between (a reaper's, an operator's) makes the claim return no row,
-# as a key reaped under it does, and the transaction rolls back. No round trip: the check
-# runs on the scope's shard in the statement that reads the row back.
+# just before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a
+# check in this statement would cost a command to the worker per new key. Only a deletion
+# of a row of the key created after that read can come in between, and none is that
+# quick: the reaper's and a reuse's need it finished past its retention, an operator's
+# needs --force against its live lease.
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
@@ -152,7 +152,6 @@ CLAIM = Statement(f"""
         RETURNING {_RETURNED}
     )
     SELECT {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for FROM claimed
-    WHERE generation = {generations.current("%(scope)s", "%(operation)s", "%(key)s")}
     UNION ALL
     SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
@@ -205,7 +204,7 @@ ABANDON_EXHAUSTED = Statement(f"""
 # it is past the retention it is honoured for (see PAST_RETENTION), and the generation a
 # new row of the key takes (recoverypoint.generations): the finished row's next when it is
 # past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
-# CLAIM, which checks it in its transaction. One row, whether or not the key exists; one
+# CLAIM. One row, whether or not the key exists; one
 # shard on Citus (both tables are distributed by scope, co-located).
 FIND_FINISHED = Statement("""
     SELECT k.operation_version::text, k.fingerprint, k.response_status::text,

@@ -51,8 +51,8 @@ async def forget_expired(tx: AsyncTransaction, request: ClaimRequest, retention:
 async def claim(
     tx: AsyncTransaction, request: ClaimRequest, generation: int, schedule: dict[str, Any]
 ) -> KeyRecord | None:
-    """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile,
-    or the key was deleted since :func:`finished_key` read its ``generation``.
+    """Take the key if it can be taken, a new row at ``generation`` (as :func:`finished_key`
+    read it); ``None`` only if the row vanished (reaped) meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`)."""
     params = {
