@@ -125,8 +125,9 @@ def test_with_a_hook_every_key_past_the_window_finishes_charged_once(shop: Any) 
     # the step is called anew (charged_once saw the one charge each time).
     for way in ("client", "completer"):
         for verb in ("raises", "dies"):
-            assert found.past_window[late(f"{way}: attempt 1 {verb} at after_foreign:charged")] == FOUND
-            assert found.past_window[late(f"{way}: attempt 1 {verb} at before_foreign:charged")] == ANEW
+            crash = f"{way}: attempt 1 {verb} at"
+            assert found.past_window[late(f"{crash} after_foreign:charged")] == FOUND
+            assert found.past_window[late(f"{crash} before_foreign:charged")] == ANEW
     assert len(found.past_window) == LATE
     assert "needs-reconciliation" not in found.report()
     assert f"{LATE} schedules (4 {ANEW}, 4 {FOUND})" in found.report()
