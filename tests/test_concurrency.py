@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from rides import Faults, Provider, count, ride_operation
 
 import recoverypoint as rp
+from recoverypoint import admin
 
 RIDES = rp.Request("POST", "/rides")
 
@@ -52,8 +53,9 @@ def test_fifty_threads_racing_one_key_run_each_phase_once(
 def test_lease_takeover_fences_the_old_owner(
     engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
 ) -> None:
-    """A's foreign step outlives the lease; B takes the key over and finishes it; A's commit
-    then fails with LockLost and writes nothing; the charge happens once."""
+    """A's lease is released by an operator's force while its foreign step runs (a live
+    holder keeps it otherwise); B takes the key over and finishes it; A's commit then fails
+    with LockLost and writes nothing; the charge happens once."""
     op = ride_operation("create_ride", provider, faults, lock_timeout=timedelta(seconds=1))
     engine.register(op)
     a_in_step, b_done = threading.Event(), threading.Event()
@@ -79,7 +81,11 @@ def test_lease_takeover_fences_the_old_owner(
     assert a_in_step.wait(10)
     with pytest.raises(rp.KeyInUse):  # A's lease is still fresh
         engine.run(op, key="k", params=params, scope=scope, request=RIDES)
-    time.sleep(1.2)
+    with db.connect() as conn:
+        key_id = conn.execute(
+            sa.text("SELECT id FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+        ).scalar_one()
+    assert admin.release(admin.Admin.for_engine(engine), key_id, force=True).changed == (key_id,)
     b = engine.run(op, key="k", params=params, scope=scope, request=RIDES)
     b_done.set()
     a.join()

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +18,7 @@ import sqlalchemy as sa
 from workload import Recorder, rows
 
 import recoverypoint as rp
+from recoverypoint import admin
 
 
 def key_row(db: sa.Engine) -> Any:
@@ -95,10 +95,12 @@ def test_a_step_recorded_after_the_next_phase_committed_does_not_move_the_point_
 
 
 def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.Engine) -> None:
-    """A's foreign step outlives its lease; B takes the key over (the row moves, so A's
-    address of it is stale) and is in its own foreign step when A's step fails. A's
-    release, found by id, must see that the lease is B's and change nothing."""
-    op: rp.Operation[Any] = rp.Operation("taken_over", lock_timeout=timedelta(seconds=1))
+    """An operator releases A's lease by force while A's foreign step runs (a live holder
+    keeps its lease otherwise); B takes the key over (the row moves, so A's address of it
+    is stale) and is in its own foreign step when A's step fails. A's release, found by id,
+    must see that the lease is B's and change nothing. (A lock timeout of a minute: no
+    renewal of B's moves the row while the test compares it.)"""
+    op: rp.Operation[Any] = rp.Operation("taken_over", lock_timeout=timedelta(seconds=60))
     a_in_step, b_in_step, a_done = threading.Event(), threading.Event(), threading.Event()
 
     @op.atomic_phase("reserved")
@@ -133,7 +135,8 @@ def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.E
     b = threading.Thread(target=run, args=("B",), name="B")
     a.start()
     assert a_in_step.wait(10)
-    time.sleep(1.2)  # A's lease expires
+    released = admin.release(admin.Admin.for_engine(engine), key_row(worker_db).id, force=True)
+    assert len(released.changed) == 1
     b.start()
     assert b_in_step.wait(10)
     taken_over = key_row(worker_db)

@@ -12,8 +12,10 @@ Layers, lowest first (a module may import its own layer and those below):
 1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
    _faults), embedded, jobs
 2. the connection and the request path's queries, in the engine package: engine._pg,
-   engine._libpq, engine._waiter (the async connection's wait), engine.sql, engine.store, engine.phase_guard, engine.context (what a phase
-   receives wraps the connection); _pooler; and context, the old name of engine.context
+   engine._libpq, engine._waiter (the async connection's wait), engine.sql, engine.store,
+   engine.heartbeat (a running step's lease, renewed), engine.phase_guard, engine.context
+   (what a phase receives wraps the connection); _pooler; and context, the old name of
+   engine.context
 3. the engine (engine.run, engine.run_async and the package's ``__init__``), the
    package's curated ``__init__``, and _moved (the request path's old module names)
 4. services on the engine: admin, workers, integrations, client, explore (which runs the
@@ -70,6 +72,7 @@ LAYERS = {
             "_pooler",
             "engine.store",
             "engine.store_async",
+            "engine.heartbeat",
             "engine.sql",
             "engine.phase_guard",
             "engine.context",
@@ -96,7 +99,10 @@ SPLIT = {"engine"}
 FORBIDDEN = {
     "admin": {"workers", "integrations", "client", "demo", "cli", "console"},
     "workers": {"admin._sql", "testing"},
-    **{f"engine.{name}": {"testing"} for name in ("run", "run_async", "store", "store_async")},
+    **{
+        f"engine.{name}": {"testing"}
+        for name in ("run", "run_async", "store", "store_async", "heartbeat")
+    },
 }
 
 

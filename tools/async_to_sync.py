@@ -75,6 +75,7 @@ NAMES = [
     ("atomic_async", "atomic"),
     ("listen_async", "listen"),
     ("AsyncKeyListener", "KeyListener"),
+    ("AsyncHeartbeat", "Heartbeat"),
     # The tests' concurrency (tests/acompat.py): tasks become threads.
     ("AEvent", "Event"),
     ("aspawn", "spawn"),

@@ -3,8 +3,10 @@
 The rule: a key's lease may be taken when nobody holds it, or when its holder has not
 renewed it for the lock timeout of the operation version that started the key, on the
 database's clock (``now()``: one clock for every process, whatever theirs say). The holder
-renews it with every phase it commits; every write it makes is fenced by the lease's token,
-so a holder whose lease was taken over can no longer commit anything.
+renews it with every phase it commits, and in the background while a foreign step runs
+(:mod:`recoverypoint.engine.heartbeat`), so the lock timeout is how long after a holder dies
+another may take over; every write it makes is fenced by the lease's token, so a holder
+whose lease was taken over can no longer commit anything.
 
 It is written here once in SQL (:func:`free`, :func:`seconds_left`, :data:`HELD_FOR`) and
 once in Python (:func:`left`, for ``Retry-After``; :func:`free_before`, for the admin

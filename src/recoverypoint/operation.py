@@ -167,8 +167,11 @@ class Operation(Generic[P]):
         Bump it when the phases change; unfinished keys resume with the version that
         started them, so keep the old one registered until they are done.
     lock_timeout:
-        How long a request holds a key before a retry may take it over. Each committed
-        phase renews it; make it longer than your slowest foreign step.
+        How long after the attempt that holds a key dies (its process killed, its host
+        gone) a retry or the completer may take the key over. A live attempt keeps it:
+        each commit renews its lease, and a foreign step's renews it in the background
+        every third of ``lock_timeout`` while it runs, however long that is. Shorter
+        means a crashed request resumes sooner; the renewals cost a write each.
     max_attempts:
         Failed attempts after which the completer abandons a key.
     retention:

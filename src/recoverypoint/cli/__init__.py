@@ -12,6 +12,7 @@ The exit statuses are listed in :mod:`recoverypoint.exits`.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _Parser(
         prog="recoverypoint",
         description="Idempotency keys with recovery points on PostgreSQL.",
+    )
+    # The version is pyproject.toml's, as installed: defined there alone.
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"recoverypoint {importlib.metadata.version('recoverypoint')}",
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for add_command in _COMMANDS:

@@ -16,7 +16,8 @@ Read it in this order, each module using only those before it:
 5. ``phase_guard``: keeping phase code from ending the engine's transaction;
 6. ``context/``: what a phase receives;
 7. ``store_async`` (``store``): the statements run in those transactions, by intent;
-8. ``run_async`` (``run``): :class:`AsyncEngine` (:class:`Engine`), which claims a key and
+8. ``heartbeat``: a running foreign step's lease, renewed in the background;
+9. ``run_async`` (``run``): :class:`AsyncEngine` (:class:`Engine`), which claims a key and
    runs its phases from the recovery point.
 
 ``*_async.py`` (and ``context/atomic_async.py``) are the sources; their sync twins

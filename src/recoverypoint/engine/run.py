@@ -62,7 +62,7 @@ from ..operation import (
     Withdrawn,
 )
 from ..outage import is_outage, unavailable
-from . import _pg, listen, phase_guard, sql, store, waits
+from . import _pg, heartbeat, listen, phase_guard, sql, store, waits
 from ._decide import (
     NO_CONTENT,
     Advanced,
@@ -171,6 +171,7 @@ class Engine(Registry):
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
         self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
+        self._heartbeat = heartbeat.Heartbeat(self.db)
 
     @property
     def observer(self) -> Observer:
@@ -661,15 +662,21 @@ class _Run:
             faults.hit("before_foreign", phase.point)
         state = json.loads(state_json)
         renewals = self.record.window_renewals
-        result: object = NotFound
-        if self._past_window(phase):
-            result = self._reconcile(phase, state)
-            if result is NotFound:  # the provider forgot the call: call anew, with a fresh key
-                renewals = self.engine._transact(self._renew_window, renewals)
-        if result is NotFound:
-            with self.observed.phase(phase.point, False):
-                context = StepContext(state, self.identity, phase.point, renewals)
-                result = phase.fn(context, self.params)
+        # Renewed while the step (or its reconciliation) runs, so that no other attempt
+        # starts it beside this one.
+        lease = self.engine._heartbeat.hold(self.key, self.operation.lock_timeout.total_seconds())
+        try:
+            result: object = NotFound
+            if self._past_window(phase):
+                result = self._reconcile(phase, state, lease)
+                if result is NotFound:  # the provider forgot the call: call anew, fresh key
+                    renewals = self.engine._transact(self._renew_window, renewals)
+            if result is NotFound:
+                with self.observed.phase(phase.point, False):
+                    context = StepContext(state, self.identity, phase.point, lease, renewals)
+                    result = phase.fn(context, self.params)
+        finally:
+            self.engine._heartbeat.drop(lease)
         if faults.active:
             faults.hit("after_foreign", phase.point)
         response, new_state, new_state_json = step_result(
@@ -726,7 +733,7 @@ class _Run:
             and self.record.point_age >= window.total_seconds()
         )
 
-    def _reconcile(self, phase: Phase, state: dict[str, Any]) -> object:
+    def _reconcile(self, phase: Phase, state: dict[str, Any], lease: heartbeat.Lease) -> object:
         """Ask the provider, through the step's ``reconcile`` hook, what the step's last call
         did: its result, or :data:`NotFound`. Without a hook, hold the key for an operator
         and raise :class:`NeedsReconciliation`."""
@@ -741,7 +748,8 @@ class _Run:
                 raise LockLost()
             logger.warning("key %s is held for reconciliation: %s", self.record.id, reason)
             raise NeedsReconciliation()
-        context = StepContext(state, self.identity, phase.point, self.record.window_renewals)
+        renewals = self.record.window_renewals
+        context = StepContext(state, self.identity, phase.point, lease, renewals)
         with self.observed.phase(phase.point, False):
             return phase.reconcile(context, self.params)
 

@@ -406,6 +406,12 @@ FINISH = _by_ctid_and_by_id(
     wakes=True,
 )
 
+# A live holder's lease, renewed while its foreign step runs (recoverypoint.engine.heartbeat),
+# in a statement of its own, outside any transaction of the run's: fenced by the token, so a
+# lease released or taken over meanwhile stays so. It returns the row's new address, for the
+# run's next fence. By id: it runs on its own (autocommit), where an address buys nothing.
+RENEW = f"UPDATE idempotency_keys SET locked_at = now() WHERE {_BY_ID} RETURNING ctid::text"
+
 # A failed attempt: give the lease up, keep the recovery point, count and record it.
 RELEASE = _by_ctid_and_by_id(
     """

@@ -164,6 +164,19 @@ def withdraw(db: sa.Engine, key: KeyRef) -> bool:
     return _fenced_alone(db, key, sql.WITHDRAW, {})
 
 
+def renew(db: sa.Engine, key: KeyRef) -> bool:
+    """Renew the lease from now, on a connection borrowed for this one statement; ``False``
+    if it is no longer ours. The row's new address is kept for the run's next fence."""
+    params = {"scope": key.scope, "id": key.id, "token": key.token}
+    with borrowed(db) as (_, connection):
+        cursor = connection.execute(sql.RENEW, params)
+        row = cursor.fetchone()
+    if row is None:
+        return False
+    key.ctid = row[0]
+    return True
+
+
 class PhaseEndedTransaction(Exception):
     """The write that records a phase ran in another transaction than the phase began in:
     phase code ended its own (the engine raises :class:`TransactionEnded`)."""

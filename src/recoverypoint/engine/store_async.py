@@ -170,6 +170,19 @@ async def withdraw(db: sa_async.AsyncEngine, key: KeyRef) -> bool:
     return await _fenced_alone(db, key, sql.WITHDRAW, {})
 
 
+async def renew(db: sa_async.AsyncEngine, key: KeyRef) -> bool:
+    """Renew the lease from now, on a connection borrowed for this one statement; ``False``
+    if it is no longer ours. The row's new address is kept for the run's next fence."""
+    params = {"scope": key.scope, "id": key.id, "token": key.token}
+    async with borrowed(db) as (_, connection):
+        cursor = await connection.execute(sql.RENEW, params)
+        row = await cursor.fetchone()
+    if row is None:
+        return False
+    key.ctid = row[0]
+    return True
+
+
 class PhaseEndedTransaction(Exception):
     """The write that records a phase ran in another transaction than the phase began in:
     phase code ended its own (the engine raises :class:`TransactionEnded`)."""

@@ -174,8 +174,8 @@ def idempotent(
         The operation's stable name; by default the function's module and qualified name,
         so pass one if the function may be renamed or moved while keys are stored.
     version, lock_timeout, max_attempts, retention:
-        As for :class:`~recoverypoint.Operation`. ``lock_timeout`` must outlast the
-        function's slowest call: after it, another call may take the key over.
+        As for :class:`~recoverypoint.Operation`. ``lock_timeout`` is how long after a
+        call's process dies another call may take its key over; a live call keeps it.
     exclude:
         Arguments left out of the params (neither fingerprinted nor stored): a client, a
         Celery task's ``self``.

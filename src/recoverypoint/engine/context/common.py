@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from ...keys import canonical_json, derived_key_of, record_material
 from ...observe import NO_OBSERVER, Observer
@@ -106,6 +106,13 @@ class Staging:
         return job_key
 
 
+class Lease(Protocol):
+    """A running step's lease, as its heartbeat keeps it (:mod:`recoverypoint.engine.heartbeat`)."""
+
+    @property
+    def lost(self) -> bool: ...
+
+
 class StepContext:
     """Handed to a foreign step, which runs outside any transaction.
 
@@ -121,13 +128,35 @@ class StepContext:
     """
 
     def __init__(
-        self, state: Mapping[str, Any], identity: KeyIdentity, point: str, renewals: int = 0
+        self,
+        state: Mapping[str, Any],
+        identity: KeyIdentity,
+        point: str,
+        lease: Lease,
+        renewals: int = 0,
     ) -> None:
         self.state: Mapping[str, Any] = MappingProxyType(dict(state))
         self.key_id = identity.key_id
         self.renewals = renewals
         self._identity = identity
         self._point = point
+        self._lease = lease
+
+    @property
+    def lease_lost(self) -> bool:
+        """Whether this attempt may have lost the key to another while the step runs.
+
+        The attempt renews its lease in the background while the step runs, so a live
+        step keeps its key however long it takes. This turns ``True`` once a renewal found
+        the lease gone (an operator's ``recoverypoint keys release --force``; another
+        attempt may have taken the key), or once the last renewal that succeeded is older
+        than the operation's ``lock_timeout`` (the database away): another attempt may be
+        running this step now, and this one's next commit fails with
+        :class:`~recoverypoint.LockLost`, whatever the step returns. A step that makes
+        several calls may check it between them and stop early (raise, and let the attempt
+        that holds the key carry on).
+        """
+        return self._lease.lost
 
     def downstream_key(self, name: str | None = None) -> str:
         """The idempotency key to hand the foreign system for this step.
