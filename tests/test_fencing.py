@@ -154,7 +154,9 @@ def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.E
     outcome = results["B"]
     assert isinstance(outcome, rp.Outcome) and outcome.status == 201
     row = key_row(worker_db)
-    assert (row.recovery_point, row.attempts, row.last_error) == ("finished", 0, None)
+    # Two attempts, each counted by its claim: A's, whose lease B took over, and B's. A's
+    # failure, fenced out, recorded nothing.
+    assert (row.recovery_point, row.attempts, row.last_error) == ("finished", 2, None)
 
 
 def test_a_phase_that_changes_its_own_key_row_commits_nothing_and_is_told_so(

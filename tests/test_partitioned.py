@@ -39,6 +39,10 @@ _KEY = {
     "seed": "s",
     "token": uuid.uuid4(),
     "lock_timeout": 90.0,
+    "max_attempts": 3,
+    "retry_base": 2.0,
+    "retry_cap": 3600.0,
+    "jitter": 0.5,
     "retention": 3600.0,
     "id": 7,
     "ctid": "(0,1)",
@@ -80,6 +84,7 @@ REQUEST_PATH = [
     ("PAST_RETENTION", sql.PAST_RETENTION.text),
     ("CLAIM", sql.CLAIM.text),
     ("CLAIM_BY_ID", sql.CLAIM_BY_ID.text),
+    ("ABANDON_EXHAUSTED", sql.ABANDON_EXHAUSTED.text),
     ("KEY_OPERATION", sql.KEY_OPERATION),
     ("FENCE_BY_ID", sql.FENCE_BY_ID),
     ("fence by ctid", sql.fence_by_ctid(f"'{SCOPE}'", "(0,1)", 7, uuid.uuid4())),
@@ -90,7 +95,11 @@ REQUEST_PATH = [
 # :name placeholders).
 _REGISTERED = leases.registered([])
 WORKER_CLAIMS = [
-    ("completer", completer._CLAIM_DUE, {**_REGISTERED, "min_age": 0, "batch_size": 10}),
+    (
+        "completer",
+        completer._CLAIM_DUE,
+        {**_REGISTERED, "min_age": 0, "batch_size": 10, "reservation": 30.0},
+    ),
     ("completer's release", completer._RELEASE_UNSTARTED, {"ids": [1, 2]}),
     (
         "completer's abandonment",

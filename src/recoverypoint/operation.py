@@ -173,7 +173,9 @@ class Operation(Generic[P]):
         every third of ``lock_timeout`` while it runs, however long that is. Shorter
         means a crashed request resumes sooner; the renewals cost a write each.
     max_attempts:
-        Failed attempts after which the completer abandons a key.
+        Attempts after which a key is abandoned. An attempt counts when it is claimed, so
+        one whose process died counts too; the completer abandons a key out of attempts,
+        and so does a client's retry that would start one more.
     retention:
         How long a finished key of this operation is honoured: until then a call with it
         replays its response; after it, a call with the key is a new request, whether or

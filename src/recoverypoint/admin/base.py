@@ -51,8 +51,9 @@ class KeyState(str, Enum):
     """It has its response, which every retry replays, until the reaper deletes it."""
 
     ABANDONED = "abandoned"
-    """Finished with an error response by the completer (out of attempts) or an operator
-    (``abandon``); ``reopen`` makes it unfinished again."""
+    """Finished with an error response once out of attempts (by the completer, or by the
+    client retry that would have started one more) or by an operator (``abandon``);
+    ``reopen`` makes it unfinished again."""
 
     NEEDS_RECONCILIATION = "needs-reconciliation"
     """Unfinished, stopped before a foreign step whose provider's dedupe window has passed

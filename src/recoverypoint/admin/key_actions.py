@@ -441,7 +441,7 @@ def abandon_exhausted(
     body: Any,
 ) -> sa.Row[Any] | None:
     """Abandon key ``key_id`` of ``scope`` as the completer does, fenced by its lease
-    ``token``: if it is still unfinished and has failed ``max_attempts`` times. The key's
+    ``token``: if it is still unfinished and has counted ``max_attempts`` attempts. The key's
     row (its key, point, attempts and last error), or ``None`` when it was not abandoned."""
     params = {
         "scope": scope,

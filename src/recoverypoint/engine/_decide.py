@@ -59,6 +59,20 @@ class ClaimRequest(NamedTuple):
     """Seconds: the operation's, stored with the lease the claim takes."""
 
 
+class KeyId(NamedTuple):
+    """An unfinished key to take by id, and the rules of the version that started it; named
+    as the statements that take it name their parameters."""
+
+    scope: str
+    id: int
+    token: uuid.UUID
+    """The lease to take, or the one the caller already holds (a completer's reservation)."""
+    lock_timeout: float
+    """Seconds: the version's lock timeout."""
+    max_attempts: int
+    """The version's: a key that has counted as many attempts gets no more."""
+
+
 class KeyRecord(NamedTuple):
     """The claim's view of a key record."""
 
@@ -132,6 +146,12 @@ class KeyRecord(NamedTuple):
     def lease_left(self, lock_timeout: float) -> int:
         """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""
         return leases.left(self.held_for, lock_timeout)
+
+    def exhausted(self, max_attempts: int) -> bool:
+        """Whether the unfinished key has counted ``max_attempts`` attempts: the next one
+        it would start abandons it instead. Never one held for an operator's
+        reconciliation, whose decision that is."""
+        return self.response_status is None and not self.held and self.attempts >= max_attempts
 
 
 class Finished(NamedTuple):
@@ -339,6 +359,18 @@ class Registry:
         if record.response_status is not None:
             return self._operations.get((operation.name, record.operation_version), operation)
         return self.operation(operation.name, record.operation_version)
+
+
+ABANDONED_RESPONSE = Response(
+    500,
+    {
+        "error": "request_abandoned",
+        "message": "This request failed too many times and will not be retried.",
+    },
+)
+"""What an abandoned key answers, and replays to a client that retries it: the completer
+finishes a key with it once the key is out of attempts, and so does a client's retry that
+would start one attempt more."""
 
 
 # What a key answers once a foreign step ran but its result could not be stored: the work

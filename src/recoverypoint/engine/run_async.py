@@ -5,9 +5,11 @@ SERIALIZABLE transaction (:meth:`AsyncEngine._claim`; a new key runs its first a
 in that transaction too); :meth:`AsyncEngine._drive` then runs the phases after the
 recovery point, one :meth:`_AsyncRun.next` each: an atomic phase in a transaction of its
 own that locks the key row first (:meth:`_AsyncRun.fenced`) and COMMITs with its recovery
-point (:meth:`_AsyncRun._commit`), a foreign step outside any transaction. A failure gives
-the lease up and counts the attempt (:meth:`AsyncEngine._give_up`); so does a cancelled
-request, whose cleanup the cancellation cannot interrupt.
+point (:meth:`_AsyncRun._commit`), a foreign step outside any transaction. The claim that
+takes the lease counts the attempt, so a process that dies mid-step has used one; a key out
+of attempts is abandoned by the claim that would start one more. A failure gives the lease
+up and records the error (:meth:`AsyncEngine._give_up`); so does a cancelled request, whose
+cleanup the cancellation cannot interrupt.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.engine import URL
 
-from .. import _pooler
+from .. import _pooler, backoff
 from .._faults import faults
-from ..backoff import backoff_delay
 from ..database import create_engine, normalize_url
 from ..errors import (
     ConfigurationError,
@@ -64,9 +65,11 @@ from ..operation import (
 from ..outage import is_outage, unavailable
 from . import _pg_async, heartbeat, listen_async, phase_guard, sql, store_async, waits
 from ._decide import (
+    ABANDONED_RESPONSE,
     NO_CONTENT,
     Advanced,
     ClaimRequest,
+    KeyId,
     KeyRecord,
     KeyRef,
     Progress,
@@ -326,8 +329,10 @@ class AsyncEngine(Registry):
             if claim.run is not None:
                 await self._abandon(claim.run, exc, claim_request)
             raise
-        if claim.run is None:  # a finished key: its replay
+        if claim.run is None:  # a finished key: its replay, or the answer it was abandoned with
             assert isinstance(first, Outcome)
+            if claim.abandoned is not None:
+                self._exhausted(*claim.abandoned)
             return first
         return await self._drive(claim.run, first)
 
@@ -382,7 +387,8 @@ class AsyncEngine(Registry):
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
         with observing as observed:
-            claim = _ClaimById(scope, key_id, held, lock_timeout)
+            key = KeyId(scope, key_id, held, lock_timeout, operation.max_attempts)
+            claim = _ClaimById(key, self._schedule())
             try:
                 record = await self._transact(claim.take)
             except Exception:
@@ -397,6 +403,9 @@ class AsyncEngine(Registry):
             if record.claimed:
                 run = _AsyncRun(self, operation, record, held, observed)
                 return observed.finished(await self._drive(run, None))
+            if claim.abandoned is not None:
+                self._exhausted(operation, record)
+                return observed.finished(claim.abandoned)
             if record.response_status is not None:
                 return observed.finished(replay(record))
             if record.held:
@@ -459,7 +468,8 @@ class AsyncEngine(Registry):
         Returns a finished key's replay (``claim.run`` stays ``None``), or, once the claim
         took the lease (``claim.run`` set), what its first atomic phase reached, if it ran
         one here."""
-        claim.run = None  # an attempt run again after a serialization failure starts over
+        # An attempt run again after a serialization failure starts over.
+        claim.run = claim.abandoned = None
         operation, request, params = claim.operation, claim.request, claim.params
         honoured_for = operation.honoured_for.total_seconds()
         finished = await store_async.finished_key(tx, request, honoured_for)
@@ -469,7 +479,7 @@ class AsyncEngine(Registry):
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
-        record = await store_async.claim(tx, request)
+        record = await store_async.claim(tx, request, self._schedule())
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -484,10 +494,18 @@ class AsyncEngine(Registry):
             lease_left = record.lease_left(lock_timeout)
             if lease_left > 0:
                 raise KeyInUse(key=request.key, retry_after=lease_left)
-            # An unfinished key whose lease is free or expired: take it over.
-            taken = await store_async.claim_by_id(
-                tx, record.scope, record.id, request.token, lock_timeout
+            # An unfinished key whose lease is free or expired: take it over, unless it is
+            # out of attempts (however they ended: a crash counts), which abandons it.
+            key = KeyId(
+                record.scope, record.id, request.token, lock_timeout, operation.max_attempts
             )
+            if record.exhausted(operation.max_attempts):
+                abandoned = await _abandon_exhausted(tx, key)
+                if abandoned is None:
+                    raise KeyInUse(key=request.key, retry_after=1)
+                claim.abandoned = (operation, record)
+                return abandoned
+            taken = await store_async.claim_by_id(tx, key, self._schedule())
             if taken is None or not taken.claimed:
                 lease_left = 1 if taken is None else max(1, taken.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
@@ -541,7 +559,11 @@ class AsyncEngine(Registry):
             except Exception:
                 logger.exception("could not withdraw key %s", run.record.id)
         error = f"{type(exc).__name__}: {exc}"[:2000]
-        retry_in = backoff_delay(run.record.attempts, base=self.retry_base, cap=self.retry_cap)
+        # Backed off from now, as the claim scheduled it from its own start; the claim
+        # counted this attempt already.
+        retry_in = backoff.backoff_delay(
+            run.record.attempts - 1, base=self.retry_base, cap=self.retry_cap
+        )
         try:
             released = await store_async.release(self.async_db, run.key, error, retry_in)
         except Exception as exc:
@@ -568,7 +590,27 @@ class AsyncEngine(Registry):
         row, and the key would stay leased. The claim is made again, in a transaction rolled
         back: its INSERT waits on the key's unique index for the first one's end."""
         with contextlib.suppress(_Settled):
-            await self._transact(_wait_for, claim)
+            await self._transact(_wait_for, claim, self._schedule())
+
+    def _schedule(self) -> dict[str, Any]:
+        """When a claim schedules the next attempt should the one it starts fail."""
+        return backoff.sql_params(base=self.retry_base, cap=self.retry_cap)
+
+    def _exhausted(self, operation: Operation[Any], record: KeyRecord) -> None:
+        """Report a key its claim abandoned, out of attempts, once that claim committed."""
+        self.observer.key_abandoned(operation.name)
+        logger.error(
+            "key %s of %s abandoned at %s after %d attempts (max_attempts=%d): its clients "
+            "get the abandoned answer; see its last error, if one was recorded (a process that "
+            "died records none), with `recoverypoint keys show %s`; reopen it with "
+            "`recoverypoint keys reopen` once the cause is fixed",
+            record.id,
+            operation.name,
+            record.recovery_point,
+            record.attempts,
+            operation.max_attempts,
+            record.id,
+        )
 
     async def _transact(
         self,
@@ -596,7 +638,7 @@ class _Claim:
     object, not in its return value: an interrupt may land on its COMMIT after it took the
     lease, and the caller must then give the lease up."""
 
-    __slots__ = ("observed", "operation", "params", "request", "run")
+    __slots__ = ("abandoned", "observed", "operation", "params", "request", "run")
 
     def __init__(
         self,
@@ -616,37 +658,49 @@ class _Claim:
         self.run: _AsyncRun | None = None
         """The run, set once the claim took the lease (the transaction may still roll back:
         the caller gives it up if an interrupt lands on COMMIT); ``None`` for a replay."""
+        self.abandoned: tuple[Operation[Any], KeyRecord] | None = None
+        """The key and the version that started it, when the claim abandoned it (out of
+        attempts) instead of taking it."""
 
 
 class _ClaimById:
     """The claim of :meth:`AsyncEngine.resume`: an unfinished key taken by id, as a unit of
     work that a serialization failure runs again (:meth:`take`)."""
 
-    __slots__ = ("key_id", "lock_timeout", "scope", "taken", "token")
+    __slots__ = ("abandoned", "key", "schedule", "taken")
 
-    def __init__(self, scope: str, key_id: int, token: uuid.UUID, lock_timeout: float) -> None:
-        self.scope = scope
-        self.key_id = key_id
-        self.token = token
-        """The lease to take, or the one the caller already holds."""
-        self.lock_timeout = lock_timeout
-        """Seconds: the lock timeout of the version that started the key."""
+    def __init__(self, key: KeyId, schedule: dict[str, Any]) -> None:
+        self.key = key
+        self.schedule = schedule
         self.taken: KeyRecord | None = None
         """The record, set once the claim took the lease (the transaction may still roll
         back: the caller gives it up if an interrupt lands on COMMIT)."""
+        self.abandoned: Outcome | None = None
+        """The answer, when the claim abandoned the key (out of attempts) instead."""
 
     async def take(self, tx: AsyncTransaction) -> KeyRecord | None:
         """The key's record; it is :attr:`taken` when the claim took its lease."""
-        record = await store_async.claim_by_id(
-            tx, self.scope, self.key_id, self.token, self.lock_timeout
-        )
+        record = await store_async.claim_by_id(tx, self.key, self.schedule)
         self.taken = record if record is not None and record.claimed else None
+        self.abandoned = None
+        if record is not None and not record.claimed and record.exhausted(self.key.max_attempts):
+            self.abandoned = await _abandon_exhausted(tx, self.key)
         return record
 
 
-async def _wait_for(tx: AsyncTransaction, claim: ClaimRequest) -> None:
+async def _abandon_exhausted(tx: AsyncTransaction, key: KeyId) -> Outcome | None:
+    """Finish ``key``, out of attempts, with :data:`ABANDONED_RESPONSE`, in ``tx``; its
+    answer, or ``None`` when its lease is another's."""
+    body = canonical_json(ABANDONED_RESPONSE.body)
+    stored = await store_async.abandon_exhausted(tx, key, ABANDONED_RESPONSE.status, body)
+    if stored is None:
+        return None
+    return Outcome(ABANDONED_RESPONSE.status, as_answered(stored), {}, replayed=False)
+
+
+async def _wait_for(tx: AsyncTransaction, claim: ClaimRequest, schedule: dict[str, Any]) -> None:
     """Make ``claim`` again and roll it back (see :meth:`AsyncEngine._settle`)."""
-    await store_async.claim(tx, claim)
+    await store_async.claim(tx, claim, schedule)
     raise _Settled  # rolled back: nothing is written
 
 
@@ -667,7 +721,7 @@ class _AsyncRun:
     ) -> None:
         self.engine = engine
         self.observed = observed
-        observed.claimed(record.id, record.recovery_point, record.attempts + 1, record.inserted)
+        observed.claimed(record.id, record.recovery_point, record.attempts, record.inserted)
         self.operation = operation
         self.record = record
         self.key = KeyRef(record.id, record.scope, token, record.ctid)

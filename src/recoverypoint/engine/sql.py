@@ -32,7 +32,7 @@ import re
 from typing import NamedTuple
 from uuid import UUID
 
-from .. import generations, leases
+from .. import backoff, generations, leases
 
 # The transaction of every claim and atomic phase; sent by the transaction layer itself.
 BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
@@ -121,6 +121,10 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # Every claim stores its lock timeout with the lease it takes (a column of the row it writes
 # anyway), so that an operator's tool judges the lease as its holder does.
 #
+# Every claim that takes the lease counts the attempt it starts and schedules the next one
+# (backoff.delay_sql), in the row it writes anyway: a process that dies mid-step has used
+# its attempt, and the completer backs the key off rather than taking it again at once.
+#
 # One round trip: insert the key, or, when it exists, return its row so the caller can tell
 # a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
 # that started it, which may not be the caller's). An existing row is read,
@@ -134,11 +138,11 @@ CLAIM = Statement(f"""
         INSERT INTO idempotency_keys (
             scope, operation, idempotency_key, operation_version, request_method,
             request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
-            lock_token, lock_timeout, point_reached_at)
+            lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
             %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s,
             {generations.current("%(scope)s", "%(operation)s", "%(key)s")}, now(), %(token)s,
-            %(lock_timeout)s, now())
+            %(lock_timeout)s, now(), 1, now() + make_interval(secs => {backoff.delay_sql("0")}))
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RETURNED}
     )
@@ -151,17 +155,19 @@ CLAIM = Statement(f"""
 """)
 
 # Take an unfinished key by id when its lease is free, expired or already held under
-# :token (the completer claims keys in batches, then resumes each), and it does not wait
-# for an operator's reconciliation; otherwise return the row so the caller can tell a
-# replay, a key in use and a key held apart. The lease is checked in the UPDATE itself,
-# so two callers never both get it.
+# :token (the completer reserves keys in batches, then resumes each), when it has attempts
+# left and does not wait for an operator's reconciliation; otherwise return the row so the
+# caller can tell a replay, a key in use, a key held and a key out of attempts
+# (ABANDON_EXHAUSTED) apart. The lease is checked in the UPDATE itself, so two callers
+# never both get it.
 CLAIM_BY_ID = Statement(f"""
     WITH claimed AS (
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
-            last_run_at = now()
+            last_run_at = now(), attempts = k.attempts + 1,
+            next_attempt_at = now() + make_interval(secs => {backoff.delay_sql("k.attempts")})
         WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
-          AND k.reconcile_since IS NULL
+          AND k.attempts < %(max_attempts)s AND k.reconcile_since IS NULL
           AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
         RETURNING {_RETURNED}
     )
@@ -170,6 +176,21 @@ CLAIM_BY_ID = Statement(f"""
     SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
     FROM idempotency_keys
     WHERE scope = %(scope)s AND id = %(id)s AND NOT EXISTS (SELECT 1 FROM claimed)
+""")
+
+# A key out of attempts whose lease is free (or :token's, a completer's reservation), and
+# that waits for no operator's reconciliation: finished with the abandoned answer instead
+# of another attempt, in the claim's transaction. Retries replay it; the reaper keeps it
+# for the abandoned keys' retention.
+ABANDON_EXHAUSTED = Statement(f"""
+    UPDATE idempotency_keys AS k
+    SET finished_at = now(), abandoned_at = now(), response_status = %(status)s,
+        response_headers = '{{}}'::jsonb, response_body = %(body)s::jsonb,
+        locked_at = NULL, lock_token = NULL
+    WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
+      AND k.attempts >= %(max_attempts)s AND k.reconcile_since IS NULL
+      AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
+    RETURNING k.response_body::text
 """)
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
@@ -412,11 +433,12 @@ FINISH = _by_ctid_and_by_id(
 # run's next fence. By id: it runs on its own (autocommit), where an address buys nothing.
 RENEW = f"UPDATE idempotency_keys SET locked_at = now() WHERE {_BY_ID} RETURNING ctid::text"
 
-# A failed attempt: give the lease up, keep the recovery point, count and record it.
+# A failed attempt: give the lease up, keep the recovery point, record the error and back
+# the key off from now. (Its claim counted the attempt.)
 RELEASE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
-    SET locked_at = NULL, lock_token = NULL, attempts = attempts + 1, last_error = %(error)s,
+    SET locked_at = NULL, lock_token = NULL, last_error = %(error)s,
         next_attempt_at = now() + make_interval(secs => %(retry_in)s)
     WHERE {where}
 """,
@@ -450,11 +472,13 @@ RENEW_WINDOW = _by_ctid_and_by_id(
 # reconciliation (``recoverypoint keys reconcile``). The lease is given up; no worker takes
 # the key: the completer skips it, and its next attempt never comes, for a completer older
 # than migration 0013's columns too (the last year Python's datetime holds, not 'infinity',
-# which it cannot read). No claim takes it either. Not an attempt: nothing failed.
+# which it cannot read). No claim takes it either. Not an attempt: nothing failed, and no
+# step was called, so the attempt the claim counted is given back.
 HOLD = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET reconcile_since = now(), locked_at = NULL, lock_token = NULL,
+        attempts = attempts - 1,
         next_attempt_at = '9999-01-01 00:00:00+00', last_error = %(error)s
     WHERE {where}
 """,

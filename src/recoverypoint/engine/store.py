@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from ..errors import KeyInUse, LockLost
 from . import sql
-from ._decide import ClaimRequest, Finished, KeyRecord, KeyRef, written
+from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
 from ._pg import Transaction, borrowed
 from .context.common import StagedJob
 
@@ -46,9 +46,12 @@ def forget_expired(tx: Transaction, request: ClaimRequest, retention: float) -> 
         tx.fetch(sql.PAST_RETENTION, params)
 
 
-def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
-    """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile."""
+def claim(tx: Transaction, request: ClaimRequest, schedule: dict[str, Any]) -> KeyRecord | None:
+    """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile.
+    ``schedule``: when the next attempt is due should this one fail
+    (:func:`recoverypoint.backoff.sql_params`)."""
     params = {
+        **schedule,
         "scope": request.scope,
         "operation": request.operation,
         "key": request.key,
@@ -64,13 +67,20 @@ def claim(tx: Transaction, request: ClaimRequest) -> KeyRecord | None:
     return _fetch_record(tx, sql.CLAIM, params)
 
 
-def claim_by_id(
-    tx: Transaction, scope: str, key_id: int, token: UUID, lock_timeout: float
-) -> KeyRecord | None:
-    """Take key ``key_id`` of ``scope`` under ``token`` if it can be taken; ``None`` if it
-    is gone. ``lock_timeout``: the operation's, of the version that started the key."""
-    params = {"scope": scope, "id": key_id, "token": token, "lock_timeout": lock_timeout}
+def claim_by_id(tx: Transaction, key: KeyId, schedule: dict[str, Any]) -> KeyRecord | None:
+    """Take the key if it can be taken, and has attempts left; ``None`` if it is gone.
+    ``schedule``: as :func:`claim`'s."""
+    params = {**schedule, **key._asdict()}
     return _fetch_record(tx, sql.CLAIM_BY_ID, params)
+
+
+def abandon_exhausted(tx: Transaction, key: KeyId, status: int, body_json: str) -> Any:
+    """Finish the key, out of attempts, with the answer ``status`` and ``body_json``; return
+    the body as stored, or ``None`` when the key was not abandoned (it has attempts left, or
+    its lease is another's)."""
+    params = {**key._asdict(), "status": status, "body": body_json}
+    row = tx.fetch(sql.ABANDON_EXHAUSTED, params)
+    return None if row is None else row[0]
 
 
 def key_operation(db: sa.Engine, key_id: int, scope: str | None) -> tuple[str, int, str] | None:

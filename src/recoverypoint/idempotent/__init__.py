@@ -25,14 +25,15 @@ arguments (the same key with other arguments raises :class:`~recoverypoint.Param
 the scope, and replays: a finished key returns the stored value without calling the
 function. A call while another holds the key raises :class:`~recoverypoint.KeyInUse`.
 
-Failures are Stripe's: the function's exception propagates, the lease is released and the
-attempt counted, nothing is stored, and the next call with the key runs the function
-again. Hand the foreign system :func:`downstream_key` so that the repeat is not a second
-charge: it is the same for every attempt of the key.
+Failures are Stripe's: the function's exception propagates, the lease is released (the
+attempt counted when the call claimed the key), nothing is stored, and the next call with
+the key runs the function again. Hand the foreign system :func:`downstream_key` so that
+the repeat is not a second charge: it is the same for every attempt of the key.
 
 The function needs its live call, so only a call runs step 1: the completer, which has none,
 gets :class:`~recoverypoint.Retryable` and backs off, and abandons the key after the
-operation's ``max_attempts`` (later calls then raise :class:`AbandonedCall`).
+operation's ``max_attempts``, as does the call that would start one more (it and later
+calls then raise :class:`AbandonedCall`).
 """
 
 from __future__ import annotations

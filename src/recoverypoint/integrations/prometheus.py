@@ -136,9 +136,7 @@ class _Metrics:
             buckets=_LAG_BUCKETS,
             registry=registry,
         )
-        self.abandoned = counter(
-            "abandoned_keys", "Keys the completer gave up after max_attempts.", "operation"
-        )
+        self.abandoned = counter("abandoned_keys", "Keys given up after max_attempts.", "operation")
         self.compensations = counter(
             "compensations",
             "Compensations of abandoned keys run: committed, or failed (tried again later).",

@@ -1,16 +1,20 @@
 """The completer: finishes keys their clients left unfinished.
 
-It claims due keys in small batches (``FOR UPDATE SKIP LOCKED``, so completers never wait
-for or collide with one another) by taking their leases under one fencing token, then
-resumes each with that token through the engine that registered its operation:
-:meth:`Engine.resume` one key after another, :meth:`AsyncEngine.resume` on an event loop of
-the completer's own, the batch's keys all at once (each has its own lease, row and
-connection). A failed attempt is counted by the engine, which schedules the key's next
-attempt with exponential backoff and jitter (``retry_base=…, retry_cap=…``). Once a key has
-failed ``max_attempts`` times (the operation's), it is abandoned: finished with
-:data:`ABANDONED_RESPONSE`, which a retrying client gets replayed, and reported in one log
-line. An abandoned key's compensation, when its operation declares one, runs at the end
-of a pass (:mod:`recoverypoint.workers.compensator`), whoever abandoned the key.
+It reserves due keys in small batches (``FOR UPDATE SKIP LOCKED``, so completers never wait
+for or collide with one another) under one fencing token, then resumes each with that token
+through the engine that registered its operation: :meth:`Engine.resume` one key after
+another, :meth:`AsyncEngine.resume` on an event loop of the completer's own, the batch's
+keys all at once (each has its own lease, row and connection). A reservation is a short
+lease (:attr:`Completer.reservation`): a key's resume takes its full lease and counts the
+attempt, so a completer that dies mid-batch (a poison key that kills its process) holds the
+keys it had not resumed for seconds, not for their lock timeout, and counts no attempt for
+them. The claim of each attempt also schedules the next with exponential backoff and
+jitter (``retry_base=…, retry_cap=…``), so a key whose attempt killed the completer is
+backed off like one that failed. Once a key has counted ``max_attempts`` attempts (the
+operation's), it is abandoned: finished with :data:`ABANDONED_RESPONSE`, which a retrying
+client gets replayed, and reported in one log line. An abandoned key's compensation, when
+its operation declares one, runs at the end of a pass
+(:mod:`recoverypoint.workers.compensator`), whoever abandoned the key.
 
 Only keys of operations registered with the engine, at the stored version, are claimed;
 others are counted and reported, never locked or written.
@@ -34,23 +38,15 @@ from sqlalchemy import Connection, text
 
 from ..admin.key_actions import abandon_exhausted
 from ..engine import AsyncEngine, Engine
+from ..engine._decide import ABANDONED_RESPONSE
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost, NeedsReconciliation
 from ..leases import REGISTERED, free, registered
 from ..observe import Observer
-from ..operation import Operation, Outcome, Response
+from ..operation import Operation, Outcome
 from ..outage import is_outage
 from .compensator import Compensator, run_on
 from .engines import AnyEngine
 from .loop import Result, Worker
-
-ABANDONED_RESPONSE = Response(
-    500,
-    {
-        "error": "request_abandoned",
-        "message": "This request failed too many times and will not be retried.",
-    },
-)
-"""What an abandoned key replays to a client that retries it."""
 
 # An unfinished key whose next attempt is due and whose client has had :min_age seconds
 # since its last run to come back on its own. Never one held for an operator's
@@ -75,9 +71,14 @@ _DUE_SCOPES = text(
     """
 )
 
-# Take the leases of a batch of one scope's due keys with a free or expired lease, under
-# one token. SKIP LOCKED: rows another completer (or a client's claim) holds are passed
-# over.
+# Reserve a batch of one scope's due keys with a free or expired lease, under one token.
+# SKIP LOCKED: rows another completer (or a client's claim) holds are passed over. The
+# reservation is a lease that runs out :reservation seconds from now (taken as if that much
+# less than the lock timeout remained, so that every reader of the lease rule agrees),
+# stored with the version's lock timeout as every lease is; the resume of each key renews
+# it in full. Returned longest due first, the order the sync engine's keys are resumed in:
+# a key whose attempt killed the process was backed off by its claim, so the keys due
+# before it are resumed before it is.
 _CLAIM_DUE = text(
     f"""
     WITH {REGISTERED},
@@ -91,12 +92,19 @@ _CLAIM_DUE = text(
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED
+    ),
+    reserved AS (
+        UPDATE idempotency_keys AS k
+        SET locked_at = now() - make_interval(
+                secs => due.lock_timeout - least(due.lock_timeout, :reservation)),
+            lock_token = :token, lock_timeout = due.lock_timeout
+        FROM due
+        WHERE k.scope = :scope AND k.id = due.id
+        RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts,
+                  k.next_attempt_at
     )
-    UPDATE idempotency_keys AS k
-    SET locked_at = now(), lock_token = :token, lock_timeout = due.lock_timeout
-    FROM due
-    WHERE k.scope = :scope AND k.id = due.id
-    RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts
+    SELECT id, scope, operation, operation_version, attempts FROM reserved
+    ORDER BY next_attempt_at
     """
 )
 
@@ -202,6 +210,11 @@ class Completer(Worker[CompleterResult]):
     name: ClassVar[str] = "completer"
     default_batch_size: ClassVar[int] = 10
     default_interval: ClassVar[float] = 5.0
+    reservation: ClassVar[float] = 30.0
+    """Seconds a batch's keys stay reserved for this completer before each is resumed
+    (its resume then takes the full lease): past it, a key the completer has not got to
+    (its process died, or the keys before it took long) is free for another completer or
+    its client. Capped by each operation's lock timeout."""
 
     def __init__(
         self,
@@ -343,7 +356,7 @@ class Completer(Worker[CompleterResult]):
     ) -> list[_Claimed]:
         """Take the leases of up to ``limit`` due keys of ``operations``, one transaction
         per scope."""
-        params = {**self._registered(operations), "token": token}
+        params = {**self._registered(operations), "token": token, "reservation": self.reservation}
         claimed: list[_Claimed] = []
         for scope in self.scopes_due(_DUE_SCOPES, params):
             if len(claimed) == limit or self.stopping:
@@ -402,7 +415,8 @@ class Completer(Worker[CompleterResult]):
         token: uuid.UUID,
         result: CompleterResult,
     ) -> bool:
-        """Abandon a key out of attempts already (its client's) without another run."""
+        """Abandon a key out of attempts already (its clients', or runs that died) without
+        another run."""
         if key.attempts < operation.max_attempts:
             return False
         result.abandoned += self._abandon(key, observer, operation, token)
@@ -426,7 +440,8 @@ class Completer(Worker[CompleterResult]):
             # lease runs out, and a later pass tries again).
             result.skipped += 1
             return
-        # The engine released the lease, counted the attempt and logged the error.
+        # The engine released the lease and logged the error; the attempt was counted when
+        # the resume claimed the key.
         result.failed += 1
         result.abandoned += self._abandon(key, observer, operation, token)
 
