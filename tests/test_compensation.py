@@ -351,12 +351,6 @@ def test_only_compensation_due_at_says_whether_an_abandoned_key_is_compensated(
             ),
             {"i": old},
         )
-    operations = (p.operation,)
-    assert admin.find_key(admin.Admin(worker_db, operations=operations), due).compensation == (
-        "compensation pending: the completer runs it"
-    )
-    shown = admin.find_key(admin.Admin(worker_db, operations=operations), old).compensation
-    assert shown is not None and shown.startswith("not compensated")
     [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "compensations"]
     assert check.status == "ok"
 
@@ -365,6 +359,8 @@ def test_only_compensation_due_at_says_whether_an_abandoned_key_is_compensated(
     assert (result.compensated, result.compensation_failed) == (1, 0)
     assert [r.key_id for r in rows(worker_db, "SELECT key_id FROM refunds")] == [due]
     assert key_row(worker_db, old).compensated_at is None
+    shown = admin.find_key(admin.Admin(worker_db, operations=(p.operation,)), old).compensation
+    assert shown is not None and shown.startswith("not compensated")
 
 
 def test_an_abandonment_by_a_clients_claim_is_compensated(
@@ -376,7 +372,6 @@ def test_an_abandonment_by_a_clients_claim_is_compensated(
     answer = p.call("k")  # the retry's claim abandons the key instead of a second attempt
 
     assert (answer.status, answer.body) == (ABANDONED_RESPONSE.status, ABANDONED_RESPONSE.body)
-    assert key_row(worker_db, key_id).compensation_due_at is not None
     result = p.completer().run_once()
     assert (result.abandoned, result.compensated) == (0, 1)
     assert counts(worker_db) == (1, 1, 1)
