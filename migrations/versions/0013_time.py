@@ -32,8 +32,9 @@ rules about time need:
   compensation of an abandoned key, if its operation declares one: set by every
   abandonment, pushed back by a failed compensation, cleared once it commits or the key
   is reopened. NULL: none awaited (keys abandoned before this revision among them). The
-  partial index ``idempotency_keys_compensation_due`` holds only the keys it is set on, so
-  the completer's search for them does not walk every abandoned key.
+  partial index ``idempotency_keys_compensation_due`` holds only the keys it is set on, by
+  operation and version first, so that the completer's search reads only the keys of the
+  operations that declare a compensation, not every abandoned key.
 - ``idempotency_keys.compensation_attempts``: how many times the compensation raised; the
   back-off before the next try grows with it.
 
@@ -78,7 +79,7 @@ def upgrade() -> None:
     op.create_index(
         "idempotency_keys_compensation_due",
         "idempotency_keys",
-        ["compensation_due_at"],
+        ["operation", "operation_version", "compensation_due_at"],
         postgresql_where=sa.text("compensation_due_at IS NOT NULL"),
     )
     op.create_table(

@@ -127,9 +127,12 @@ idempotency_keys = Table(
         postgresql_where=text("abandoned_at IS NOT NULL"),
     ),
     # The completer's search for compensations due: only the keys awaiting one, not every
-    # abandoned key.
+    # abandoned key; by operation first, so that the keys of operations declaring none
+    # (due too: whoever abandons a key need not know its operation) are never read.
     Index(
         "idempotency_keys_compensation_due",
+        "operation",
+        "operation_version",
         "compensation_due_at",
         postgresql_where=text("compensation_due_at IS NOT NULL"),
     ),
