@@ -1,26 +1,28 @@
 """Compensations: what the completer does, on each pass, for abandoned keys.
 
 An operation may declare what undoes its committed phases once a key is abandoned
-(:meth:`Operation.compensation`). Whoever abandoned the key (the completer after
-``max_attempts``, an operator with ``recoverypoint keys abandon`` or the console, from a
-process that need not load the application), the completer's next pass runs it: it takes
-the leases of abandoned keys awaiting a compensation (``FOR UPDATE SKIP LOCKED``, one
-scope at a time, under one fencing token, as it claims unfinished keys), then
-:meth:`Engine.compensate` runs each in a transaction of its own that commits
+(:meth:`Operation.compensation`). Whoever abandoned the key (the completer or a client's
+claim after ``max_attempts``, an operator with ``recoverypoint keys abandon`` or the
+console, from a process that need not load the application), the completer's next pass
+runs it: it takes the leases of abandoned keys awaiting a compensation (``FOR UPDATE SKIP
+LOCKED``, one scope at a time, under one fencing token, as it claims unfinished keys),
+then :meth:`Engine.compensate` runs each in a transaction of its own that commits
 ``compensated_at``. So two completers never run one key's compensation twice: the second
 finds the row locked or its lease held, and a compensation whose lease was taken over
 finds its fence gone and commits nothing.
 
 Which keys await one: those whose ``compensation_due_at`` has come, of a registered
-version that declares a compensation. Every abandonment sets it to the abandonment's
-time; keys abandoned before migration 0013, compensated, or reopened have none (NULL), so
-they are never touched, and a later write to any other column of the row (an operator's
-action, say) changes nothing; its partial index holds only the keys it is set on. A
-compensation that raises keeps its error in ``last_error``, counts
-``compensation_attempts`` and pushes ``compensation_due_at`` back, exponentially within the
-engine's ``retry_base`` and ``retry_cap``. It is tried until it commits, which clears it;
-every failure is logged and counted, and ``recoverypoint doctor`` reports the keys whose
-compensation has failed, for a human.
+version that declares a compensation. Every abandonment sets it to the abandonment's time
+(but that of a key compensated before, then reopened); keys abandoned before migration
+0013, compensated, or reopened have none (NULL), so they are never touched, and a later
+write to any other column of the row (an operator's action, say) changes nothing. Its
+partial index, by operation and version first, holds only the keys it is set on: the
+search reads none of an operation that declares no compensation. A compensation that
+raises keeps its error in ``last_error``, counts ``compensation_attempts`` and pushes
+``compensation_due_at`` back, exponentially within the engine's ``retry_base`` and
+``retry_cap``. It is tried until it commits, which clears it; every failure is logged and
+counted, and ``recoverypoint doctor`` reports the keys whose compensation has failed, for
+a human.
 """
 
 from __future__ import annotations
