@@ -1,6 +1,6 @@
-"""What a completer's pass costs with compensations declared, over many abandoned keys it
-has none to compensate of: the wall time of ``Completer.run_once()`` (median and fastest, as the
-machine may be busy) on a database of its own.
+"""What a completer's pass costs with compensations declared, over many abandoned keys of
+which it compensates none: the wall time of ``Completer.run_once()`` (median and fastest,
+as the machine may be busy), each case on a database of its own beside finished keys.
 
 - ``none``: no registered operation declares a compensation (the compensator runs no
   statement at all), over the ``compensated`` keys;
@@ -9,14 +9,13 @@ machine may be busy) on a database of its own.
 - ``undeclared``: keys of an operation that declares no compensation, abandoned since
   0013 (so due), beside a registered operation that declares one.
 
-    RECOVERYPOINT_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/postgres \\
-    .venv/bin/python benchmarks/compensation_pass.py [--keys 50000] [--finished 200000]
+    .venv/bin/python benchmarks/compensation_pass.py \\
+        --database-url postgresql://postgres@127.0.0.1:5432/postgres [--keys 50000]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -91,11 +90,12 @@ def timed_passes(url: str, operations: list[rp.Operation[Any]], passes: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database-url", required=True, help="a server to make databases on")
     parser.add_argument("--keys", type=int, default=50_000)
     parser.add_argument("--finished", type=int, default=200_000)
     parser.add_argument("--passes", type=int, default=50)
     args = parser.parse_args()
-    server = os.environ["RECOVERYPOINT_TEST_DATABASE_URL"]
+    server = args.database_url
     payment, plain = operation("payment", True), operation("plain", False)
     bare = operation("payment", False)
     scenarios = [
