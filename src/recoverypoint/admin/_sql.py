@@ -47,7 +47,8 @@ KEY_COLUMNS = f"""
     k.locked_at, k.lock_token, {HOLDERS_TIMEOUT} AS lock_timeout,
     CASE WHEN k.finished_at IS NULL THEN {seconds_left(HOLDERS_TIMEOUT)} END AS lease_left,
     k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
-    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at
+    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at,
+    k.compensation_due_at, k.compensation_attempts
 """
 
 

@@ -19,7 +19,7 @@ from ..keys import derived_key_of, record_material
 from ..operation import FINISHED as FINISHED_POINT
 from ..operation import STARTED, Operation, Phase
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, COMPENSATION_FAILED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
+from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
@@ -101,18 +101,12 @@ class KeyRow:
     last_error: str | None
     compensated_at: datetime | None
     """When the operation's compensation committed for the abandoned key."""
-
-    @property
-    def awaits_compensation(self) -> bool:
-        """:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`, as read."""
-        return (
-            self.abandoned_at is not None
-            and self.compensated_at is None
-            and (
-                self.next_attempt_at == self.abandoned_at
-                or (self.last_error or "").startswith(COMPENSATION_FAILED)
-            )
-        )
+    compensation_due_at: datetime | None
+    """When the completer may next run the abandoned key's compensation, if its operation
+    declares one; ``None`` when none is awaited (compensated, or abandoned before
+    compensations existed)."""
+    compensation_attempts: int
+    """How many times the compensation raised (its last error is :attr:`last_error`)."""
 
     @property
     def live(self) -> bool:
@@ -357,9 +351,9 @@ def compensation_state(row: KeyRow, operation: Operation[Any] | None) -> str | N
     if row.compensated_at is not None:
         return "compensated"
     declared = operation is None or operation.compensation_phase is not None
-    if not (row.awaits_compensation and declared):
+    if row.compensation_due_at is None or not declared:
         return "not compensated"
-    if (row.last_error or "").startswith(COMPENSATION_FAILED):
+    if row.compensation_attempts:
         return "compensation failing"
     return "compensation pending" + ("?" if operation is None else "")
 
@@ -380,7 +374,10 @@ def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
     if state == "not compensated":
         return f"{state}: {stay}"
     if state == "compensation failing":
-        return f"{state}: the completer tries it again, backed off; its error is the last error"
+        return (
+            f"{state} (failed tries: {row.compensation_attempts}): the completer tries it again "
+            f"from {row.compensation_due_at:%Y-%m-%d %H:%M:%S}; its error is the last error"
+        )
     if operation is None:
         return (
             "compensation pending if its operation declares one (the completer runs it; the "

@@ -186,10 +186,13 @@ CLAIM_BY_ID = Statement(f"""
 # A key out of attempts whose lease is free (or :token's, a completer's reservation), and
 # that waits for no operator's reconciliation: finished with the abandoned answer instead
 # of another attempt, in the claim's transaction. Retries replay it; the reaper keeps it
-# for the abandoned keys' retention.
+# for the abandoned keys' retention; the completer runs its compensation, if declared and
+# not already run (a key reopened after it).
 ABANDON_EXHAUSTED = Statement(f"""
     UPDATE idempotency_keys AS k
-    SET finished_at = now(), abandoned_at = now(), response_status = %(status)s,
+    SET finished_at = now(), abandoned_at = now(),
+        compensation_due_at = CASE WHEN k.compensated_at IS NULL THEN now() END,
+        response_status = %(status)s,
         response_headers = '{{}}'::jsonb, response_body = %(body)s::jsonb,
         locked_at = NULL, lock_token = NULL
     WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
@@ -510,12 +513,13 @@ FENCE_ABANDONED = Statement(f"""
     FOR UPDATE
 """)
 
-# The compensation committed: recorded once, with the state it left, and the lease given
-# up. The stored (abandoned) response stays as it is.
+# The compensation committed: recorded once, with the state it left, no longer due, and
+# the lease given up. The stored (abandoned) response stays as it is.
 COMPENSATE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
-    SET compensated_at = now(), state = %(state)s::jsonb, locked_at = NULL, lock_token = NULL
+    SET compensated_at = now(), compensation_due_at = NULL, state = %(state)s::jsonb,
+        locked_at = NULL, lock_token = NULL
     WHERE abandoned_at IS NOT NULL AND compensated_at IS NULL AND {where}
 """,
     returning="id",
