@@ -54,7 +54,9 @@ KEY_COLUMNS = f"""
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,
     k.state AS phase_state, k.response_headers, k.response_body, k.derivation_seed,
-    k.generation,
+    k.generation, k.window_renewals, k.reconcile_since,
+    coalesce(k.point_reached_at, k.created_at) AS point_reached_at,
+    extract(epoch FROM now() - coalesce(k.point_reached_at, k.created_at))::float8 AS point_age,
     EXISTS (SELECT 1 FROM registered AS r
             WHERE r.operation = k.operation AND r.version = k.operation_version) AS known
 """
