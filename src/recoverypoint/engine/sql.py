@@ -489,12 +489,13 @@ RENEW_WINDOW = _by_ctid_and_by_id(
 # the key: the completer skips it, and its next attempt never comes, for a completer older
 # than migration 0013's columns too (the last year Python's datetime holds, not 'infinity',
 # which it cannot read). No claim takes it either. Not an attempt: nothing failed, and no
-# step was called, so the attempt the claim counted is given back.
+# step was called, so the attempt the claim counted is given back (never below 0: an
+# operator's `keys retry --reset` may have zeroed the attempts since the claim).
 HOLD = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET reconcile_since = now(), locked_at = NULL, lock_token = NULL,
-        attempts = attempts - 1,
+        attempts = greatest(attempts - 1, 0),
         next_attempt_at = '9999-01-01 00:00:00+00', last_error = %(error)s
     WHERE {where}
 """,
