@@ -5,7 +5,9 @@ poison_child.py DATABASE_URL client|idempotent|completer sync|async KIND [KEY]
 The poison operation (:func:`poison_operation`) records the call of its poison phase in
 ``step_calls`` (workload.py's table, on a connection of its own, committed at once, as a
 foreign system would), then kills the process: ``step`` (a foreign step) and ``phase``
-(an atomic phase) with ``os._exit``, ``kill`` by blocking until the test SIGKILLs it.
+(an atomic phase) with ``os._exit``, ``kill`` by blocking until the test SIGKILLs it;
+``first`` is an atomic phase too, the operation's first, which shares the claim's
+transaction (and writes a ``phase_runs`` row in it before it dies).
 The client prints its answer as JSON (the function's caller, the AbandonedCall it got);
 the completer, its pass's counts.
 """
@@ -43,8 +45,8 @@ def poisoned(recorder: Recorder, kind: str, key_id: int) -> None:
 
 
 def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Operation[Any]:
-    """prepared (a foreign step that does nothing, so the claim commits alone) → poisoned
-    (``kind``) → finished (201, never reached)."""
+    """prepared (a foreign step that does nothing, so the claim commits alone; none for
+    ``first``) → poisoned (``kind``) → finished (201, never reached)."""
     op: rp.Operation[Any] = rp.Operation(
         f"poison_{kind}", max_attempts=MAX_ATTEMPTS, lock_timeout=LOCK_TIMEOUT
     )
@@ -52,16 +54,19 @@ def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Op
     def die(key_id: int) -> None:
         poisoned(recorder, kind, key_id)
 
+    written = "INSERT INTO phase_runs (key_id, phase, pid) VALUES (%s, 'poisoned', %s)"
     if asynchronous:
+        if kind != "first":
 
-        @op.foreign_step("prepared")
-        async def prepare_async(step: rp.StepContext, params: Any) -> None:
-            return None
+            @op.foreign_step("prepared")
+            async def prepare_async(step: rp.StepContext, params: Any) -> None:
+                return None
 
-        if kind == "phase":
+        if kind in ("phase", "first"):
 
             @op.atomic_phase("poisoned")
             async def poison_atomic_async(tx: rp.AsyncAtomicContext, params: Any) -> None:
+                await tx.execute(written, (tx.key_id, os.getpid()))
                 die(tx.key_id)
 
         else:
@@ -76,14 +81,17 @@ def poison_operation(kind: str, recorder: Recorder, asynchronous: bool) -> rp.Op
 
         return op
 
-    @op.foreign_step("prepared")
-    def prepare(step: rp.StepContext, params: Any) -> None:
-        return None
+    if kind != "first":
 
-    if kind == "phase":
+        @op.foreign_step("prepared")
+        def prepare(step: rp.StepContext, params: Any) -> None:
+            return None
+
+    if kind in ("phase", "first"):
 
         @op.atomic_phase("poisoned")
         def poison_atomic(tx: rp.AtomicContext, params: Any) -> None:
+            tx.execute(written, (tx.key_id, os.getpid()))
             die(tx.key_id)
 
     else:
@@ -103,11 +111,13 @@ def engine_with(
     url: str, flavour: str, kind: str
 ) -> tuple[rp.Engine | rp.AsyncEngine, rp.Operation[Any]]:
     """An engine of ``flavour`` with the poison operation of ``kind`` and the healthy one
-    (workload's three phases, ``healthy``) registered."""
+    (workload's three phases, ``healthy``, as few attempts as the poison one) registered."""
     recorder = Recorder(sa.create_engine(url))
     asynchronous = flavour == "async"
     poison = poison_operation(kind, recorder, asynchronous)
-    healthy = (async_steps_operation if asynchronous else steps_operation)("healthy", recorder)
+    healthy = (async_steps_operation if asynchronous else steps_operation)(
+        "healthy", recorder, max_attempts=MAX_ATTEMPTS
+    )
     engine = rp.AsyncEngine(url) if asynchronous else rp.Engine(url)
     engine.register(poison, healthy)
     return engine, poison

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -425,3 +426,180 @@ def test_an_action_behind_a_running_phase_is_refused_after_its_wait(
         with pytest.raises(admin.Refused, match="running phase"):
             admin.release(admin.Admin(citus, lock_wait=0.2), key_id)
     assert admin.release(admin.Admin(citus), key_id).changed == (key_id,)
+
+
+# The rules about time (attempts, leases, generations, windows, compensations): each
+# statement of theirs on a real cluster. Time moves by writing a scope's moments back with
+# constants: Citus refuses `column - interval` in an UPDATE (testing.Clock's way).
+
+
+def _key_row(db: sa.Engine, scope: str) -> Any:
+    with db.connect() as conn:
+        return conn.execute(
+            sa.text("SELECT * FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+        ).one()
+
+
+def _finished_long_ago(db: sa.Engine, scope: str) -> None:
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET finished_at = now() - interval '40 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+
+
+def test_a_reused_key_gets_a_new_generation_the_reaper_records_and_prunes(
+    citus: sa.Engine, scope: str
+) -> None:
+    op = _notes(f"citus_generations_{uuid.uuid4().hex[:8]}")
+    engine = rp.Engine(citus)
+    engine.register(op)
+    params = {"scope": scope, "body": "x"}
+    engine.run(op, key="k", params=params, scope=scope)
+
+    # Past its retention (the row still there): the claim deletes it and inserts generation 1.
+    _finished_long_ago(citus, scope)
+    again = engine.run(op, key="k", params=params, scope=scope)
+    assert not again.replayed and _key_row(citus, scope).generation == 1
+
+    # Reaped: its next generation recorded, which the reuse after it takes.
+    _finished_long_ago(citus, scope)
+    Reaper(engine, retention=timedelta(days=1)).run_once()
+    recorded = "SELECT generation FROM key_generations WHERE scope = :s"
+    assert _count(citus, recorded, s=scope) == 2
+    third = engine.run(op, key="k", params=params, scope=scope)
+    assert not third.replayed and _key_row(citus, scope).generation == 2
+
+    # The record, once past the generations' retention, is pruned.
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE key_generations SET deleted_at = now() - interval '40 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    Reaper(engine, generations_retention=timedelta(days=30)).run_once()
+    assert _count(citus, "SELECT count(*) FROM key_generations WHERE scope = :s", s=scope) == 0
+    # Each use ran its phases: a new request, not a replay.
+    assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 3
+
+
+def test_a_crash_counts_an_attempt_and_a_takeover_backs_the_key_off(
+    citus: sa.Engine, scope: str
+) -> None:
+    op = _notes(f"citus_crash_{uuid.uuid4().hex[:8]}", lock_timeout=timedelta(seconds=1))
+    engine = rp.Engine(citus, retry_base=60.0, retry_cap=60.0)
+    engine.register(op)
+    key_id = _leased(citus, scope, op.name, "k", held="1 hour", timeout=1)  # died holding it
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET request_params = CAST(:p AS jsonb), attempts = 1 "
+                    "WHERE scope = :s"),
+            {"s": scope, "p": json.dumps({"scope": scope, "body": "x"})},
+        )  # fmt: skip
+    assert engine.resume(key_id, scope=scope).status == 201
+    # The takeover counted its attempt and scheduled the next one by the back-off (30-60 s).
+    row = _key_row(citus, scope)
+    assert row.attempts == 2
+    assert 29 <= (row.next_attempt_at - row.last_run_at).total_seconds() <= 61
+
+
+def test_a_live_holders_lease_is_renewed_while_its_step_runs(citus: sa.Engine, scope: str) -> None:
+    op: rp.Operation[Any] = rp.Operation(
+        f"citus_heartbeat_{uuid.uuid4().hex[:8]}", lock_timeout=timedelta(seconds=1)
+    )
+    renewed = threading.Event()
+
+    @op.foreign_step("called")
+    def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+        first = _key_row(citus, scope).locked_at
+        while not renewed.wait(0.05):  # until the renewer has written a later lease
+            if _key_row(citus, scope).locked_at > first:
+                renewed.set()
+            assert not step.lease_lost
+        return {}
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    assert engine.run(op, key="k", params={}, scope=scope).status == 201
+    assert renewed.is_set()
+
+
+def test_a_key_past_its_providers_window_is_held_for_an_operator(
+    citus: sa.Engine, scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"citus_window_{uuid.uuid4().hex[:8]}")
+    calls: list[str] = []
+
+    @op.atomic_phase("noted")
+    def note(tx: rp.AtomicContext, params: Any) -> None:
+        pass
+
+    @op.foreign_step("called", dedupe_window=timedelta(hours=24))
+    def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+        calls.append(step.downstream_key())
+        raise rp.Retryable("the answer was lost")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    with pytest.raises(rp.Retryable):
+        engine.run(op, key="k", params={}, scope=scope)
+    with citus.begin() as conn:  # two days later: the provider has forgotten the key
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET point_reached_at = now() - interval '2 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    with pytest.raises(rp.NeedsReconciliation):
+        engine.run(op, key="k", params={}, scope=scope)
+    row = _key_row(citus, scope)
+    # Held, its lease given up, the attempt its claim counted given back; no second call.
+    assert row.reconcile_since is not None and row.lock_token is None
+    assert (row.attempts, len(calls)) == (1, 1)
+
+
+def test_an_abandoned_key_is_compensated_once_after_a_failed_try(
+    citus: sa.Engine, scope: str
+) -> None:
+    op = _notes(f"citus_compensated_{uuid.uuid4().hex[:8]}", fail_once=[True], max_attempts=1)
+    refunds: list[int] = []
+
+    @op.compensation
+    def refund(tx: rp.AtomicContext, params: Any) -> None:
+        refunds.append(tx.key_id)
+        if len(refunds) == 1:
+            raise RuntimeError("the refund provider is down")
+        tx.stage_job("notify", {"refund": True})
+
+    engine = rp.Engine(citus, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    with pytest.raises(RuntimeError):
+        engine.run(op, key="k", params={"scope": scope, "body": "x"}, scope=scope)
+
+    first = Completer(engine, min_age=0).run_once()
+    assert (first.abandoned, first.compensated, first.compensation_failed) == (1, 0, 1)
+    row = _key_row(citus, scope)
+    assert row.lock_token is None and row.next_attempt_at > row.abandoned_at
+    with citus.begin() as conn:  # the failed try's back-off has passed
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET next_attempt_at = now() WHERE scope = :s"),
+            {"s": scope},
+        )
+    later = Completer(engine, min_age=0).run_once()
+    assert (later.compensated, later.compensation_failed) == (1, 0)
+    assert Completer(engine, min_age=0).run_once().compensated == 0
+    assert len(refunds) == 2 and _key_row(citus, scope).compensated_at is not None

@@ -26,8 +26,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from recoverypoint import NeedsReconciliation
 from recoverypoint import client as client_module
 from recoverypoint.client import AsyncClient, Attempts, Client, Retry, RetryPolicy, _headers
+from recoverypoint.integrations._problem import problem_reply
 
 FAST = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, total_timeout=30)
 
@@ -153,6 +155,51 @@ def test_other_answers_are_returned_at_once(script_server: tuple[str, Script], s
         response = client.post(f"/script/{status}")
     assert response.status_code == status
     assert len(script.attempts[response.request.headers["Idempotency-Key"]]) == 1
+
+
+class Held:
+    """``POST /held``: every request is held for reconciliation, answered with the 423
+    problem the integrations send for :class:`~recoverypoint.NeedsReconciliation`."""
+
+    def __init__(self) -> None:
+        self.keys: list[str | None] = []
+
+    async def endpoint(self, request: Request) -> Response:
+        self.keys.append(request.headers.get("Idempotency-Key"))
+        reply = problem_reply(NeedsReconciliation(), retry_after=1)
+        return Response(reply.body, reply.status, dict(reply.headers))
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_held_request_is_never_sent_with_another_key(flavour: str) -> None:
+    held = Held()
+    app = Starlette(routes=[Route("/held", held.endpoint, methods=["POST"])])
+
+    async def send_async(base_url: str) -> list[httpx.Response]:
+        async with AsyncClient(base_url, policy=FAST) as client:
+            return [
+                await client.post("/held", json={"ride": 1}),
+                await client.post("/held", json={"ride": 1}),
+                await client.post("/held", json={"ride": 2}),
+            ]
+
+    with serve_asgi(app) as base_url:
+        if flavour == "async":
+            answers = asyncio.run(send_async(base_url))
+        else:
+            with Client(base_url, policy=FAST) as client:
+                answers = [
+                    client.post("/held", json={"ride": 1}),
+                    client.post("/held", json={"ride": 1}),
+                    client.post("/held", json={"ride": 2}),
+                ]
+
+    # Final at once (one attempt each); the same request sent again kept its key, and the
+    # problem says why; another request got a key of its own.
+    assert [a.status_code for a in answers] == [423] * 3 and len(held.keys) == 3
+    first, again, other = held.keys
+    assert first == again and other not in (None, first)
+    assert "do not send the request with another key" in answers[0].json()["detail"]
 
 
 def test_a_refused_connection_is_retried_then_raised() -> None:

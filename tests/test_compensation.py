@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from workload import rows
 
 import recoverypoint as rp
-from recoverypoint import admin
+from recoverypoint import admin, testing
 from recoverypoint.cli import main
 from recoverypoint.exits import EXIT_OK
 from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult
@@ -115,21 +115,24 @@ class Payments:
         self.engines.append(engine)
         return engine
 
+    def call(self, key: str) -> Any:
+        """A client's request with ``key``: what the engine answered."""
+        if isinstance(self.engine, rp.AsyncEngine):
+            engine = self.engine
+
+            async def call() -> Any:  # as a client, on a loop of its own
+                try:
+                    return await engine.run(self.operation, key=key, params={}, scope="s")
+                finally:
+                    await engine.dispose()
+
+            return asyncio.run(call())
+        return self.engine.run(self.operation, key=key, params={}, scope="s")
+
     def request(self, key: str = "k") -> int:
         """A client's request that charges, then fails: its key's id."""
         with pytest.raises(rp.Retryable):
-            if isinstance(self.engine, rp.AsyncEngine):
-                engine = self.engine
-
-                async def call() -> None:  # as a client, on a loop of its own
-                    try:
-                        await engine.run(self.operation, key=key, params={}, scope="s")
-                    finally:
-                        await engine.dispose()
-
-                asyncio.run(call())
-            else:
-                self.engine.run(self.operation, key=key, params={}, scope="s")
+            self.call(key)
         [row] = rows(
             self.engine.db, "SELECT id FROM idempotency_keys WHERE idempotency_key = :k", k=key
         )
@@ -256,20 +259,24 @@ def test_a_failed_compensation_is_counted_and_tried_again_later(
     row = key_row(worker_db, key_id)
     assert row.compensated_at is None and row.lock_token is None
     assert row.last_error == "compensation failed: RuntimeError: the payment provider is down"
+    assert row.compensation_attempts == 1 and row.compensation_due_at is not None
     shown = admin.find_key(admin.Admin(worker_db, operations=(p.operation,)), key_id)
-    assert shown.compensation is not None and "failing" in shown.compensation
+    assert shown.compensation is not None and "failing (failed tries: 1)" in shown.compensation
     [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "compensations"]
     assert check.status == "warn" and "1 abandoned" in check.detail
 
     # Backed off: the next pass does not try it.
     assert p.completer().run_once().compensation_failed == 0 and p.ran == 1
-    with worker_db.begin() as conn:  # its back-off waited out
-        conn.execute(sa.text("UPDATE idempotency_keys SET next_attempt_at = now()"))
+    testing.Clock(worker_db).advance(seconds=p.engine.retry_base)  # its back-off waited out
     later = p.completer().run_once()
     assert (later.compensated, later.compensation_failed) == (1, 0)
     assert counts(worker_db) == (1, 1, 1)
+    row = key_row(worker_db, key_id)
+    assert row.compensated_at is not None and row.compensation_due_at is None
     # The abandoned response is the one the completer stored.
-    assert key_row(worker_db, key_id).response_body == ABANDONED_RESPONSE.body
+    assert row.response_body == ABANDONED_RESPONSE.body
+    [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "compensations"]
+    assert check.status == "ok"
 
 
 def test_without_a_compensation_the_key_is_left_alone_and_says_its_effects_stay(
@@ -297,13 +304,12 @@ def test_a_key_abandoned_before_compensations_existed_is_never_touched(
     p = payments()
     p.operation.max_attempts = 5
     key_id = p.request()
-    # As the abandonment of an earlier release left it: its next attempt written before.
+    # As the abandonment of an earlier release left it: no compensation due.
     with worker_db.begin() as conn:
         conn.execute(
             sa.text(
                 """UPDATE idempotency_keys SET finished_at = now(), abandoned_at = now(),
-                   next_attempt_at = now() - interval '1 minute', response_status = 500,
-                   response_body = '{}' WHERE id = :i"""
+                   response_status = 500, response_body = '{}' WHERE id = :i"""
             ),
             {"i": key_id},
         )
@@ -311,6 +317,87 @@ def test_a_key_abandoned_before_compensations_existed_is_never_touched(
     assert p.completer().run_once().compensated == 0
     assert counts(worker_db) == (1, 0, 0)
     assert key_row(worker_db, key_id).compensated_at is None
+
+
+def test_only_compensation_due_at_says_whether_an_abandoned_key_is_compensated(
+    payments: Callable[..., Payments], worker_db: sa.Engine
+) -> None:
+    p = payments()
+    p.operation.max_attempts = 5
+    due, old = p.request("due"), p.request("old")
+    admin.abandon(admin.Admin(worker_db), due)
+    with worker_db.begin() as conn:  # "old" as an earlier release abandoned it
+        conn.execute(
+            sa.text(
+                """UPDATE idempotency_keys SET finished_at = now(), abandoned_at = now(),
+                   response_status = 500, response_body = '{}' WHERE id = :i"""
+            ),
+            {"i": old},
+        )
+    # Later writes to both keys' other columns, as any tool or operator's action may make:
+    # they decide nothing.
+    with worker_db.begin() as conn:
+        conn.execute(
+            sa.text(
+                """UPDATE idempotency_keys SET last_error = 'looked at by hand',
+                   next_attempt_at = now() - interval '1 hour' WHERE id = :i"""
+            ),
+            {"i": due},
+        )
+        conn.execute(
+            sa.text(
+                """UPDATE idempotency_keys SET next_attempt_at = abandoned_at,
+                   last_error = 'compensation failed: by an earlier tool' WHERE id = :i"""
+            ),
+            {"i": old},
+        )
+    [check] = [c for c in admin.diagnose(admin.Admin(worker_db)) if c.name == "compensations"]
+    assert check.status == "ok"
+
+    result = p.completer().run_once()
+
+    assert (result.compensated, result.compensation_failed) == (1, 0)
+    assert [r.key_id for r in rows(worker_db, "SELECT key_id FROM refunds")] == [due]
+    assert key_row(worker_db, old).compensated_at is None
+    shown = admin.find_key(admin.Admin(worker_db, operations=(p.operation,)), old).compensation
+    assert shown is not None and shown.startswith("not compensated")
+
+
+def test_an_abandonment_by_a_clients_claim_is_compensated(
+    payments: Callable[..., Payments], worker_db: sa.Engine
+) -> None:
+    p = payments()  # one attempt, used by the first request
+    key_id = p.request()
+
+    answer = p.call("k")  # the retry's claim abandons the key instead of a second attempt
+
+    assert (answer.status, answer.body) == (ABANDONED_RESPONSE.status, ABANDONED_RESPONSE.body)
+    result = p.completer().run_once()
+    assert (result.abandoned, result.compensated) == (0, 1)
+    assert counts(worker_db) == (1, 1, 1)
+
+
+def test_a_reopened_key_awaits_no_compensation_and_one_compensated_is_never_due_again(
+    payments: Callable[..., Payments], worker_db: sa.Engine
+) -> None:
+    p = payments(fail=1)
+    p.operation.max_attempts = 5
+    key_id = p.request()
+    db = admin.Admin(worker_db)
+    admin.abandon(db, key_id)
+    assert p.completer().run_once().compensation_failed == 1
+
+    admin.reopen(db, key_id)
+    row = key_row(worker_db, key_id)
+    assert (row.compensation_due_at, row.compensation_attempts) == (None, 0)
+    admin.abandon(db, key_id)
+    assert p.completer().run_once().compensated == 1
+
+    admin.reopen(db, key_id)
+    admin.abandon(db, key_id)  # compensated once: never again
+    assert key_row(worker_db, key_id).compensation_due_at is None
+    assert p.completer().run_once().compensated == 0
+    assert counts(worker_db) == (1, 1, 1)
 
 
 def test_a_compensation_is_declared_once_and_of_the_engines_kind() -> None:

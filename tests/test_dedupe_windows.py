@@ -255,6 +255,36 @@ def test_past_the_window_without_a_hook_the_key_is_held_and_nothing_calls_the_st
     assert len(provider.calls) == 1 and len(provider.charges) == 1
 
 
+def test_a_hold_never_leaves_fewer_than_no_attempts(make: Callable[..., Service]) -> None:
+    provider = Provider()
+    service = make(provider, hook=False)
+    lost_answer(service, provider, "reset")
+    provider.forget()
+    service.later("reset")
+    # An operator's `keys retry --reset` between the claim that counts an attempt and the
+    # hold that gives it back: a trigger zeroes what this scope's claim counts.
+    name = f"reset_{service.scope}"
+    with service.engine.db.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN NEW.attempts := 0; RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER {name} BEFORE UPDATE ON idempotency_keys FOR EACH ROW "
+            f"WHEN (NEW.attempts > OLD.attempts AND NEW.scope = '{service.scope}') "
+            f"EXECUTE FUNCTION {name}()"
+        )
+    try:
+        with pytest.raises(rp.NeedsReconciliation):
+            service.run("reset")
+    finally:
+        with service.engine.db.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER {name} ON idempotency_keys")
+            conn.exec_driver_sql(f"DROP FUNCTION {name}()")
+    row = service.row("reset")
+    assert (row.reconcile_since is not None, row.attempts) == (True, 0)
+
+
 def test_past_the_window_the_completer_holds_the_key_and_never_abandons_it(
     make: Callable[..., Service],
 ) -> None:

@@ -105,6 +105,7 @@ SURFACE = {
         "stats",
         "worker_passes",
     ],
+    "recoverypoint.engine": ["ABANDONED_RESPONSE", "AsyncEngine", "Engine"],
     "recoverypoint.workers": [
         "ABANDONED_RESPONSE",
         "Completer",

@@ -321,6 +321,32 @@ def test_a_generation_is_kept_for_the_generations_retention_then_pruned(
     assert provider.keys_seen[2] == provider.keys_seen[0]
 
 
+def test_a_generation_is_kept_for_the_longest_registered_dedupe_window(
+    worker_db: sa.Engine, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A provider that remembers keys 60 days outlives the reaper's 30-day retention.
+    with worker_db.begin() as conn:
+        conn.exec_driver_sql(SCHEMA)
+    provider, clock = StrictProvider(worker_db), Clock(worker_db)
+    engine = rp.Engine(worker_db)
+    op = sync_operation("windowed", provider)
+    remembers: rp.Operation[Any] = rp.Operation("remembers")
+    remembers.foreign_step("called", dedupe_window=timedelta(days=60))(lambda step, params: None)
+    remembers.atomic_phase("finished")(lambda tx, params: rp.Response(201, {}))
+    engine.register(op, remembers)
+    engine.run(op, key="k", scope=scope, params={"amount": 1000})
+    clock.advance(hours=73)
+    reaper = Reaper(engine)
+    with caplog.at_level("INFO", logger="recoverypoint.workers"):
+        assert reaper.run_once().finished == 1
+        clock.advance(days=31)
+        assert reaper.run_once().generations == 0  # past 30 days, within the window
+        clock.advance(days=29, seconds=1)
+        assert reaper.run_once().generations == 1
+    kept = [r for r in caplog.records if "event=generations_retention" in r.getMessage()]
+    assert len(kept) == 1 and f"kept_seconds={60 * 86400}" in kept[0].getMessage()
+
+
 @pytest.mark.parametrize("action", ["delete", "purge"])
 def test_a_key_an_operator_deleted_is_a_new_generation(
     engine: rp.Engine, db: sa.Engine, provider: StrictProvider, scope: str, action: str

@@ -23,7 +23,7 @@ from recoverypoint.admin import key_actions
 from recoverypoint.database import create_engine
 from recoverypoint.engine import sql
 from recoverypoint.testing import temporary_database
-from recoverypoint.workers import completer, enqueuer, reaper
+from recoverypoint.workers import compensator, completer, enqueuer, reaper
 
 SCOPE = "tenant-42"
 
@@ -37,6 +37,7 @@ _KEY = {
     "params": "{}",
     "fingerprint": "f",
     "seed": "s",
+    "generation": 0,
     "token": uuid.uuid4(),
     "lock_timeout": 90.0,
     "max_attempts": 3,
@@ -105,6 +106,12 @@ WORKER_CLAIMS = [
         "completer's abandonment",
         key_actions._ABANDON_EXHAUSTED,
         {"id": 1, "max_attempts": 3, "status": 500, "body": "{}"},
+    ),
+    ("compensator", compensator._CLAIM, {**_REGISTERED, "batch_size": 10}),
+    (
+        "compensator's failure",
+        compensator._FAILED,
+        {"id": 1, "error": "e", "retry_in": 1.0},
     ),
     ("enqueuer's delete", enqueuer._DELETE_PUBLISHED, {"ids": [1, 2]}),
     ("enqueuer's postponement", enqueuer._POSTPONE, {"id": 1, "error": "e", "retry_in": 1.0}),

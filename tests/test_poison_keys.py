@@ -95,6 +95,12 @@ def unfinished(db: sa.Engine, key_ids: list[int]) -> int:
         return int(conn.execute(sa.text(query), {"ids": key_ids}).scalar_one())
 
 
+def healthy_attempts(db: sa.Engine, key_ids: list[int]) -> list[int]:
+    with db.connect() as conn:
+        query = "SELECT attempts FROM idempotency_keys WHERE id = ANY(:ids) ORDER BY id"
+        return list(conn.execute(sa.text(query), {"ids": key_ids}).scalars())
+
+
 def killed(status: int, kind: str) -> bool:
     return status == (-signal.SIGKILL if kind == "kill" else DIED)
 
@@ -161,17 +167,13 @@ def test_the_completer_abandons_a_poison_key_and_finishes_the_rest_of_its_batch(
     while passes < 2 * MAX_ATTEMPTS + 1:
         passes += 1
         status, output = run_child(worker_db, worker_database_url, *completer)
-        if flavour == "sync" and passes == 1:
-            # The poison key came first and killed the pass: the healthy keys were reserved,
-            # never resumed, and count no attempt.
+        if passes == 1:
+            # The poison key, its last holder dead, was resumed alone and first (an async
+            # batch's other keys only after it) and killed the pass: the healthy keys were
+            # reserved, never resumed, and count no attempt.
             assert killed(status, kind), output
-            with worker_db.connect() as conn:
-                attempts = conn.execute(
-                    sa.text("SELECT sum(attempts) FROM idempotency_keys WHERE id = ANY(:ids)"),
-                    {"ids": healthy},
-                ).scalar_one()
-            assert attempts == 0
-        if flavour == "sync" and passes == 2:
+            assert healthy_attempts(worker_db, healthy) == [0] * len(healthy)
+        if passes == 2:
             # Their reservations ran out long before their lock timeout: the next pass
             # resumed them, before the poison key its claim had backed off.
             assert unfinished(worker_db, healthy) == 0
@@ -182,17 +184,14 @@ def test_the_completer_abandons_a_poison_key_and_finishes_the_rest_of_its_batch(
     row = key_row(worker_db, key)
     assert row.abandoned_at is not None, output
     assert (row.attempts, calls(worker_db, [poison])) == (MAX_ATTEMPTS, MAX_ATTEMPTS)
+    # Resumed longest due first: the poison key, backed off by the claim of the attempt that
+    # killed the first pass, came after them in the second, which finished them; the third
+    # pass abandoned the poison key. The healthy keys, allowed as few attempts as the poison
+    # key, used one each: it cost them none.
+    assert passes == MAX_ATTEMPTS
     assert unfinished(worker_db, healthy) == 0
-    if flavour == "sync":
-        # Resumed one by one, longest due first: the poison key, backed off by the claim of
-        # the attempt that killed the first pass, came after them in the second, which
-        # finished them; its third pass abandoned the poison key.
-        assert passes == MAX_ATTEMPTS
-        assert calls(worker_db, healthy) == len(healthy)
-    else:
-        # Resumed at once, in one process: the poison key may kill their runs with it (each
-        # such run is an attempt), and they finish once its passes are over.
-        assert passes <= 2 * MAX_ATTEMPTS
+    assert healthy_attempts(worker_db, healthy) == [1] * len(healthy)
+    assert calls(worker_db, healthy) == len(healthy)
 
     # The key's client retries, and gets the abandoned answer replayed.
     engine, op = engine_with(worker_database_url, "sync", kind)
@@ -228,3 +227,31 @@ def test_an_idempotent_function_that_kills_its_process_runs_max_attempts_times(
     row = key_row(worker_db, key)
     assert row.abandoned_at is not None
     assert (row.attempts, calls(worker_db, [row.id])) == (MAX_ATTEMPTS, MAX_ATTEMPTS)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_first_atomic_phase_that_kills_its_process_leaves_nothing_and_runs_at_each_retry(
+    worker_db: sa.Engine, worker_database_url: str, flavour: str
+) -> None:
+    # The first atomic phase shares the claim's transaction: its death rolls the claim back
+    # with it, so there is no row to count an attempt on, and no limit to the retries.
+    key = uuid.uuid4().hex
+    client = ("client", flavour, "first", key)
+    for run in range(1, MAX_ATTEMPTS + 2):
+        status, output = run_child(worker_db, worker_database_url, *client)
+        assert killed(status, "first"), output
+        # No key row, nothing the phase wrote; only the probe shows it ran, once per retry.
+        stored = [count_rows(worker_db, t) for t in ("idempotency_keys", "phase_runs")]
+        assert (stored, count_rows(worker_db, "step_calls")) == ([0, 0], run)
+
+    status, output = run_child(worker_db, worker_database_url, "completer", flavour, "first")
+    assert status == 0, output
+    result = json.loads(output.splitlines()[-1])
+    assert result["batches"] == 1
+    assert {result[n] for n in ("finished", "failed", "abandoned", "skipped", "errors")} == {0}
+    assert count_rows(worker_db, "step_calls") == MAX_ATTEMPTS + 1  # the completer ran nothing
+
+
+def count_rows(db: sa.Engine, table: str) -> int:
+    with db.connect() as conn:
+        return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())

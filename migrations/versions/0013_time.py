@@ -28,8 +28,18 @@ rules about time need:
   operator's reconciliation, and no worker takes it meanwhile.
 - ``idempotency_keys.compensated_at``: when the operation's compensation committed for an
   abandoned key (it runs once).
+- ``idempotency_keys.compensation_due_at``: when the completer may next run the
+  compensation of an abandoned key, if its operation declares one: set by every
+  abandonment, pushed back by a failed compensation, cleared once it commits or the key
+  is reopened. NULL: none awaited (keys abandoned before this revision among them). The
+  partial index ``idempotency_keys_compensation_due`` holds only the keys it is set on, by
+  operation and version first, so that the completer's search reads only the keys of the
+  operations that declare a compensation, not every abandoned key.
+- ``idempotency_keys.compensation_attempts``: how many times the compensation raised; the
+  back-off before the next try grows with it.
 
-Adding a nullable column, or one with a constant default, rewrites nothing.
+Adding a nullable column, or one with a constant default, rewrites nothing; the new
+partial index is empty until a key is abandoned.
 
 Written out in full, like 0001: a revision must not change when the schema module does.
 """
@@ -57,6 +67,21 @@ def upgrade() -> None:
     )
     op.add_column("idempotency_keys", sa.Column("reconcile_since", sa.DateTime(timezone=True)))
     op.add_column("idempotency_keys", sa.Column("compensated_at", sa.DateTime(timezone=True)))
+    op.add_column(
+        "idempotency_keys", sa.Column("compensation_due_at", sa.DateTime(timezone=True))
+    )
+    op.add_column(
+        "idempotency_keys",
+        sa.Column(
+            "compensation_attempts", sa.Integer, nullable=False, server_default=sa.text("0")
+        ),
+    )
+    op.create_index(
+        "idempotency_keys_compensation_due",
+        "idempotency_keys",
+        ["operation", "operation_version", "compensation_due_at"],
+        postgresql_where=sa.text("compensation_due_at IS NOT NULL"),
+    )
     op.create_table(
         "key_generations",
         sa.Column("scope", sa.Text, nullable=False),
@@ -76,7 +101,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("key_generations_deleted_at", table_name="key_generations")
     op.drop_table("key_generations")
+    op.drop_index("idempotency_keys_compensation_due", table_name="idempotency_keys")
     for column in (
+        "compensation_attempts",
+        "compensation_due_at",
         "compensated_at",
         "reconcile_since",
         "window_renewals",

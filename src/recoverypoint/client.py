@@ -13,8 +13,15 @@ attempts:
   have passed since the first began (or would pass during the wait).
 
 Then the last answer is returned, or the last connection error raised. Other answers are
-returned at once: a 4xx other than 409 and 429 needs a changed request, hence a new key;
-a replayed answer (``Idempotent-Replayed: true``) is final, even a stored 5xx.
+returned at once: a 4xx other than 409, 423 and 429 needs a changed request, hence a new
+key; a replayed answer (``Idempotent-Replayed: true``) is final, even a stored 5xx.
+
+A 423 (Locked: the server holds the request for its operators' reconciliation, as its
+problem's ``detail`` says) is final for that key, and the request must never be sent with
+another: that could repeat the step the operators are looking into (a second charge). So a
+client remembers the requests answered 423 (method, URL, ``params`` and body), and sending
+one again without a key sends it with its key, never a new one; the server answers the
+same until its operators have reconciled it, then the request's own answer.
 
 The policy (:class:`RetryPolicy`, :class:`Attempts`) does no I/O; :class:`Client` and
 :class:`AsyncClient` are thin shells that send, sleep and ask it what to do next.
@@ -114,7 +121,8 @@ class Attempts:
         self, status: int, retry_after: str | None, replayed: bool = False
     ) -> Retry | None:
         """The retry to make after an answer, or ``None`` to return it. A replayed answer
-        (``Idempotent-Replayed: true``) is the request's final one, 5xx or not."""
+        (``Idempotent-Replayed: true``) is the request's final one, 5xx or not; so is a
+        423, until the server's operators reconcile the request."""
         if replayed or not retriable_status(status):
             return None
         return self._retry(status, None, _parse_retry_after(retry_after))
@@ -151,8 +159,39 @@ def _parse_retry_after(value: str | None) -> float:
     return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
-def _with_key(kwargs: dict[str, Any], key: str | None) -> tuple[str, dict[str, Any]]:
-    key = key or str(uuid.uuid4())
+HELD = 423
+"""The status of a request the server holds for reconciliation
+(:class:`~recoverypoint.NeedsReconciliation`)."""
+
+# What a request sends besides its method, URL and headers.
+_SENT = ("params", "content", "data", "files", "json")
+
+
+class _Held:
+    """The keys of the requests answered :data:`HELD`, by what the request sends: a request
+    sent again without a key gets its key back instead of a new one."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[str, str, str], str] = {}
+
+    @staticmethod
+    def _request(method: str, url: str, kwargs: dict[str, Any]) -> tuple[str, str, str]:
+        return method.upper(), str(url), repr([kwargs.get(name) for name in _SENT])
+
+    def key(self, method: str, url: str, kwargs: dict[str, Any]) -> str | None:
+        return self._keys.get(self._request(method, url, kwargs)) if self._keys else None
+
+    def answered(
+        self, method: str, url: str, kwargs: dict[str, Any], key: str, status: int
+    ) -> None:
+        if status == HELD:
+            self._keys[self._request(method, url, kwargs)] = key
+
+
+def _with_key(
+    kwargs: dict[str, Any], key: str | None, held: str | None = None
+) -> tuple[str, dict[str, Any]]:
+    key = key or held or str(uuid.uuid4())
     headers = _headers(kwargs.pop("headers", None))
     headers[IDEMPOTENCY_KEY] = key
     return key, {**kwargs, "headers": headers}
@@ -193,6 +232,7 @@ class Client:
     ) -> None:
         self.policy = policy or RetryPolicy()
         self.on_retry = on_retry
+        self._held = _Held()
         if "headers" in httpx_options:
             httpx_options["headers"] = _headers(httpx_options["headers"])
         self.http = httpx.Client(base_url=base_url, **httpx_options)
@@ -201,7 +241,7 @@ class Client:
         self, method: str, url: str, *, idempotency_key: str | None = None, **kwargs: Any
     ) -> httpx.Response:
         """Send one logical request, retried under one key; ``kwargs`` as for httpx."""
-        key, kwargs = _with_key(kwargs, idempotency_key)
+        key, kwargs = _with_key(kwargs, idempotency_key, self._held.key(method, url, kwargs))
         attempts = Attempts(self.policy, key)
         while True:
             attempts.begin()
@@ -218,6 +258,7 @@ class Client:
                     response.headers.get(IDEMPOTENT_REPLAYED) == "true",
                 )
                 if retry is None:
+                    self._held.answered(method, url, kwargs, key, response.status_code)
                     return response
             if self.on_retry is not None:
                 self.on_retry(retry)
@@ -254,6 +295,7 @@ class AsyncClient:
     ) -> None:
         self.policy = policy or RetryPolicy()
         self.on_retry = on_retry
+        self._held = _Held()
         if "headers" in httpx_options:
             httpx_options["headers"] = _headers(httpx_options["headers"])
         self.http = httpx.AsyncClient(base_url=base_url, **httpx_options)
@@ -262,7 +304,7 @@ class AsyncClient:
         self, method: str, url: str, *, idempotency_key: str | None = None, **kwargs: Any
     ) -> httpx.Response:
         """Send one logical request, retried under one key; ``kwargs`` as for httpx."""
-        key, kwargs = _with_key(kwargs, idempotency_key)
+        key, kwargs = _with_key(kwargs, idempotency_key, self._held.key(method, url, kwargs))
         attempts = Attempts(self.policy, key)
         while True:
             attempts.begin()
@@ -279,6 +321,7 @@ class AsyncClient:
                     response.headers.get(IDEMPOTENT_REPLAYED) == "true",
                 )
                 if retry is None:
+                    self._held.answered(method, url, kwargs, key, response.status_code)
                     return response
             if self.on_retry is not None:
                 self.on_retry(retry)

@@ -11,6 +11,16 @@ would in production (the client retries, or the completer finishes the key; the 
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
 crashes per schedule. Between schedules it truncates recoverypoint's tables and yours.
 
+A foreign step that declares its provider's ``dedupe_window`` is also crashed around
+(``before_foreign``, ``after_foreign``) in schedules where recovery comes only after the
+window has passed (:class:`recoverypoint.testing.Clock` moves every stored moment back by
+the window): with a ``reconcile`` hook the key must finish, your ``check`` judging the
+effect; without one it must wait for an operator (``needs-reconciliation``), an outcome
+the report counts and names ``recoverypoint keys reconcile`` for. In both, the step must
+not be called again unless its hook found nothing. Every other schedule moves only the
+leases and back-offs (``_STATE``), never every moment: that would carry its key past a
+window or a finished key past its retention, and change what a retry or a replay does.
+
 After each schedule it checks recoverypoint's invariants (the key finishes; every answer
 a client got, and every replay, is the same; no lease is left; each staged job was
 published and consumed through ``consume_once``) and yours (``check``). The smallest
@@ -31,9 +41,10 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -42,7 +53,8 @@ from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine
 from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
-from .operation import Operation, Outcome
+from .operation import NotFound, Operation, Outcome
+from .testing import Clock
 from .workers import Completer, Enqueuer
 
 Recovery = Literal["client", "completer"]
@@ -64,18 +76,20 @@ _SHOWN = {
 
 # Time passes (leases expire, backoffs end, as they would while a client waits), and
 # where the key and its jobs stand, in one round trip; the SELECT reads the rows as they
-# were, which the UPDATEs change in nothing it reads.
+# were, which the UPDATEs change in nothing it reads. A key held for reconciliation stays
+# held: only an operator makes it due.
 _STATE = sa.text(
     """
     WITH expired AS (
         UPDATE idempotency_keys SET locked_at = locked_at - interval '366 days',
             next_attempt_at = least(next_attempt_at, now())
-        WHERE finished_at IS NULL
+        WHERE finished_at IS NULL AND reconcile_since IS NULL
     ), due AS (
         UPDATE staged_jobs SET next_attempt_at = now() WHERE next_attempt_at > now()
     )
     SELECT k.id IS NOT NULL AS stored, k.recovery_point, k.response_status,
         k.locked_at IS NOT NULL AS leased, k.last_error, k.abandoned_at IS NOT NULL AS abandoned,
+        k.reconcile_since IS NOT NULL AS held,
         (SELECT count(*) FROM staged_jobs) AS staged
     FROM (SELECT 1) AS one
     LEFT JOIN idempotency_keys AS k ON k.operation = :operation AND k.operation_version = :version
@@ -99,6 +113,12 @@ _OPEN_TRANSACTIONS = sa.text(
 _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(r"attempt ([1-9]\d*) (raises|dies) at (\S+?)(?: \(hit ([1-9]\d*)\))?")
+_PAST_WINDOW = re.compile(r"past the window of (\S+)")
+# How far past a step's dedupe window a window schedule's recovery comes.
+_PAST = timedelta(seconds=1)
+# A window schedule's first crash is around its step, where a call's answer may be lost.
+_AROUND_STEP = ("before_foreign", "after_foreign")
+_HELD = "needs reconciliation"
 
 
 @dataclass(frozen=True)
@@ -118,14 +138,22 @@ class Crash:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Who recovers (the client, or the completer once the client gave up) and where each
-    attempt crashes. Written as ``"completer: attempt 1 raises at after_foreign:charge"``."""
+    """Who recovers (the client, or the completer once the client gave up), where each
+    attempt crashes, and whether the provider's dedupe window of step ``past_window``
+    passes after the first attempt. Written as ``"completer: attempt 1 raises at
+    after_foreign:charge"``, or ``"client: attempt 1 dies at after_foreign:charge; past
+    the window of charge"``."""
 
     recovery: Recovery = "client"
     crashes: tuple[Crash, ...] = ()
+    past_window: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.recovery}: " + ("; ".join(map(str, self.crashes)) or "no crash")
+        parts = [str(c) for c in self.crashes]
+        if self.past_window is not None:  # where time moves: after attempt 1
+            first = sum(1 for c in self.crashes if c.attempt == 1)
+            parts.insert(first, f"past the window of {self.past_window}")
+        return f"{self.recovery}: " + ("; ".join(parts) or "no crash")
 
     @property
     def depth(self) -> int:
@@ -141,15 +169,21 @@ class Schedule:
         if not sep or recovery.strip() not in ("client", "completer"):
             raise ValueError(f"a schedule begins with 'client:' or 'completer:', got {text!r}")
         crashes = []
+        past_window = None
         for part in filter(None, (p.strip() for p in rest.split(";"))):
             if part == "no crash":
+                continue
+            window = _PAST_WINDOW.fullmatch(part)
+            if window is not None:
+                past_window = window[1]
                 continue
             match = _CRASH.fullmatch(part)
             if match is None:
                 raise ValueError(f"not a crash: {part!r} (e.g. 'attempt 1 raises at X:y')")
             effect: Effect = "raise" if match[2] == "raises" else "exit"
             crashes.append(Crash(int(match[1]), match[3], int(match[4] or 1), effect))
-        return cls("client" if recovery.strip() == "client" else "completer", tuple(crashes))
+        way: Recovery = "client" if recovery.strip() == "client" else "completer"
+        return cls(way, tuple(crashes), past_window)
 
 
 @dataclass
@@ -185,10 +219,37 @@ class Exploration:
     seconds: float = 0.0
     by_depth: Counter[int] = field(default_factory=Counter)
     failures: list[Failure] = field(default_factory=list)
+    past_window: dict[str, str] = field(default_factory=dict)
+    """Each schedule whose recovery came after a step's dedupe window had passed (and that
+    broke no invariant) → what became of its key: ``finished: its reconcile hook found
+    the call``, ``finished: called anew, its reconcile hook having found nothing``, or
+    ``needs reconciliation`` (the step declares no hook: an operator's to resolve)."""
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def held(self) -> int:
+        """Schedules that left their key waiting for an operator's reconciliation."""
+        return sum(outcome == _HELD for outcome in self.past_window.values())
+
+    def windows(self) -> str | None:
+        """What recovery past the providers' dedupe windows came to, in a line or two;
+        ``None`` when no step declares a window."""
+        if not self.past_window:
+            return None
+        outcomes = Counter(self.past_window.values())
+        counted = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
+        line = f"past a provider's dedupe window: {len(self.past_window)} schedules ({counted})"
+        if not self.held:
+            return line
+        return (
+            f"{line}\n{self.held} left the key in the state needs-reconciliation, as expected "
+            "of a step without a reconcile hook: in production such a key waits for an "
+            "operator, who finds out what the step's last call did and runs `recoverypoint "
+            "keys reconcile ID --found JSON` or `--not-found` (docs/how-to/operating.md)"
+        )
 
     def summary(self) -> str:
         if self.ok:
@@ -203,11 +264,12 @@ class Exploration:
 
     def report(self) -> str:
         """The summary and, on failure, the smallest failing schedule in full."""
+        windows = [line] if (line := self.windows()) is not None else []
         if self.ok:
-            return self.summary()
+            return "\n".join([self.summary(), *windows])
         others = sorted({f.invariant for f in self.failures[1:]} - {self.failures[0].invariant})
         tail = [f"also broken in schedules as small: {', '.join(others)}"] if others else []
-        return "\n".join([self.summary(), self.failures[0].report(), *tail])
+        return "\n".join([self.summary(), self.failures[0].report(), *tail, *windows])
 
 
 @dataclass
@@ -224,6 +286,10 @@ class _Run:
     returned: Counter[str] = field(default_factory=Counter)  # foreign step → calls that returned
     downstream: dict[str, list[str]] = field(default_factory=dict)  # step → keys asked for
     deliveries: Counter[str] = field(default_factory=Counter)  # job_key → deliveries
+    window_passed: bool = False  # the schedule's past_window has passed
+    reconciled: Counter[str] = field(default_factory=Counter)  # step → hook calls past it
+    renewed: set[str] = field(default_factory=set)  # steps whose hook found nothing past it
+    blind: Counter[str] = field(default_factory=Counter)  # step → calls past it, not renewed
     pipe: int | None = None  # in a forked attempt: where its record goes before it dies
 
     def decide(self, point: str) -> Effect | None:
@@ -240,6 +306,9 @@ class _Run:
                 "returned": self.returned,
                 "downstream": self.downstream,
                 "trace": self.trace,
+                "reconciled": self.reconciled,
+                "renewed": sorted(self.renewed),
+                "blind": self.blind,
             }
             os.write(self.pipe, json.dumps(record, default=_plain).encode())
         return crash.effect
@@ -414,6 +483,9 @@ class _Explorer:
         if engine.operation(name, version) is not self.operation:
             raise ValueError(f"register {name!r} with the engine before exploring it")
         self.checks = checks
+        # The foreign steps whose provider forgets a downstream key after a window.
+        self.windows = {p.point: p.dedupe_window for p in self.operation.phases if p.dedupe_window}
+        self.hooked = {p.point for p in self.operation.phases if p.reconcile is not None}
         self.tables = [*tables, *_OWN_TABLES]  # yours first: they may refer to the keys
         self.reset: str | None = None
         self.conn: sa.Connection
@@ -447,13 +519,19 @@ class _Explorer:
                 if progress is not None:
                     progress(found.schedules, known)
                 if planned.depth < depth:
-                    following += _extensions(planned, run, effects, recoveries)
+                    following += _extensions(planned, run, effects, recoveries, self.windows)
             if max_schedules is not None:
                 order.shuffle(following)
             known += len(following)
             level = following
 
     def run(self, planned: Schedule, found: Exploration) -> _Run:
+        step = planned.past_window
+        if step is not None and step not in self.windows:
+            raise ValueError(
+                f"{step!r} is not a foreign step of {self.operation.name!r} that declares a "
+                f"dedupe_window (those that do: {', '.join(self.windows) or 'none'})"
+            )
         run = self.current = _Run(planned)
         self._reset()
         with faults.watching(run.decide):
@@ -465,6 +543,8 @@ class _Explorer:
                     self._in_child(actor, run)
                 else:
                     self._attempt(actor, run)
+                if step is not None and run.attempt == 1:
+                    self._pass_window(step, run)
         found.schedules += 1
         found.by_depth[planned.depth] += 1
         broken = self._broken(run)
@@ -475,7 +555,25 @@ class _Explorer:
                     planned, invariant, detail, run.story, self._held(), self._hints(run, invariant)
                 )
             )
+        elif step is not None:
+            found.past_window[str(planned)] = (
+                _HELD
+                if self._state().held
+                else "finished: called anew, its reconcile hook having found nothing"
+                if step in run.renewed
+                else "finished: its reconcile hook found the call"
+                if run.reconciled[step]
+                else "finished"
+            )
         return run
+
+    def _pass_window(self, step: str, run: _Run) -> None:
+        """Time moves past the provider's dedupe window of ``step``: every moment
+        recoverypoint stores moves back (the provider is yours to make forget)."""
+        window = self.windows[step]
+        Clock(self.engine.db).advance(window + _PAST)
+        run.window_passed = True
+        run.story.append(f"   time passes: past the dedupe window of {step} ({window})")
 
     # -- one attempt -----------------------------------------------------------------------
 
@@ -485,6 +583,8 @@ class _Explorer:
         key = self._state()
         if not key.stored:
             return "client"  # nothing stored (the first phase rolled back): it comes back
+        if key.held:
+            return None  # neither a client nor a worker takes it: an operator's to resolve
         if key.response_status is None:
             return run.schedule.recovery
         if self.engine.jobs is not None and key.staged:
@@ -525,6 +625,7 @@ class _Explorer:
             run.pipe = write
             # It sends back what it adds alone: the parent keeps what came before.
             run.calls, run.returned, run.downstream, run.trace = Counter(), Counter(), {}, []
+            run.reconciled, run.blind = Counter(), Counter()
             try:
                 self._attempt(actor, run)
             finally:
@@ -542,6 +643,9 @@ class _Explorer:
             for step, keys in child["downstream"].items():
                 run.downstream.setdefault(step, []).extend(keys)
             run.trace += [Crash(a, p, n) for a, p, n in child["trace"]]
+            run.reconciled.update(child["reconciled"])
+            run.renewed.update(child["renewed"])
+            run.blind.update(child["blind"])
             run.story.append(f"{run.attempt}. {actor:<9} died at {crash and crash.point}")
         else:
             run.story.append(f"{run.attempt}. {actor:<9} ended without reaching its crash")
@@ -549,7 +653,26 @@ class _Explorer:
     # -- the invariants --------------------------------------------------------------------
 
     def _broken(self, run: _Run) -> tuple[str, str] | None:
+        blind = next(iter(run.blind.items()), None)
+        if blind is not None:
+            step, calls = blind
+            hook = (
+                "its reconcile hook found nothing"
+                if step in self.hooked
+                else "an operator reconciled the key (it declares no reconcile hook, so the "
+                "key should have waited in the state needs-reconciliation)"
+            )
+            return "past its provider's dedupe window, a step is not called blindly again", (
+                f"foreign step {step!r} was called {calls} time(s) after its provider's "
+                f"dedupe window ({self.windows[step]}) had passed, before {hook}; a provider "
+                "that forgot the downstream key would act again. recoverypoint's engine "
+                "judges the window: is this engine older than the operation's declaration?"
+            )
         key = self._state()
+        if key.held and run.schedule.past_window not in (None, *self.hooked):
+            # Expected of a step without a hook: held for an operator, answering 423 (so
+            # no replay to compare), its effects as the crash left them (so no check).
+            return None
         if not key.stored or key.response_status is None or key.abandoned:
             where = f"stopped at {key.recovery_point}" if key.stored else "was never stored"
             error = f"; last error: {key.last_error}" if key.stored else ""
@@ -677,7 +800,14 @@ class _Explorer:
         job deliveries counted, recoverypoint's failure logs quiet."""
         phases = list(self.operation.phases)
         self.operation.phases[:] = [
-            p if p.atomic else replace(p, fn=self._watched(p.point, p.fn)) for p in phases
+            p
+            if p.atomic
+            else replace(
+                p,
+                fn=self._watched(p.point, p.fn),
+                reconcile=p.reconcile and self._reconciling(p.point, p.reconcile),
+            )
+            for p in phases
         ]
         backend = self.engine.jobs
         if backend is not None:
@@ -699,6 +829,9 @@ class _Explorer:
         def step(context: Any, params: Any) -> Any:
             run = self.current
             run.calls[point] += 1
+            past_window = run.window_passed and point == run.schedule.past_window
+            if past_window and point not in run.renewed:
+                run.blind[point] += 1
             derive = context.downstream_key
 
             def downstream_key(name: str | None = None) -> str:
@@ -713,18 +846,43 @@ class _Explorer:
 
         return step
 
+    def _reconciling(self, point: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def reconcile(context: Any, params: Any) -> Any:
+            run = self.current
+            run.reconciled[point] += 1
+            found = hook(context, params)
+            if found is NotFound:  # the engine renews the window: a call anew is no blind one
+                run.renewed.add(point)
+            return found
+
+        return reconcile
+
 
 def _extensions(
-    planned: Schedule, run: _Run, effects: Sequence[Effect], recoveries: Sequence[Recovery]
+    planned: Schedule,
+    run: _Run,
+    effects: Sequence[Effect],
+    recoveries: Sequence[Recovery],
+    windows: Mapping[str, timedelta],
 ) -> list[Schedule]:
     """Every schedule of one crash more: at each boundary ``run`` reached after its last
-    crash, with each effect; a first crash is tried with each way to recover."""
+    crash, with each effect; a first crash is tried with each way to recover, and, around
+    a step with a dedupe window, with recovery after the window too (after the others, so
+    that an operation without windows is explored as before)."""
     last = planned.crashes[-1].attempt if planned.crashes else 0
     ways = recoveries if not planned.crashes else (planned.recovery,)
+    hits = [hit for hit in run.trace if hit.attempt > last]
+    late = []
+    if not planned.crashes:
+        late = [
+            (hit, step)
+            for hit in hits
+            for boundary, _, step in [hit.point.partition(":")]
+            if boundary in _AROUND_STEP and step in windows
+        ]
     return [
-        Schedule(way, (*planned.crashes, replace(hit, effect=effect)))
-        for hit in run.trace
-        if hit.attempt > last
+        Schedule(way, (*planned.crashes, replace(hit, effect=effect)), window)
+        for hit, window in [*((hit, planned.past_window) for hit in hits), *late]
         for effect in effects
         for way in ways
     ]

@@ -10,8 +10,8 @@ before generations existed). The rule, written here once in SQL:
 - every deletion of a key row (the claim of a reuse past the retention, the reaper, an
   operator's ``keys delete`` and ``keys purge``) records the key's next generation in
   ``key_generations``, in the statement that deletes the row (:func:`record_next`);
-- the claim that inserts a key row takes the recorded generation, 0 when none
-  (:func:`current`).
+- the claim that inserts a key row takes the recorded generation, 0 when none, as the
+  lookup before its transaction read it (:data:`recoverypoint.engine.sql.FIND_FINISHED`).
 
 A row lost in a failover to a lagging standby is claimed again at the generation it had:
 its deletion's record was lost with it, or kept with it, as the two were written in one
@@ -32,24 +32,21 @@ request did: safe only when every provider has forgotten them. Providers remembe
 hours to days (Stripe 24 hours, most others at most 7 days), so 30 days is far beyond any."""
 
 
-def current(scope: str, operation: str, key: str) -> str:
-    """SQL: the generation a new row of the key takes; the arguments are SQL expressions."""
-    return f"""coalesce((
-        SELECT g.generation FROM key_generations AS g
-        WHERE g.scope = {scope} AND g.operation = {operation} AND g.idempotency_key = {key}
-    ), 0)"""
-
-
 def record_next(deleted: str) -> str:
     """SQL: the CTE ``generations``, which records the next generation of every key row the
     CTE ``deleted`` returns (its scope, operation, idempotency_key and generation). To
     follow ``deleted`` in the WITH of the statement that deletes the rows."""
     # greatest(): a recorded generation never goes back, whatever order deletions come in.
+    # The deletion's time comes in with the inserted row: Citus refuses a function that is
+    # not IMMUTABLE (now()) in DO UPDATE SET.
     return f"""generations AS (
-        INSERT INTO key_generations AS g (scope, operation, idempotency_key, generation)
-        SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1 FROM {deleted} AS d
+        INSERT INTO key_generations AS g (
+            scope, operation, idempotency_key, generation, deleted_at)
+        SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1, now()
+        FROM {deleted} AS d
         ON CONFLICT (idempotency_key, scope, operation) DO UPDATE
-        SET generation = greatest(g.generation, excluded.generation), deleted_at = now()
+        SET generation = greatest(g.generation, excluded.generation),
+            deleted_at = excluded.deleted_at
     )"""
 
 

@@ -73,6 +73,15 @@ def free_before(now: datetime, timeout: float | None) -> datetime | None:
     return now - timedelta(seconds=timeout)
 
 
+def from_now(seconds: str) -> str:
+    """SQL: the moment ``seconds`` (an SQL expression; negative: in the past) after now(),
+    for an UPDATE's SET that computes it from the row's columns. Citus refuses a function
+    that is not IMMUTABLE over a column there, and timestamptz +/- interval is STABLE: so
+    the clock is read alone (Citus evaluates it once, on the coordinator, as it does
+    now() anywhere) and the rest is IMMUTABLE arithmetic on seconds since the epoch."""
+    return f"to_timestamp(extract(epoch FROM now())::float8 + ({seconds}))"
+
+
 REGISTERED = """
     registered AS (
         SELECT * FROM unnest(

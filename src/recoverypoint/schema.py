@@ -84,6 +84,12 @@ idempotency_keys = Table(
     Column("reconcile_since", DateTime(timezone=True)),
     # When the operation's compensation committed for the abandoned key (it runs once).
     Column("compensated_at", DateTime(timezone=True)),
+    # When the completer may next run the abandoned key's compensation, if its operation
+    # declares one: set by every abandonment, pushed back by a failed compensation, NULL
+    # once it commits, once the key is reopened, and on keys abandoned before migration 0013.
+    Column("compensation_due_at", DateTime(timezone=True)),
+    # How many times the compensation raised: its back-off grows with it.
+    Column("compensation_attempts", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("id", "scope", name="idempotency_keys_pkey"),
     # The client's key first: the claim names all three columns, a search by the key alone
     # (the console's, a support ticket's) only the first.
@@ -119,6 +125,16 @@ idempotency_keys = Table(
         "idempotency_keys_abandoned",
         "operation",
         postgresql_where=text("abandoned_at IS NOT NULL"),
+    ),
+    # The completer's search for compensations due: only the keys awaiting one, not every
+    # abandoned key; by operation first, so that the keys of operations declaring none
+    # (due too: whoever abandons a key need not know its operation) are never read.
+    Index(
+        "idempotency_keys_compensation_due",
+        "operation",
+        "operation_version",
+        "compensation_due_at",
+        postgresql_where=text("compensation_due_at IS NOT NULL"),
     ),
 )
 

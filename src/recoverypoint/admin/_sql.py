@@ -47,14 +47,17 @@ KEY_COLUMNS = f"""
     k.locked_at, k.lock_token, {HOLDERS_TIMEOUT} AS lock_timeout,
     CASE WHEN k.finished_at IS NULL THEN {seconds_left(HOLDERS_TIMEOUT)} END AS lease_left,
     k.response_status AS status, k.created_at, {SECONDS.format("now() - k.created_at")} AS age,
-    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at
+    k.last_run_at, k.finished_at, k.abandoned_at, k.last_error, k.compensated_at,
+    k.compensation_due_at, k.compensation_attempts
 """
 
 
 DETAIL_COLUMNS = """
     k.request_method, k.request_path, k.request_params, k.fingerprint,
     k.state AS phase_state, k.response_headers, k.response_body, k.derivation_seed,
-    k.generation,
+    k.generation, k.window_renewals, k.reconcile_since,
+    coalesce(k.point_reached_at, k.created_at) AS point_reached_at,
+    extract(epoch FROM now() - coalesce(k.point_reached_at, k.created_at))::float8 AS point_age,
     EXISTS (SELECT 1 FROM registered AS r
             WHERE r.operation = k.operation AND r.version = k.operation_version) AS known
 """

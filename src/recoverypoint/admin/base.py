@@ -151,17 +151,3 @@ class Admin:
     def mask(self) -> Mask:
         """The installation's :class:`Mask`, read from the database once."""
         return Mask.of(self.db)
-
-
-COMPENSATION_FAILED = "compensation failed: "
-"""How ``last_error`` begins once an abandoned key's compensation has failed."""
-
-# Abandoning a key sets its next_attempt_at to the abandonment's own time, which no key
-# abandoned before compensations existed has; a failed compensation leaves its mark in
-# last_error. (No column says so: migration 0013 added only compensated_at.)
-AWAITING_COMPENSATION = f"""
-    (k.abandoned_at IS NOT NULL AND k.compensated_at IS NULL
-     AND (k.next_attempt_at = k.abandoned_at OR k.last_error LIKE '{COMPENSATION_FAILED}%'))
-"""
-"""SQL: whether abandoned key row ``k`` awaits its operation's compensation, if the
-operation declares one (see :mod:`recoverypoint.workers.compensator`)."""

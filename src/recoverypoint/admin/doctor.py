@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..migrate import VERSION_TABLE, migrations_dir
-from .base import COMPENSATION_FAILED, NEEDS_RECONCILIATION, STUCK, Admin
+from .base import NEEDS_RECONCILIATION, STUCK, Admin
 from .keys import nearing_windows, stats
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -216,12 +216,11 @@ def _windows(admin: Admin) -> Check:
 
 
 # Abandoned keys whose compensation raised and awaits another try (through the partial
-# index of abandoned keys): their committed effects stay until a human looks.
+# index of compensations due): their committed effects stay until a human looks.
 _FAILING_COMPENSATIONS = sa.text(
-    f"""
+    """
     SELECT count(*), min(k.abandoned_at) FROM idempotency_keys AS k
-    WHERE k.abandoned_at IS NOT NULL AND k.compensated_at IS NULL
-      AND k.last_error LIKE '{COMPENSATION_FAILED}%'
+    WHERE k.compensation_due_at IS NOT NULL AND k.compensation_attempts > 0
     """
 )
 

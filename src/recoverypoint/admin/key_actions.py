@@ -117,14 +117,15 @@ _RELEASE = sa.text(
 )
 
 # As the completer abandons a key: finished with an error response, its lease cleared,
-# due for its operation's compensation, if any, at once (workers.compensator: a
-# next_attempt_at equal to abandoned_at tells a key abandoned since compensations exist);
-# only while the lease it was read with (or none) still holds it, and, unforced, is free.
+# its operation's compensation, if it declares one, due at once (workers.compensator)
+# unless it already ran (a key reopened after it); only while the lease it was read with
+# (or none) still holds it, and, unforced, is free.
 _ABANDON = sa.text(
     f"""
     WITH {_SEEN}
     UPDATE idempotency_keys AS k
-    SET finished_at = now(), abandoned_at = now(), next_attempt_at = now(),
+    SET finished_at = now(), abandoned_at = now(),
+        compensation_due_at = CASE WHEN k.compensated_at IS NULL THEN now() END,
         response_status = :status,
         response_headers = '{{}}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
@@ -143,7 +144,8 @@ _ABANDON = sa.text(
 _ABANDON_EXHAUSTED = sa.text(
     """
     UPDATE idempotency_keys
-    SET finished_at = now(), abandoned_at = now(), next_attempt_at = now(),
+    SET finished_at = now(), abandoned_at = now(),
+        compensation_due_at = CASE WHEN compensated_at IS NULL THEN now() END,
         response_status = :status,
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
@@ -153,12 +155,14 @@ _ABANDON_EXHAUSTED = sa.text(
     """
 )
 
-# Abandoned → unfinished, at the recovery point it was abandoned at, due at once.
+# Abandoned → unfinished, at the recovery point it was abandoned at, due at once; its
+# compensation no longer awaited (one running now misses its fence), its failures forgotten.
 _REOPEN = sa.text(
     f"""
     WITH {_SEEN}
     UPDATE idempotency_keys AS k
-    SET finished_at = NULL, abandoned_at = NULL, response_status = NULL,
+    SET finished_at = NULL, abandoned_at = NULL,
+        compensation_due_at = NULL, compensation_attempts = 0, response_status = NULL,
         response_headers = NULL, response_body = NULL, next_attempt_at = now(),
         attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
     FROM seen AS s

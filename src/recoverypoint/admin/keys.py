@@ -16,9 +16,10 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from ..keys import derived_key_of, record_material
-from ..operation import STARTED, Operation
+from ..operation import FINISHED as FINISHED_POINT
+from ..operation import STARTED, Operation, Phase
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
-from .base import ABANDONED, COMPENSATION_FAILED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
+from .base import ABANDONED, FINISHED, IN_FLIGHT, STATES, Admin, NotFound
 
 _AN_ID = re.compile(r"[0-9]{1,18}")  # digits that fit a bigint
 
@@ -100,18 +101,12 @@ class KeyRow:
     last_error: str | None
     compensated_at: datetime | None
     """When the operation's compensation committed for the abandoned key."""
-
-    @property
-    def awaits_compensation(self) -> bool:
-        """:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`, as read."""
-        return (
-            self.abandoned_at is not None
-            and self.compensated_at is None
-            and (
-                self.next_attempt_at == self.abandoned_at
-                or (self.last_error or "").startswith(COMPENSATION_FAILED)
-            )
-        )
+    compensation_due_at: datetime | None
+    """When the completer may next run the abandoned key's compensation, if its operation
+    declares one; ``None`` when none is awaited (compensated, or abandoned before
+    compensations existed)."""
+    compensation_attempts: int
+    """How many times the compensation raised (its last error is :attr:`last_error`)."""
 
     @property
     def live(self) -> bool:
@@ -176,6 +171,9 @@ class KeyDetail:
     compensation: str | None
     """What became of an abandoned key's committed effects (:func:`compensation`);
     ``None`` for a key that is not abandoned."""
+    window: str | None = None
+    """Where an unfinished key stands with the dedupe window of the step after its
+    recovery point (:func:`window`); ``None`` when no window is in play."""
 
 
 _SELECT = f"""
@@ -266,6 +264,8 @@ def find_key(
         jobs = tuple(Job(**j._mapping) for j in conn.execute(_JOBS_OF_KEY, {"id": found.id}))
     values = dict(found._mapping)
     seed, generation = values.pop("derivation_seed"), values.pop("generation")
+    renewals, held_since = values.pop("window_renewals"), values.pop("reconcile_since")
+    reached_at, point_age = values.pop("point_reached_at"), values.pop("point_age")
     detail = {name: values.pop(name) for name in _DETAIL_FIELDS}
     row = KeyRow(**values)
     # What StepContext.downstream_key() derives from: the same inputs.
@@ -276,10 +276,11 @@ def find_key(
         for name in ("request_params", "phase_state", "response_headers", "response_body"):
             detail[name] = admin.mask.json(detail[name])
     operation_ = admin.operation(row.operation, row.version)
+    step = renewed_step(operation_, row) if operation_ is not None else None
     return KeyDetail(
         row=row,
         **detail,
-        phases=phases(operation_, row, material) if operation_ is not None else (),
+        phases=phases(operation_, row, material, renewals) if operation_ is not None else (),
         jobs=jobs,
         lease_expires_at=(
             row.locked_at + timedelta(seconds=row.lock_timeout)
@@ -288,7 +289,56 @@ def find_key(
         ),
         reaped_after=_reaped_after(admin, row),
         compensation=compensation(row, operation_),
+        window=window(row, step, held_since, reached_at, point_age),
     )
+
+
+def renewed_step(operation: Operation[Any], row: KeyRow) -> Phase | None:
+    """The foreign step with a dedupe window whose calls the key's ``window_renewals``
+    count: the step after an unfinished key's recovery point; for a key that reached
+    ``finished``, the step before it (FINISH keeps the count its result committed with);
+    ``None`` when that is no such step."""
+    points = [p.point for p in operation.phases]
+    if row.point not in (STARTED, *points):
+        return None
+    at = points.index(row.point) if row.point != STARTED else -1
+    index = at - 1 if row.point == FINISHED_POINT else at + 1
+    step = operation.phases[index] if 0 <= index < len(points) else None
+    return step if step is not None and step.dedupe_window is not None else None
+
+
+def window(
+    row: KeyRow,
+    step: Phase | None,
+    held_since: datetime | None,
+    reached_at: datetime,
+    point_age: float,
+) -> str | None:
+    """Where a key stands with the dedupe window of ``step`` (:func:`renewed_step`), in a
+    sentence (what ``keys show`` and the console say): held for reconciliation since when
+    and what to do, or when the window closes. ``None`` for a finished or abandoned key
+    (no step of it will be called again) and when no window is in play."""
+    if row.finished:
+        return None
+    if held_since is not None:
+        what = f"foreign step {step.point!r}" if step else f"the foreign step after {row.point!r}"
+        return (
+            f"needs reconciliation since {held_since:%Y-%m-%d %H:%M:%S}: {what} is past its "
+            "provider's dedupe window; find out what its last call did (its downstream key is "
+            f"under phases), then run `recoverypoint keys reconcile {row.id} --found JSON` "
+            "or `--not-found`"
+        )
+    if step is None or step.dedupe_window is None:
+        return None
+    closes = f"{reached_at + step.dedupe_window:%Y-%m-%d %H:%M:%S}"
+    if point_age < step.dedupe_window.total_seconds():
+        return f"the window of step {step.point!r} closes at {closes}"
+    then = (
+        "asks its reconcile hook what the last call did"
+        if step.reconcile is not None
+        else "holds the key for an operator's reconciliation (`recoverypoint keys reconcile`)"
+    )
+    return f"the window of step {step.point!r} closed at {closes}: the next attempt {then}"
 
 
 def compensation_state(row: KeyRow, operation: Operation[Any] | None) -> str | None:
@@ -301,9 +351,9 @@ def compensation_state(row: KeyRow, operation: Operation[Any] | None) -> str | N
     if row.compensated_at is not None:
         return "compensated"
     declared = operation is None or operation.compensation_phase is not None
-    if not (row.awaits_compensation and declared):
+    if row.compensation_due_at is None or not declared:
         return "not compensated"
-    if (row.last_error or "").startswith(COMPENSATION_FAILED):
+    if row.compensation_attempts:
         return "compensation failing"
     return "compensation pending" + ("?" if operation is None else "")
 
@@ -324,7 +374,10 @@ def compensation(row: KeyRow, operation: Operation[Any] | None) -> str | None:
     if state == "not compensated":
         return f"{state}: {stay}"
     if state == "compensation failing":
-        return f"{state}: the completer tries it again, backed off; its error is the last error"
+        return (
+            f"{state} (failed tries: {row.compensation_attempts}): the completer tries it again "
+            f"from {row.compensation_due_at:%Y-%m-%d %H:%M:%S}; its error is the last error"
+        )
     if operation is None:
         return (
             "compensation pending if its operation declares one (the completer runs it; the "
@@ -345,9 +398,12 @@ _DETAIL_FIELDS = (
 )
 
 
-def phases(operation: Operation[Any], row: KeyRow, material: str) -> tuple[PhaseMark, ...]:
+def phases(
+    operation: Operation[Any], row: KeyRow, material: str, renewals: int = 0
+) -> tuple[PhaseMark, ...]:
     """The declared phases, the key's point marked, each step's downstream key
-    (``material``: the record's, see :func:`recoverypoint.keys.record_material`)."""
+    (``material``: the record's, see :func:`recoverypoint.keys.record_material`), the
+    :func:`renewed_step`'s as its ``renewals`` made it (a fresh one per renewal)."""
     points = [STARTED, *(p.point for p in operation.phases)]
     at = points.index(row.point) if row.point in points else -1
     found: list[PhaseMark] = [PhaseMark(STARTED, "start", _mark(0, at))]
@@ -355,7 +411,10 @@ def phases(operation: Operation[Any], row: KeyRow, material: str) -> tuple[Phase
         mark = _mark(index, at)
         downstream = None
         if not phase.atomic:
-            downstream = derived_key_of(material, "downstream", phase.point, "")
+            # As StepContext.downstream_key() derives it.
+            renewed = renewals if renewals and phase is renewed_step(operation, row) else 0
+            names = (phase.point, "", *((str(renewed),) if renewed else ()))
+            downstream = derived_key_of(material, "downstream", *names)
         found.append(PhaseMark(phase.point, phase.kind, mark, downstream))
     return tuple(found)
 

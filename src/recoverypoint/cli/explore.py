@@ -110,6 +110,7 @@ def _print(found: Exploration, as_json: bool) -> None:
                 "schedules": found.schedules,
                 "seconds": round(found.seconds, 3),
                 "by_depth": dict(found.by_depth),
+                "past_window": found.past_window,
                 "failures": [
                     {"schedule": str(f.schedule), "invariant": f.invariant, "detail": f.detail}
                     for f in found.failures

@@ -102,6 +102,7 @@ def _print_detail(detail: admin.KeyDetail) -> None:
             ("key", row.key),
             ("state", ", ".join(filter(None, (row.state, detail.compensation)))),
             ("recovery point", row.point),
+            *([("dedupe window", detail.window)] if detail.window else []),
             ("request", f"{detail.request_method} {detail.request_path}"),
             ("params", _json(detail.request_params)),
             ("fingerprint", detail.fingerprint),

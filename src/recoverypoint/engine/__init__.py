@@ -25,7 +25,8 @@ Read it in this order, each module using only those before it:
 ``tools/async_to_sync.py``: edit the async module, then run the tool.
 """
 
+from ._decide import ABANDONED_RESPONSE
 from .run import Engine
 from .run_async import AsyncEngine
 
-__all__ = ["AsyncEngine", "Engine"]
+__all__ = ["ABANDONED_RESPONSE", "AsyncEngine", "Engine"]

@@ -451,14 +451,14 @@ class Engine(Registry):
         claim.run = claim.abandoned = None
         operation, request, params = claim.operation, claim.request, claim.params
         honoured_for = operation.honoured_for.total_seconds()
-        finished = store.finished_key(tx, request, honoured_for)
+        finished, generation = store.finished_key(tx, request, honoured_for)
         if finished is not None and finished.expired:
             # Past its retention a key is a new request, whether or not it was reaped.
             store.forget_expired(tx, request, honoured_for)
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
-        record = store.claim(tx, request, self._schedule())
+        record = store.claim(tx, request, generation, self._schedule())
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -673,7 +673,7 @@ def _abandon_exhausted(tx: Transaction, key: KeyId) -> Outcome | None:
 
 def _wait_for(tx: Transaction, claim: ClaimRequest, schedule: dict[str, Any]) -> None:
     """Make ``claim`` again and roll it back (see :meth:`Engine._settle`)."""
-    store.claim(tx, claim, schedule)
+    store.claim(tx, claim, 0, schedule)  # rolled back: no generation is stored
     raise _Settled  # rolled back: nothing is written
 
 

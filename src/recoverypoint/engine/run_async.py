@@ -472,14 +472,14 @@ class AsyncEngine(Registry):
         claim.run = claim.abandoned = None
         operation, request, params = claim.operation, claim.request, claim.params
         honoured_for = operation.honoured_for.total_seconds()
-        finished = await store_async.finished_key(tx, request, honoured_for)
+        finished, generation = await store_async.finished_key(tx, request, honoured_for)
         if finished is not None and finished.expired:
             # Past its retention a key is a new request, whether or not it was reaped.
             await store_async.forget_expired(tx, request, honoured_for)
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
-        record = await store_async.claim(tx, request, self._schedule())
+        record = await store_async.claim(tx, request, generation, self._schedule())
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -700,7 +700,7 @@ async def _abandon_exhausted(tx: AsyncTransaction, key: KeyId) -> Outcome | None
 
 async def _wait_for(tx: AsyncTransaction, claim: ClaimRequest, schedule: dict[str, Any]) -> None:
     """Make ``claim`` again and roll it back (see :meth:`AsyncEngine._settle`)."""
-    await store_async.claim(tx, claim, schedule)
+    await store_async.claim(tx, claim, 0, schedule)  # rolled back: no generation is stored
     raise _Settled  # rolled back: nothing is written
 
 

@@ -130,9 +130,14 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # that started it, which may not be the caller's). An existing row is read,
 # not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
 # key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
-# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot. A new
-# row takes the key's generation (recoverypoint.generations) in the same statement: one
-# primary-key lookup in the key's scope, no round trip.
+# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+#
+# A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
+# just before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a
+# check in this statement would cost a command to the worker per new key. Only a deletion
+# of a row of the key created after that read can come in between, and none is that
+# quick: the reaper's and a reuse's need it finished past its retention, an operator's
+# needs --force against its live lease.
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
@@ -140,9 +145,9 @@ CLAIM = Statement(f"""
             request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
             lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
         VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s,
-            {generations.current("%(scope)s", "%(operation)s", "%(key)s")}, now(), %(token)s,
-            %(lock_timeout)s, now(), 1, now() + make_interval(secs => {backoff.delay_sql("0")}))
+            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, %(generation)s, now(),
+            %(token)s, %(lock_timeout)s, now(), 1,
+            now() + make_interval(secs => {backoff.delay_sql("0")}))
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING {_RETURNED}
     )
@@ -165,7 +170,7 @@ CLAIM_BY_ID = Statement(f"""
         UPDATE idempotency_keys AS k
         SET locked_at = now(), lock_token = %(token)s, lock_timeout = %(lock_timeout)s,
             last_run_at = now(), attempts = k.attempts + 1,
-            next_attempt_at = now() + make_interval(secs => {backoff.delay_sql("k.attempts")})
+            next_attempt_at = {leases.from_now(backoff.delay_sql("k.attempts"))}
         WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
           AND k.attempts < %(max_attempts)s AND k.reconcile_since IS NULL
           AND (k.lock_token = %(token)s OR {leases.free("%(lock_timeout)s")})
@@ -181,10 +186,13 @@ CLAIM_BY_ID = Statement(f"""
 # A key out of attempts whose lease is free (or :token's, a completer's reservation), and
 # that waits for no operator's reconciliation: finished with the abandoned answer instead
 # of another attempt, in the claim's transaction. Retries replay it; the reaper keeps it
-# for the abandoned keys' retention.
+# for the abandoned keys' retention; the completer runs its compensation, if declared and
+# not already run (a key reopened after it).
 ABANDON_EXHAUSTED = Statement(f"""
     UPDATE idempotency_keys AS k
-    SET finished_at = now(), abandoned_at = now(), response_status = %(status)s,
+    SET finished_at = now(), abandoned_at = now(),
+        compensation_due_at = CASE WHEN k.compensated_at IS NULL THEN now() END,
+        response_status = %(status)s,
         response_headers = '{{}}'::jsonb, response_body = %(body)s::jsonb,
         locked_at = NULL, lock_token = NULL
     WHERE k.scope = %(scope)s AND k.id = %(id)s AND k.finished_at IS NULL
@@ -195,16 +203,24 @@ ABANDON_EXHAUSTED = Statement(f"""
 
 # A finished key, read before any transaction: a replay needs nothing else. A finished
 # row never changes until the reaper deletes it. Only what a replay reads (see
-# Finished.parse): the request's params and the phases' state may be large. The last
-# column: whether it is past the retention it is honoured for (see PAST_RETENTION).
+# Finished.parse): the request's params and the phases' state may be large. Then whether
+# it is past the retention it is honoured for (see PAST_RETENTION), and the generation a
+# new row of the key takes (recoverypoint.generations): the finished row's next when it is
+# past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
+# CLAIM. One row, whether or not the key exists; one
+# shard on Citus (both tables are distributed by scope, co-located).
 FIND_FINISHED = Statement("""
-    SELECT operation_version::text, fingerprint, response_status::text,
-           response_headers::text, response_body::text,
-           (abandoned_at IS NULL
-            AND finished_at <= now() - make_interval(secs => %(retention)s))::text
-    FROM idempotency_keys
-    WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
-      AND finished_at IS NOT NULL
+    SELECT k.operation_version::text, k.fingerprint, k.response_status::text,
+           k.response_headers::text, k.response_body::text,
+           (k.abandoned_at IS NULL
+            AND k.finished_at <= now() - make_interval(secs => %(retention)s))::text,
+           coalesce(greatest(k.generation + 1, g.generation), 0)::text
+    FROM (SELECT) AS lookup
+    LEFT JOIN idempotency_keys AS k
+      ON k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
+     AND k.finished_at IS NOT NULL
+    LEFT JOIN key_generations AS g
+      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s
 """)
 
 # A key finished longer ago than the retention it is honoured for: a reuse of it is a new
@@ -480,12 +496,13 @@ RENEW_WINDOW = _by_ctid_and_by_id(
 # the key: the completer skips it, and its next attempt never comes, for a completer older
 # than migration 0013's columns too (the last year Python's datetime holds, not 'infinity',
 # which it cannot read). No claim takes it either. Not an attempt: nothing failed, and no
-# step was called, so the attempt the claim counted is given back.
+# step was called, so the attempt the claim counted is given back (never below 0: an
+# operator's `keys retry --reset` may have zeroed the attempts since the claim).
 HOLD = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
     SET reconcile_since = now(), locked_at = NULL, lock_token = NULL,
-        attempts = attempts - 1,
+        attempts = greatest(attempts - 1, 0),
         next_attempt_at = '9999-01-01 00:00:00+00', last_error = %(error)s
     WHERE {where}
 """,
@@ -504,12 +521,13 @@ FENCE_ABANDONED = Statement(f"""
     FOR UPDATE
 """)
 
-# The compensation committed: recorded once, with the state it left, and the lease given
-# up. The stored (abandoned) response stays as it is.
+# The compensation committed: recorded once, with the state it left, no longer due, and
+# the lease given up. The stored (abandoned) response stays as it is.
 COMPENSATE = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
-    SET compensated_at = now(), state = %(state)s::jsonb, locked_at = NULL, lock_token = NULL
+    SET compensated_at = now(), compensation_due_at = NULL, state = %(state)s::jsonb,
+        locked_at = NULL, lock_token = NULL
     WHERE abandoned_at IS NOT NULL AND compensated_at IS NULL AND {where}
 """,
     returning="id",

@@ -20,9 +20,12 @@ from ._pg import Transaction, borrowed
 from .context.common import StagedJob
 
 
-def finished_key(tx: Transaction, request: ClaimRequest, retention: float) -> Finished | None:
-    """The key if it is finished, read before the transaction begins; ``retention``: the
-    seconds it is honoured for."""
+def finished_key(
+    tx: Transaction, request: ClaimRequest, retention: float
+) -> tuple[Finished | None, int]:
+    """The key if it is finished, read before the transaction begins, and the generation a
+    new row of the key takes (for :func:`claim`); ``retention``: the seconds it is
+    honoured for."""
     params = {
         "scope": request.scope,
         "operation": request.operation,
@@ -30,7 +33,8 @@ def finished_key(tx: Transaction, request: ClaimRequest, retention: float) -> Fi
         "retention": retention,
     }
     row = tx.lookup(sql.FIND_FINISHED, params)
-    return None if row is None else Finished.parse(row)
+    assert row is not None  # one row, whether or not the key exists
+    return (None if row[0] is None else Finished.parse(row[:6])), int(row[6] or 0)
 
 
 def forget_expired(tx: Transaction, request: ClaimRequest, retention: float) -> None:
@@ -46,12 +50,16 @@ def forget_expired(tx: Transaction, request: ClaimRequest, retention: float) -> 
         tx.fetch(sql.PAST_RETENTION, params)
 
 
-def claim(tx: Transaction, request: ClaimRequest, schedule: dict[str, Any]) -> KeyRecord | None:
-    """Take the key if it can be taken; ``None`` only if the row vanished (reaped) meanwhile.
+def claim(
+    tx: Transaction, request: ClaimRequest, generation: int, schedule: dict[str, Any]
+) -> KeyRecord | None:
+    """Take the key if it can be taken, a new row at ``generation`` (as :func:`finished_key`
+    read it); ``None`` only if the row vanished (reaped) meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`)."""
     params = {
         **schedule,
+        "generation": generation,
         "scope": request.scope,
         "operation": request.operation,
         "key": request.key,

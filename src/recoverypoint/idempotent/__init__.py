@@ -56,7 +56,7 @@ from ..errors import AbandonedCall, InvalidParams, ParamsMismatch, Retryable
 from ..keys import chosen_scope
 from ..leases import DEFAULT_LOCK_TIMEOUT
 from ..logfmt import logfmt
-from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response
+from ..operation import FINISHED, AsyncRunner, NotFound, Operation, Outcome, Response
 from .shape import JSON_TEXT, VALUE, ArgumentRule, ReturnNotStored, Shape, as_key_text
 
 __all__ = ["AbandonedCall", "downstream_key", "idempotent"]
@@ -118,6 +118,8 @@ def idempotent(
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
     wait: timedelta | float | None = None,
+    dedupe_window: timedelta | None = None,
+    reconcile: Callable[..., object] | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -136,6 +138,8 @@ def idempotent(
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
     wait: timedelta | float | None = None,
+    dedupe_window: timedelta | None = None,
+    reconcile: Callable[..., object] | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]: ...
 
 
@@ -153,6 +157,8 @@ def idempotent(
     key_required: bool = True,
     on_replay: Callable[[Outcome], object] | None = None,
     wait: timedelta | float | None = None,
+    dedupe_window: timedelta | None = None,
+    reconcile: Callable[..., object] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated function once per idempotency key; see :mod:`recoverypoint.idempotent`.
 
@@ -194,6 +200,17 @@ def idempotent(
         most a minute; see :mod:`recoverypoint.engine.waits`): it then returns that call's
         value, or runs the function if that call failed. Without it, or when the wait runs
         out, it raises :class:`~recoverypoint.KeyInUse`.
+    dedupe_window, reconcile:
+        How long the provider the function calls remembers an idempotency key (Stripe: 24
+        hours), as for :meth:`~recoverypoint.Operation.foreign_step`: once that long has
+        passed since a call with the key began, the function is never called blindly again
+        for it. ``reconcile`` is then called instead, with the call's arguments and
+        :func:`downstream_key` as the function would see them: it asks the provider what the
+        first call did and returns the function's value (found: it is stored and returned)
+        or :data:`~recoverypoint.NotFound` (the function is called anew, with a fresh
+        downstream key). It is ``async def`` for an ``async def`` function. Without it the
+        call raises :class:`~recoverypoint.NeedsReconciliation` and the key waits for an
+        operator (``recoverypoint keys reconcile``).
     """
 
     wait_seconds(wait)  # refused when decorating, not at the first call
@@ -216,11 +233,18 @@ def idempotent(
             retention=retention,
         )
         calls = _Calls(fn, shape, operation, key, scope, key_required, on_replay, wait)
+        if reconcile is not None and inspect.iscoroutinefunction(reconcile) != is_async:
+            raise TypeError(
+                f"@idempotent: the reconcile hook of {fn.__qualname__} must be "
+                f"{'an async def' if is_async else 'a plain'} function, as the function is"
+            )
+        hook = None if reconcile is None else calls.reconciling(reconcile, is_async)
+        step = operation.foreign_step(CALLED, dedupe_window=dedupe_window, reconcile=hook)
         if is_async:
-            operation.foreign_step(CALLED)(calls.step_async)
+            step(calls.step_async)
             operation.atomic_phase(FINISHED)(_finish_async)
         else:
-            operation.foreign_step(CALLED)(calls.step)
+            step(calls.step)
             operation.atomic_phase(FINISHED)(_finish)
         engine.register(operation)
         wrapper = (
@@ -368,6 +392,26 @@ class _Calls:
         with self.running(step) as call:
             value = await self.fn(*call.args, **call.kwargs)
         return self.stored(value)
+
+    def reconciling(
+        self, reconcile: Callable[..., Any], is_async: bool
+    ) -> Callable[[StepContext, Any], Any]:
+        """The step's ``reconcile=`` hook for the user's ``reconcile``, called as the
+        function is (its arguments, :func:`downstream_key`): what it found is stored as the
+        function's value would be, and :data:`NotFound` is passed on."""
+
+        def found(value: object) -> object:
+            return NotFound if value is NotFound else self.stored(value)
+
+        def hook(step: StepContext, params: Any) -> object:
+            with self.running(step) as call:
+                return found(reconcile(*call.args, **call.kwargs))
+
+        async def hook_async(step: StepContext, params: Any) -> object:
+            with self.running(step) as call:
+                return found(await reconcile(*call.args, **call.kwargs))
+
+        return hook_async if is_async else hook
 
     def stored(self, value: object) -> dict[str, Any]:
         """What the step commits for ``value``: the function ran, so even a value that

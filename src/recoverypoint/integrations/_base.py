@@ -345,18 +345,24 @@ class BaseIdempotency(Generic[RequestT]):
         return replace(reply, headers=[*reply.headers, UNPROTECTED])
 
     def _declare_single_step(
-        self, name: str, lock_timeout: timedelta, *, on_loop: bool = False
+        self,
+        name: str,
+        lock_timeout: timedelta,
+        dedupe_window: timedelta | None,
+        *,
+        on_loop: bool = False,
     ) -> Operation[Any]:
         """The operation of a single-step endpoint; ``on_loop`` for an async endpoint run
         by the async engine."""
         operation: Operation[Any] = Operation(name, lock_timeout=lock_timeout)
+        step = operation.foreign_step(RESPONDED, dedupe_window=dedupe_window)
         if on_loop:
             assert self.async_engine is not None
-            operation.foreign_step(RESPONDED)(_respond_async)
+            step(_respond_async)
             operation.atomic_phase(FINISHED)(_finish_async)
             self.async_engine.register(operation)
         else:
-            operation.foreign_step(RESPONDED)(_respond)
+            step(_respond)
             operation.atomic_phase(FINISHED)(_finish)
             self.engine.register(operation)
         return operation

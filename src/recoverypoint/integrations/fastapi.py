@@ -148,6 +148,7 @@ class Idempotency(BaseIdempotency[Request]):
         *,
         lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
         key_required: bool = True,
+        dedupe_window: timedelta | None = None,
     ) -> Callable[[E], E]:
         """Make an endpoint single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.
@@ -157,11 +158,18 @@ class Idempotency(BaseIdempotency[Request]):
         endpoint runs on the event loop when there is an async engine. With
         ``key_required=False`` a request that sends no key runs the endpoint unprotected
         (nothing stored), its answer marked ``Idempotent-Unprotected: true``.
+
+        ``dedupe_window``: how long the services the endpoint calls remember an idempotency
+        key (Stripe: 24 hours). Once that long has passed since a request's first run began,
+        a retry of the unfinished key never runs the endpoint blindly again: it answers 423
+        (needs reconciliation) and the key waits for ``recoverypoint keys reconcile``.
         """
 
         def decorate(endpoint: E) -> E:
             on_loop = self.async_engine is not None and inspect.iscoroutinefunction(endpoint)
-            operation = self._declare_single_step(name, lock_timeout, on_loop=on_loop)
+            operation = self._declare_single_step(
+                name, lock_timeout, dedupe_window, on_loop=on_loop
+            )
             guarded = _guarded(endpoint)
             # Both: should this decorator be put above the route's, the route has the
             # endpoint itself, which the middleware must recognise all the same.

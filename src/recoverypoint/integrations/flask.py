@@ -88,14 +88,21 @@ class Idempotency(BaseIdempotency[flask.Request]):
         *,
         lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
         key_required: bool = True,
+        dedupe_window: timedelta | None = None,
     ) -> Callable[[V], V]:
         """Make a view single-step: its whole response is stored under the key and
         replayed. ``name`` is the operation's stable name; renaming the function keeps it.
         Put it below ``@app.post(...)``, so that the route gets the decorated view.
 
         With ``key_required=False`` a request that sends no key runs the view unprotected
-        (nothing stored), its answer marked ``Idempotent-Unprotected: true``."""
-        operation = self._declare_single_step(name, lock_timeout)
+        (nothing stored), its answer marked ``Idempotent-Unprotected: true``.
+
+        ``dedupe_window``: how long the services the view calls remember an idempotency
+        key (Stripe: 24 hours). Once that long has passed since a request's first run began,
+        a retry of the unfinished key never runs the view blindly again: it answers 423
+        (needs reconciliation) and the key waits for ``recoverypoint keys reconcile``.
+        """
+        operation = self._declare_single_step(name, lock_timeout, dedupe_window)
 
         def decorate(view: V) -> V:
             @functools.wraps(view)

@@ -9,7 +9,7 @@ Each has ``run_once()`` (one pass, returning its counts) and ``run_forever()``; 
 ``recoverypoint worker`` command runs them.
 """
 
-from ..engine._decide import ABANDONED_RESPONSE
+from ..engine import ABANDONED_RESPONSE
 from .completer import Completer, CompleterResult
 from .enqueuer import Enqueuer, EnqueuerResult
 from .loop import Result, Worker, on_stop

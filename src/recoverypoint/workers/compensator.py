@@ -1,27 +1,28 @@
 """Compensations: what the completer does, on each pass, for abandoned keys.
 
 An operation may declare what undoes its committed phases once a key is abandoned
-(:meth:`Operation.compensation`). Whoever abandoned the key (the completer after
-``max_attempts``, an operator with ``recoverypoint keys abandon`` or the console, from a
-process that need not load the application), the completer's next pass runs it: it takes
-the leases of abandoned keys awaiting a compensation (``FOR UPDATE SKIP LOCKED``, one
-scope at a time, under one fencing token, as it claims unfinished keys), then
-:meth:`Engine.compensate` runs each in a transaction of its own that commits
+(:meth:`Operation.compensation`). Whoever abandoned the key (the completer or a client's
+claim after ``max_attempts``, an operator with ``recoverypoint keys abandon`` or the
+console, from a process that need not load the application), the completer's next pass
+runs it: it takes the leases of abandoned keys awaiting a compensation (``FOR UPDATE SKIP
+LOCKED``, one scope at a time, under one fencing token, as it claims unfinished keys),
+then :meth:`Engine.compensate` runs each in a transaction of its own that commits
 ``compensated_at``. So two completers never run one key's compensation twice: the second
 finds the row locked or its lease held, and a compensation whose lease was taken over
 finds its fence gone and commits nothing.
 
-Which keys await one: abandoned, not compensated, of a registered version that declares a
-compensation, and abandoned since this release
-(:data:`~recoverypoint.admin.base.AWAITING_COMPENSATION`). Abandoning sets
-``next_attempt_at`` to the abandonment's own time (``abandoned_at``), which no key
-abandoned before this release has (its ``next_attempt_at`` was written by an earlier
-transaction), so those are never touched; a failed compensation keeps its key awaiting
-through ``last_error``, which it begins with ``compensation failed:``. ``next_attempt_at``
-is then when it is tried again: after as long again as the key has waited since it was
-abandoned, within the engine's ``retry_base`` and ``retry_cap`` (so exponentially). It is
-tried until it commits; every failure is logged and counted, and ``recoverypoint doctor``
-reports the keys whose compensation has failed, for a human.
+Which keys await one: those whose ``compensation_due_at`` has come, of a registered
+version that declares a compensation. Every abandonment sets it to the abandonment's time
+(but that of a key compensated before, then reopened); keys abandoned before migration
+0013, compensated, or reopened have none (NULL), so they are never touched, and a later
+write to any other column of the row (an operator's action, say) changes nothing. Its
+partial index, by operation and version first, holds only the keys it is set on: the
+search reads none of an operation that declares no compensation. A compensation that
+raises keeps its error in ``last_error``, counts ``compensation_attempts`` and pushes
+``compensation_due_at`` back, exponentially within the engine's ``retry_base`` and
+``retry_cap``. It is tried until it commits, which clears it; every failure is logged and
+counted, and ``recoverypoint doctor`` reports the keys whose compensation has failed, for
+a human.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ from typing import Any
 
 from sqlalchemy import text
 
-from ..admin.base import AWAITING_COMPENSATION, COMPENSATION_FAILED
+from .. import backoff
 from ..engine import AsyncEngine, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..leases import REGISTERED, free, registered
 from .loop import Worker
 
-_DUE = f"{AWAITING_COMPENSATION} AND k.next_attempt_at <= now()"
+# How last_error begins after a failed compensation, to tell it from the error the key was
+# abandoned with.
+_FAILED_PREFIX = "compensation failed: "
+
+_DUE = "k.compensation_due_at <= now()"
 
 # The scopes with abandoned keys due for a compensation, longest due first.
 _DUE_SCOPES = text(
@@ -50,7 +55,7 @@ _DUE_SCOPES = text(
     FROM idempotency_keys AS k
     JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
     WHERE {_DUE} AND {free("r.lock_timeout")}
-    GROUP BY k.scope ORDER BY min(k.next_attempt_at) LIMIT :scopes
+    GROUP BY k.scope ORDER BY min(k.compensation_due_at) LIMIT :scopes
     """
 )
 
@@ -63,7 +68,7 @@ _CLAIM = text(
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE k.scope = :scope AND {_DUE} AND {free("r.lock_timeout")}
-        ORDER BY k.next_attempt_at
+        ORDER BY k.compensation_due_at
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED
     )
@@ -71,17 +76,18 @@ _CLAIM = text(
     SET locked_at = now(), lock_token = :token, lock_timeout = due.lock_timeout
     FROM due
     WHERE k.scope = :scope AND k.id = due.id
-    RETURNING k.id, k.operation, k.operation_version
+    RETURNING k.id, k.operation, k.operation_version, k.compensation_attempts
     """
 )
 
-# A compensation that raised: the lease given up, the error kept, the next try backed off.
+# A compensation that raised: the lease given up, the error kept, the failure counted and
+# the next try backed off.
 _FAILED = text(
     """
     UPDATE idempotency_keys AS k
     SET locked_at = NULL, lock_token = NULL, last_error = :error,
-        next_attempt_at = now() + make_interval(
-            secs => least(:cap, greatest(:base, extract(epoch FROM now() - k.abandoned_at))))
+        compensation_attempts = k.compensation_attempts + 1,
+        compensation_due_at = now() + make_interval(secs => :retry_in)
     WHERE k.scope = :scope AND k.id = :id AND k.lock_token = :token
     """
 )
@@ -117,21 +123,22 @@ class Compensator:
                 }
                 with self.worker.db.begin() as conn:
                     batch = conn.execute(_CLAIM, claim).all()
-                for key_id, name, version in batch:
+                for key_id, name, version, failures in batch:
                     # Stopping, a key not run keeps the lease until it expires: no double run.
                     if self.worker.stopping:
                         break
-                    ok = self._compensate(scope, key_id, name, version, token)
+                    ok = self._compensate(scope, key_id, name, version, failures, token)
                     done, failed = done + (ok is True), failed + (ok is False)
                 if len(batch) < self.worker.batch_size:
                     break
         return done, failed
 
     def _compensate(
-        self, scope: str, key_id: int, name: str, version: int, token: uuid.UUID
+        self, scope: str, key_id: int, name: str, version: int, failures: int, token: uuid.UUID
     ) -> bool | None:
-        """Run one key's compensation: ``True`` if it committed, ``False`` if it failed,
-        ``None`` if the key was no longer this pass's to compensate."""
+        """Run one key's compensation, which has failed ``failures`` times before: ``True``
+        if it committed, ``False`` if it failed, ``None`` if the key was no longer this
+        pass's to compensate."""
         engines = self.worker.engines
         engine: Engine | AsyncEngine
         if engines.runs_async(name, version):
@@ -146,14 +153,15 @@ class Compensator:
         except (KeyInUse, LockLost, DatabaseUnavailable):
             return None  # another holder, or the database away: the lease runs out
         except Exception as exc:
-            error = f"{COMPENSATION_FAILED}{type(exc).__name__}: {exc}"[:2000]
+            error = f"{_FAILED_PREFIX}{type(exc).__name__}: {exc}"[:2000]
             params = {
                 "scope": scope,
                 "id": key_id,
                 "token": token,
                 "error": error,
-                "base": engine.retry_base,
-                "cap": engine.retry_cap,
+                "retry_in": backoff.backoff_delay(
+                    failures, base=engine.retry_base, cap=engine.retry_cap
+                ),
             }
             with self.worker.db.begin() as conn:
                 conn.execute(_FAILED, params)

@@ -4,7 +4,9 @@ It reserves due keys in small batches (``FOR UPDATE SKIP LOCKED``, so completers
 for or collide with one another) under one fencing token, then resumes each with that token
 through the engine that registered its operation: :meth:`Engine.resume` one key after
 another, :meth:`AsyncEngine.resume` on an event loop of the completer's own, the batch's
-keys all at once (each has its own lease, row and connection). A reservation is a short
+keys all at once (each has its own lease, row and connection), except those whose last
+holder died without releasing their lease: each of those is resumed alone, first, so that a
+poison key that kills the completer again costs no other key an attempt. A reservation is a short
 lease (:attr:`Completer.reservation`): a key's resume takes its full lease and counts the
 attempt, so a completer that dies mid-batch (a poison key that kills its process) holds the
 keys it had not resumed for seconds, not for their lock timeout, and counts no attempt for
@@ -37,10 +39,9 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, text
 
 from ..admin.key_actions import abandon_exhausted
-from ..engine import AsyncEngine, Engine
-from ..engine._decide import ABANDONED_RESPONSE
+from ..engine import ABANDONED_RESPONSE, AsyncEngine, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost, NeedsReconciliation
-from ..leases import REGISTERED, free, registered
+from ..leases import REGISTERED, free, from_now, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome
 from ..outage import is_outage
@@ -76,14 +77,15 @@ _DUE_SCOPES = text(
 # reservation is a lease that runs out :reservation seconds from now (taken as if that much
 # less than the lock timeout remained, so that every reader of the lease rule agrees),
 # stored with the version's lock timeout as every lease is; the resume of each key renews
-# it in full. Returned longest due first, the order the sync engine's keys are resumed in:
-# a key whose attempt killed the process was backed off by its claim, so the keys due
-# before it are resumed before it is.
+# it in full. A key whose lease was still set (its last holder died without releasing it)
+# is returned as unreleased. Returned longest due first, the order the keys resumed one by
+# one are resumed in: a key whose attempt killed the process was backed off by its claim,
+# so the keys due before it are resumed before it is.
 _CLAIM_DUE = text(
     f"""
     WITH {REGISTERED},
     due AS (
-        SELECT k.id, r.lock_timeout
+        SELECT k.id, r.lock_timeout, k.locked_at IS NOT NULL AS unreleased
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE k.scope = :scope
@@ -95,15 +97,14 @@ _CLAIM_DUE = text(
     ),
     reserved AS (
         UPDATE idempotency_keys AS k
-        SET locked_at = now() - make_interval(
-                secs => due.lock_timeout - least(due.lock_timeout, :reservation)),
+        SET locked_at = {from_now("least(due.lock_timeout, :reservation) - due.lock_timeout")},
             lock_token = :token, lock_timeout = due.lock_timeout
         FROM due
         WHERE k.scope = :scope AND k.id = due.id
         RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts,
-                  k.next_attempt_at
+                  due.unreleased, k.next_attempt_at
     )
-    SELECT id, scope, operation, operation_version, attempts FROM reserved
+    SELECT id, scope, operation, operation_version, attempts, unreleased FROM reserved
     ORDER BY next_attempt_at
     """
 )
@@ -189,6 +190,9 @@ class _Claimed:
     operation: str
     operation_version: int
     attempts: int
+    unreleased: bool
+    """Its lease was still set when reserved: its last attempt's holder died (a poison key,
+    perhaps, or a completer that died with it in its batch)."""
 
 
 class Completer(Worker[CompleterResult]):
@@ -284,19 +288,27 @@ class Completer(Worker[CompleterResult]):
     def _complete_batch(
         self, batch: list[_Claimed], token: uuid.UUID, result: CompleterResult, done: set[int]
     ) -> None:
-        """Resume the batch's keys of sync operations one by one, checking for a stop
-        between them; then those of async operations at once, on the completer's loop."""
-        later: list[_Claimed] = []
+        """Resume the batch's keys one by one, checking for a stop between them: those of
+        sync operations, and those of async operations whose last holder died (on the
+        completer's loop); then the other keys of async operations at once.
+
+        A key whose last attempt died with its process may kill the completer too: resumed
+        alone, it costs only itself an attempt, not each neighbour that would have been
+        running beside it (each of those counted one at its claim)."""
+        together: list[_Claimed] = []
         for key in batch:
-            if self.engines.runs_async(key.operation, key.operation_version):
-                later.append(key)
-                continue
             if self.stopping:
                 return
-            self._complete(key, token, result)
+            if not self.engines.runs_async(key.operation, key.operation_version):
+                self._complete(key, token, result)
+            elif key.unreleased:
+                self._event_loop().run_until_complete(self._complete_async(key, token, result))
+            else:
+                together.append(key)
+                continue
             done.add(key.id)
-        if later and not self.stopping:
-            self._event_loop().run_until_complete(self._complete_all(later, token, result, done))
+        if together and not self.stopping:
+            self._event_loop().run_until_complete(self._complete_all(together, token, result, done))
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The loop the async engines' work runs on, made on first use."""

@@ -8,7 +8,9 @@ however old: the completer finishes or abandons it first. Staged jobs of a delet
 their row, unlinked from it (``idempotency_key_id`` set to NULL in the same statement), and
 the key's next generation is recorded in the same statement (:mod:`recoverypoint.generations`),
 so that a reuse of the key hands its providers new keys. Those records are pruned after
-``generations_retention`` (30 days), longer than any provider remembers a key.
+``generations_retention`` (30 days), longer than any provider remembers a key, or after the
+longest ``dedupe_window`` a registered operation declares, when that is longer: until then
+a provider may still remember the keys a reuse at generation 0 would derive again.
 
 A large pass leaves dead rows behind. Where autovacuum looks after the table it reaped,
 that is autovacuum's work; where it is off (for the server or the table), the reaper runs
@@ -19,6 +21,7 @@ do not queue behind each other's vacuum: one that finds the table being vacuumed
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,7 +65,9 @@ _DUE_SCOPES = text(
 
 # One batch of one scope's finished keys past their retention: their operation's own (``Operation(
 # retention=...)``, a table from three arrays) or the reaper's. The partial index on
-# finished_at finds them by the shortest retention; each row is then held to its own. Rows
+# finished_at finds them by the shortest retention; each row is then held to its own (a
+# sub-select, not a join: Citus, which runs this batch's CTEs one by one for the INSERT
+# that records generations, reads a locked join's result in the wrong format). Rows
 # locked elsewhere are skipped, so reapers never wait for each other.
 _REAP_KEYS = text(
     f"""
@@ -73,10 +78,12 @@ _REAP_KEYS = text(
         ) AS o(operation, version, retention)
     ), doomed AS (
         SELECT k.id FROM idempotency_keys AS k
-        LEFT JOIN own ON own.operation = k.operation AND own.version = k.operation_version
         WHERE k.scope = :scope
           AND k.finished_at < now() - make_interval(secs => :shortest)
-          AND k.finished_at < now() - make_interval(secs => coalesce(own.retention, :retention))
+          AND k.finished_at < now() - make_interval(secs => coalesce(
+              (SELECT min(o.retention) FROM own AS o
+               WHERE o.operation = k.operation AND o.version = k.operation_version),
+              :retention))
           AND (k.abandoned_at IS NULL
                OR k.abandoned_at < now() - make_interval(secs => :abandoned_retention))
         LIMIT :batch_size
@@ -163,7 +170,8 @@ class Reaper(Worker[ReaperResult]):
     shorter than ``retention``), consume-once records past ``processed_retention`` and the
     recorded generations of deleted keys past ``generations_retention`` (longer than any
     provider remembers a key: see
-    :data:`~recoverypoint.generations.DEFAULT_GENERATIONS_RETENTION`), one
+    :data:`~recoverypoint.generations.DEFAULT_GENERATIONS_RETENTION`; never shorter than
+    the longest ``dedupe_window`` of the registered operations), one
     transaction per batch; then vacuums a table it deleted ``vacuum_after`` rows or more
     from, if autovacuum does not (``None``: never)."""
 
@@ -200,6 +208,7 @@ class Reaper(Worker[ReaperResult]):
         self.processed_retention = processed_retention
         self.generations_retention = generations_retention
         self.vacuum_after = vacuum_after
+        self._window_kept: timedelta | None = None
 
     def run_once(self) -> ReaperResult:
         result = ReaperResult()
@@ -222,7 +231,7 @@ class Reaper(Worker[ReaperResult]):
 
         self.by_scope(_DUE_SCOPES, keys, reap)
 
-        pruned = {"retention": self.generations_retention.total_seconds()}
+        pruned = {"retention": self._generations_kept().total_seconds()}
 
         def prune(scope: str) -> int:
             deleted = len(self._batch(_PRUNE_GENERATIONS, {**pruned, "scope": scope}, result))
@@ -245,6 +254,33 @@ class Reaper(Worker[ReaperResult]):
         self.engines.observer.reaped(result.finished, result.abandoned, result.messages)
         self.engines.observer.worker_pass(self.name)
         return result
+
+    def _generations_kept(self) -> timedelta:
+        """How long a deleted key's generation is kept: ``generations_retention``, or the
+        longest dedupe window of the registered operations' steps when that is longer (a
+        provider that declared it may remember the keys a reuse at generation 0 derives
+        again until then); logged once per window that wins."""
+        window = max(
+            (
+                phase.dedupe_window
+                for operation in self.engines.operations
+                for phase in operation.phases
+                if phase.dedupe_window is not None
+            ),
+            default=timedelta(0),
+        )
+        if window <= self.generations_retention:
+            return self.generations_retention
+        if window != self._window_kept:
+            self._window_kept = window
+            self.log(
+                logging.INFO,
+                "generations_retention",
+                generations_retention_seconds=int(self.generations_retention.total_seconds()),
+                kept_seconds=int(window.total_seconds()),
+                reason="a registered foreign step's dedupe_window is longer",
+            )
+        return window
 
     def _vacuum_unless_autovacuum(self, table: str) -> bool:
         """``VACUUM (ANALYZE)`` ``table`` if autovacuum skips it; whether it did."""
