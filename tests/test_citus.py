@@ -593,10 +593,10 @@ def test_an_abandoned_key_is_compensated_once_after_a_failed_try(
     first = Completer(engine, min_age=0).run_once()
     assert (first.abandoned, first.compensated, first.compensation_failed) == (1, 0, 1)
     row = _key_row(citus, scope)
-    assert row.lock_token is None and row.next_attempt_at > row.abandoned_at
+    assert row.lock_token is None and row.compensation_due_at > row.abandoned_at
     with citus.begin() as conn:  # the failed try's back-off has passed
         conn.execute(
-            sa.text("UPDATE idempotency_keys SET next_attempt_at = now() WHERE scope = :s"),
+            sa.text("UPDATE idempotency_keys SET compensation_due_at = now() WHERE scope = :s"),
             {"s": scope},
         )
     later = Completer(engine, min_age=0).run_once()

@@ -394,8 +394,8 @@ def test_a_reopened_key_awaits_no_compensation_and_one_compensated_is_never_due_
     assert p.completer().run_once().compensated == 1
 
     admin.reopen(db, key_id)
-    admin.abandon(db, key_id)  # compensated once: never again
-    assert key_row(worker_db, key_id).compensation_due_at is None
+    admin.abandon(db, key_id)  # compensated once: never again, though due
+    assert key_row(worker_db, key_id).compensated_at is not None
     assert p.completer().run_once().compensated == 0
     assert counts(worker_db) == (1, 1, 1)
 

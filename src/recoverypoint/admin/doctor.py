@@ -221,6 +221,7 @@ _FAILING_COMPENSATIONS = sa.text(
     """
     SELECT count(*), min(k.abandoned_at) FROM idempotency_keys AS k
     WHERE k.compensation_due_at IS NOT NULL AND k.compensation_attempts > 0
+      AND k.compensated_at IS NULL
     """
 )
 

@@ -117,15 +117,15 @@ _RELEASE = sa.text(
 )
 
 # As the completer abandons a key: finished with an error response, its lease cleared,
-# its operation's compensation, if it declares one, due at once (workers.compensator)
-# unless it already ran (a key reopened after it); only while the lease it was read with
-# (or none) still holds it, and, unforced, is free.
+# its operation's compensation, if it declares one, due at once (workers.compensator,
+# which skips one that already ran: a key reopened after it); only while the lease it was
+# read with (or none) still holds it, and, unforced, is free.
 _ABANDON = sa.text(
     f"""
     WITH {_SEEN}
     UPDATE idempotency_keys AS k
     SET finished_at = now(), abandoned_at = now(),
-        compensation_due_at = CASE WHEN k.compensated_at IS NULL THEN now() END,
+        compensation_due_at = now(),
         response_status = :status,
         response_headers = '{{}}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL
@@ -145,7 +145,7 @@ _ABANDON_EXHAUSTED = sa.text(
     """
     UPDATE idempotency_keys
     SET finished_at = now(), abandoned_at = now(),
-        compensation_due_at = CASE WHEN compensated_at IS NULL THEN now() END,
+        compensation_due_at = now(),
         response_status = :status,
         response_headers = '{}'::jsonb, response_body = CAST(:body AS jsonb),
         locked_at = NULL, lock_token = NULL

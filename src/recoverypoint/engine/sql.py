@@ -187,11 +187,11 @@ CLAIM_BY_ID = Statement(f"""
 # that waits for no operator's reconciliation: finished with the abandoned answer instead
 # of another attempt, in the claim's transaction. Retries replay it; the reaper keeps it
 # for the abandoned keys' retention; the completer runs its compensation, if declared and
-# not already run (a key reopened after it).
+# not already run (a key reopened after it: workers.compensator skips it).
 ABANDON_EXHAUSTED = Statement(f"""
     UPDATE idempotency_keys AS k
     SET finished_at = now(), abandoned_at = now(),
-        compensation_due_at = CASE WHEN k.compensated_at IS NULL THEN now() END,
+        compensation_due_at = now(),
         response_status = %(status)s,
         response_headers = '{{}}'::jsonb, response_body = %(body)s::jsonb,
         locked_at = NULL, lock_token = NULL

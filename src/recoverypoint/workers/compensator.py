@@ -45,7 +45,10 @@ from .loop import Worker
 # abandoned with.
 _FAILED_PREFIX = "compensation failed: "
 
-_DUE = "k.compensation_due_at <= now()"
+# Due, and not run already: a key reopened after its compensation and abandoned again
+# is due (the abandonment writes the moment alone, as Citus allows no now() in a CASE)
+# but never compensated twice.
+_DUE = "k.compensation_due_at <= now() AND k.compensated_at IS NULL"
 
 # The scopes with abandoned keys due for a compensation, longest due first.
 _DUE_SCOPES = text(
