@@ -168,6 +168,8 @@ _REOPEN = sa.text(
     FROM seen AS s
     WHERE k.scope = :scope AND k.id = s.id
       AND k.abandoned_at IS NOT NULL AND k.recovery_point <> 'finished'
+      AND k.compensated_at IS NULL AND k.lock_token IS NOT DISTINCT FROM s.lock_token
+      AND {_FREE_AS_SEEN}
     RETURNING k.id
     """
 )
@@ -309,6 +311,14 @@ def _reopenable(row: KeyRow, force: bool) -> str | None:
         return f"key {row.id} is {row.state}: only abandoned keys reopen"
     if row.point == FINISHED:
         return f"key {row.id} was abandoned after its last phase: there is nothing to run"
+    if row.compensated_at is not None:
+        return (
+            f"key {row.id} was compensated at {row.compensated_at:%Y-%m-%d %H:%M:%S}: its "
+            "operation's compensation undid what its phases did, and reopened it would run "
+            "the rest of them on top of the undo; send the request again under a new key"
+        )
+    if row.live:
+        return f"key {row.id} is being compensated (a live lease): wait for it, then look again"
     return None
 
 
