@@ -22,7 +22,7 @@ import recoverypoint as rp
 from recoverypoint import admin, testing
 from recoverypoint.cli import main
 from recoverypoint.exits import EXIT_OK
-from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult
+from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult, Reaper
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS charges (key_id bigint PRIMARY KEY);
@@ -482,3 +482,27 @@ def test_keys_list_shows_a_compensation_pending_then_done(
     assert p.completer().run_once().compensated == 1
     assert main(["keys", "list", "--app", app]) == EXIT_OK
     assert "abandoned, compensated" in capsys.readouterr().out
+
+
+def test_the_reaper_keeps_an_abandoned_key_until_its_compensation_ran(
+    payments: Callable[..., Payments], worker_db: sa.Engine
+) -> None:
+    p = payments(fail=1)
+    key_id = p.request()
+    assert p.completer().run_once().compensation_failed == 1
+    testing.Clock(worker_db).advance(days=31)  # past the abandoned keys' retention
+    reaper = Reaper(p.engine)
+    assert reaper.run_once().abandoned == 0  # its compensation is still to run
+    assert p.completer().run_once().compensated == 1
+    assert reaper.run_once().abandoned == 1
+    assert counts(worker_db) == (1, 1, 1)
+
+
+def test_the_reaper_deletes_an_abandoned_key_with_no_compensation_to_run(
+    payments: Callable[..., Payments], worker_db: sa.Engine
+) -> None:
+    p = payments(compensate=False)
+    p.request()
+    assert p.completer().run_once().abandoned == 1
+    testing.Clock(worker_db).advance(days=31)
+    assert Reaper(p.engine).run_once().abandoned == 1

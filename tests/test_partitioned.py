@@ -126,6 +126,8 @@ WORKER_CLAIMS = [
             "shortest": 1.0,
             "retention": 1.0,
             "abandoned_retention": 1.0,
+            "compensating_operations": ["op"],
+            "compensating_versions": [1],
             "batch_size": 10,
         },
     ),

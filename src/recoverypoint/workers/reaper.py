@@ -76,6 +76,10 @@ _REAP_KEYS = text(
             CAST(:operations AS text[]), CAST(:versions AS integer[]),
             CAST(:retentions AS double precision[])
         ) AS o(operation, version, retention)
+    ), compensating AS (
+        SELECT * FROM unnest(
+            CAST(:compensating_operations AS text[]), CAST(:compensating_versions AS integer[])
+        ) AS c(operation, version)
     ), doomed AS (
         SELECT k.id FROM idempotency_keys AS k
         WHERE k.scope = :scope
@@ -86,6 +90,12 @@ _REAP_KEYS = text(
               :retention))
           AND (k.abandoned_at IS NULL
                OR k.abandoned_at < now() - make_interval(secs => :abandoned_retention))
+          -- Kept while its operation's compensation is still to run (doctor reports it):
+          -- deleted, what its phases did would stay with nobody told.
+          AND NOT (k.compensation_due_at IS NOT NULL AND k.compensated_at IS NULL
+                   AND EXISTS (SELECT FROM compensating AS c
+                               WHERE c.operation = k.operation
+                                 AND c.version = k.operation_version))
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
@@ -210,6 +220,14 @@ class Reaper(Worker[ReaperResult]):
         self.vacuum_after = vacuum_after
         self._window_kept: timedelta | None = None
 
+    def _compensating(self) -> dict[str, list[Any]]:
+        """The operations whose abandoned keys wait for their compensation, as binds."""
+        compensating = [op for op in self.engines.operations if op.compensation_phase]
+        return {
+            "compensating_operations": [op.name for op in compensating],
+            "compensating_versions": [op.version for op in compensating],
+        }
+
     def run_once(self) -> ReaperResult:
         result = ReaperResult()
         own = [op for op in self.engines.operations if op.retention is not None]
@@ -221,6 +239,7 @@ class Reaper(Worker[ReaperResult]):
             "retention": self.retention.total_seconds(),
             "shortest": min([self.retention.total_seconds(), *retentions]),
             "abandoned_retention": self.abandoned_retention.total_seconds(),
+            **self._compensating(),
         }
 
         def reap(scope: str) -> int:
