@@ -50,7 +50,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 
 from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
-from .engine import Engine
+from .engine import Engine, heartbeat
 from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
 from .operation import NotFound, Operation, Outcome
@@ -616,6 +616,7 @@ class _Explorer:
         """Run the attempt in a forked process that dies at the scheduled crash, as a
         SIGKILL would leave it: no rollback sent, no lease released, its memory gone."""
         read, write = os.pipe()
+        heartbeat.quiesce()  # the last attempt's renewer thread, still idling: not forked
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child never returns to report coverage
             os.close(read)

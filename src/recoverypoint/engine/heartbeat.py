@@ -294,6 +294,16 @@ class Heartbeat:
                 self._cond.notify()
         return lease
 
+    def quiesce(self) -> None:
+        """End the renewer thread now, if no step is in flight, and wait for it to end."""
+        with self._cond:
+            thread = self._thread
+            if thread is None or any(self._leases.values()):
+                return
+            self._held = False
+            self._cond.notify()
+        thread.join()
+
     def drop(self, lease: Lease) -> None:
         """Stop renewing ``lease``; a renewal in flight is waited for (an interval at most),
         and the row's address it left given to the run, for its next fence."""
@@ -391,6 +401,15 @@ class AsyncHeartbeat(Heartbeat):
 def _forked() -> None:
     for heartbeat in list(_heartbeats):
         heartbeat._forked()
+
+
+def quiesce() -> None:
+    """End every idle renewer thread of this process (one stays an interval after each
+    step): for a caller about to fork, whose child would otherwise be forked from a
+    multi-threaded process (Python warns, and a child forked while another thread holds
+    a lock may deadlock)."""
+    for heartbeat in list(_heartbeats):
+        heartbeat.quiesce()
 
 
 os.register_at_fork(after_in_child=_forked)
