@@ -158,7 +158,6 @@ class _Link:
     def __init__(self, db: sa.Engine) -> None:
         self._db = db
         self._connection: psycopg.Connection[Any] | None = None
-        self._timeout_ms = 0
         self._lock = threading.Lock()
         self._busy = False
         self._abandoned = False
@@ -204,13 +203,13 @@ class _Link:
         timeout_ms = max(1, int(lease.interval * 500))
         if self._connection is None:
             self._connection = self._connect(timeout_ms / 1000)
-            self._timeout_ms = 0
         connection = self._connection
-        if timeout_ms != self._timeout_ms:  # the leases' timeouts differ: rare
-            connection.execute(sql.RENEWER_TIMEOUTS, {"timeout": f"{timeout_ms}ms"})
-            self._timeout_ms = timeout_ms
         params = {"scope": key.scope, "id": key.id, "token": key.token}
-        row = connection.execute(sql.RENEW, params).fetchone()
+        # The timeouts are the transaction's own: behind a pooler in transaction mode, a
+        # session's setting would stay with a server connection that other clients get.
+        with connection.transaction():
+            connection.execute(sql.RENEWER_TIMEOUTS, {"timeout": f"{timeout_ms}ms"})
+            row = connection.execute(sql.RENEW, params).fetchone()
         return None if row is None else str(row[0])
 
     def _connect(self, timeout: float) -> psycopg.Connection[Any]:
@@ -224,6 +223,9 @@ class _Link:
             **{
                 **cparams,
                 "autocommit": True,
+                # Never prepared: behind a pooler the next renewal may reach another
+                # server connection, which does not know the statement.
+                "prepare_threshold": None,
                 "connect_timeout": max(2, seconds),  # libpq's least
                 "keepalives": 1,
                 "keepalives_idle": seconds,

@@ -449,11 +449,12 @@ FINISH = _by_ctid_and_by_id(
 # run's next fence. By id: it runs on its own (autocommit), where an address buys nothing.
 RENEW = f"UPDATE idempotency_keys SET locked_at = now() WHERE {_BY_ID} RETURNING ctid::text"
 
-# The heartbeat's own connection: its renewals wait for neither a lock nor a slow server
-# longer than %(timeout)s (below a renewal interval), so that a failed one is retried in time.
+# The heartbeat's own connection: a renewal waits for neither a lock nor a slow server
+# longer than %(timeout)s (below a renewal interval), so that a failed one is retried in
+# time. Local to the renewal's transaction (a pooler may hand the server connection on).
 RENEWER_TIMEOUTS = (
-    "SELECT set_config('statement_timeout', %(timeout)s, false), "
-    "set_config('lock_timeout', %(timeout)s, false)"
+    "SELECT set_config('statement_timeout', %(timeout)s, true), "
+    "set_config('lock_timeout', %(timeout)s, true)"
 )
 
 # A failed attempt: give the lease up, keep the recovery point, record the error and back
