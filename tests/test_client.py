@@ -163,9 +163,13 @@ class Held:
 
     def __init__(self) -> None:
         self.keys: list[str | None] = []
+        self.reconciled = False
+        """Then every request is answered 201, as a reconciled key answers."""
 
     async def endpoint(self, request: Request) -> Response:
         self.keys.append(request.headers.get("Idempotency-Key"))
+        if self.reconciled:
+            return Response(b"{}", 201, {"content-type": "application/json"})
         reply = problem_reply(NeedsReconciliation(), retry_after=1)
         return Response(reply.body, reply.status, dict(reply.headers))
 
@@ -200,6 +204,18 @@ def test_a_held_request_is_never_sent_with_another_key(flavour: str) -> None:
     first, again, other = held.keys
     assert first == again and other not in (None, first)
     assert "do not send the request with another key" in answers[0].json()["detail"]
+
+
+def test_a_held_request_keeps_its_key_until_it_is_answered_otherwise() -> None:
+    held = Held()
+    app = Starlette(routes=[Route("/held", held.endpoint, methods=["POST"])])
+    with serve_asgi(app) as base_url, Client(base_url, policy=FAST) as client:
+        assert client.post("/held", json={"ride": 1}).status_code == 423
+        held.reconciled = True  # an operator reconciled the key
+        assert client.post("/held", json={"ride": 1}).status_code == 201  # its answer
+        assert client.post("/held", json={"ride": 1}).status_code == 201  # a new request
+    first, reconciled, new = held.keys
+    assert reconciled == first and new not in (None, first)
 
 
 def test_a_refused_connection_is_retried_then_raised() -> None:

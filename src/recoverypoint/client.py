@@ -163,13 +163,18 @@ HELD = 423
 """The status of a request the server holds for reconciliation
 (:class:`~recoverypoint.NeedsReconciliation`)."""
 
+# How many held requests a client remembers.
+_HELD_KEPT = 1000
+
 # What a request sends besides its method, URL and headers.
 _SENT = ("params", "content", "data", "files", "json")
 
 
 class _Held:
     """The keys of the requests answered :data:`HELD`, by what the request sends: a request
-    sent again without a key gets its key back instead of a new one."""
+    sent again without a key gets its key back instead of a new one, until it gets another
+    answer (reconciled, the key answers what its request did; a later request that sends
+    the same is a new one). Only this client's, and the last :data:`_HELD_KEPT` of them."""
 
     def __init__(self) -> None:
         self._keys: dict[tuple[str, str, str], str] = {}
@@ -184,8 +189,14 @@ class _Held:
     def answered(
         self, method: str, url: str, kwargs: dict[str, Any], key: str, status: int
     ) -> None:
+        if not self._keys and status != HELD:
+            return  # nothing held: no work per request
+        request = self._request(method, url, kwargs)
+        self._keys.pop(request, None)
         if status == HELD:
-            self._keys[self._request(method, url, kwargs)] = key
+            self._keys[request] = key
+            if len(self._keys) > _HELD_KEPT:  # the oldest first: dicts keep their order
+                del self._keys[next(iter(self._keys))]
 
 
 def _with_key(
