@@ -135,9 +135,10 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
 # just before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a
 # check in this statement would cost a command to the worker per new key. Only a deletion
-# of a row of the key created after that read can come in between, and none is that
-# quick: the reaper's and a reuse's need it finished past its retention, an operator's
-# needs --force against its live lease.
+# of a row of the key created after that read can come in between: the reaper's and a
+# reuse's need the row finished past its retention, which no row that young is; an
+# operator's `keys delete --force` of the unfinished row can, and the row claimed next then
+# derives the deleted one's keys (docs/concepts/downstream-keys.md says so).
 CLAIM = Statement(f"""
     WITH claimed AS (
         INSERT INTO idempotency_keys (
