@@ -39,7 +39,7 @@ from .. import backoff
 from ..engine import AsyncEngine, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..leases import REGISTERED, free, registered
-from .loop import Worker
+from .loop import Worker, registered_scopes
 
 # How last_error begins after a failed compensation, to tell it from the error the key was
 # abandoned with.
@@ -51,16 +51,7 @@ _FAILED_PREFIX = "compensation failed: "
 _DUE = "k.compensation_due_at <= now() AND k.compensated_at IS NULL"
 
 # The scopes with abandoned keys due for a compensation, longest due first.
-_DUE_SCOPES = text(
-    f"""
-    WITH {REGISTERED}
-    SELECT k.scope
-    FROM idempotency_keys AS k
-    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-    WHERE {_DUE} AND {free("r.lock_timeout")}
-    GROUP BY k.scope ORDER BY min(k.compensation_due_at) LIMIT :scopes
-    """
-)
+_DUE_SCOPES = registered_scopes(_DUE, "k.compensation_due_at")
 
 # Take the leases of a batch of one scope's keys due for a compensation, under one token.
 _CLAIM = text(

@@ -47,7 +47,7 @@ from ..operation import Operation, Outcome
 from ..outage import is_outage
 from .compensator import Compensator, run_on
 from .engines import AnyEngine
-from .loop import Result, Worker
+from .loop import Result, Worker, registered_scopes
 
 # An unfinished key whose next attempt is due and whose client has had :min_age seconds
 # since its last run to come back on its own. Never one held for an operator's
@@ -60,17 +60,7 @@ _DUE = """
 """
 
 # The scopes with due keys of registered operations whose lease is free, longest due first.
-_DUE_SCOPES = text(
-    f"""
-    WITH {REGISTERED}
-    SELECT k.scope
-    FROM idempotency_keys AS k
-    JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-    WHERE {_DUE}
-      AND {free("r.lock_timeout")}
-    GROUP BY k.scope ORDER BY min(k.next_attempt_at) LIMIT :scopes
-    """
-)
+_DUE_SCOPES = registered_scopes(_DUE, "k.next_attempt_at")
 
 # Reserve a batch of one scope's due keys with a free or expired lease, under one token.
 # SKIP LOCKED: rows another completer (or a client's claim) holds are passed over. The

@@ -32,6 +32,7 @@ from typing import ClassVar, Generic, TypeVar
 
 import sqlalchemy as sa
 
+from ..leases import REGISTERED, free
 from ..logfmt import logfmt
 from ..outage import is_outage
 from .engines import AnyEngine, Engines
@@ -51,6 +52,22 @@ _RECORD_PASS = sa.text(
         last_error = excluded.last_error, interval_seconds = excluded.interval_seconds
     """
 )
+
+
+def registered_scopes(due: str, due_at: str) -> sa.TextClause:
+    """The listing for :meth:`Worker.scopes_due` of the scopes with keys of registered
+    operations (:data:`~recoverypoint.leases.REGISTERED`) that are ``due`` (SQL on key row
+    ``k``) and whose lease is free, the longest due by ``due_at`` first."""
+    return sa.text(
+        f"""
+        WITH {REGISTERED}
+        SELECT k.scope
+        FROM idempotency_keys AS k
+        JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
+        WHERE {due} AND {free("r.lock_timeout")}
+        GROUP BY k.scope ORDER BY min({due_at}) LIMIT :scopes
+        """
+    )
 
 
 @dataclass
