@@ -223,7 +223,8 @@ class Claimer:
             token=uuid.uuid4(),
             lock_timeout=90.0,
         )
-        return self.engine._transact(lambda conn: store.claim(conn, request))
+        schedule = self.engine._schedule()  # a fresh key: generation 0
+        return self.engine._transact(lambda conn: store.claim(conn, request, 0, schedule))
 
     def close(self) -> None:
         self.db.dispose()
