@@ -448,9 +448,16 @@ def test_a_slow_phase_leaves_its_successor_a_whole_lease(engine: rp.Engine, scop
 # -- 7. phase code that ends the engine's transaction is caught ------------------------------
 
 
-def counting_op(name: str, end: Any) -> rp.Operation[Any]:
-    """Writes an audit record, then ends the transaction with ``end(tx)``, then goes on."""
+def counting_op(name: str, end: Any, *, opened: bool = False) -> rp.Operation[Any]:
+    """Writes an audit record, then ends the transaction with ``end(tx)``, then goes on;
+    after a phase that writes nothing if ``opened`` (its key is then resumed at it)."""
     op: rp.Operation[Any] = rp.Operation(name)
+
+    if opened:
+
+        @op.atomic_phase("opened")
+        def open_(tx: rp.AtomicContext, params: Any) -> None:
+            pass
 
     @op.atomic_phase("recorded")
     def record(tx: rp.AtomicContext, params: Any) -> None:
@@ -471,6 +478,11 @@ def _raw(tx: rp.AtomicContext) -> Any:
     return tx.connection.connection.driver_connection
 
 
+def _libpq(tx: rp.AtomicContext, statement: bytes) -> None:
+    """``statement`` through libpq itself, under every guard."""
+    _raw(tx).pgconn.exec_(statement)
+
+
 def _session_rollback_then_write(tx: rp.AtomicContext) -> None:
     tx.session.execute(sa.text("SELECT 1"))
     tx.session.rollback()
@@ -489,27 +501,32 @@ ENDINGS = {
     "COMMIT statement": (lambda tx: tx.connection.execute(sa.text("COMMIT")), "refused"),
     "end statement": (lambda tx: tx.connection.exec_driver_sql("  end"), "refused"),
     "ROLLBACK statement": (lambda tx: tx.connection.execute(sa.text("rollback")), "refused"),
-    "driver commit": (lambda tx: _raw(tx).commit(), "committed"),
-    "driver commit, then more": (lambda tx: (_raw(tx).commit(), _write_again(tx)), "committed"),
+    "driver commit": (lambda tx: _raw(tx).commit(), "refused"),
+    "driver rollback": (lambda tx: _raw(tx).rollback(), "refused"),
+    "session rollback, then more": (lambda tx: _session_rollback_then_write(tx), "refused"),
+    # libpq's own connection is under every guard: what it ends is found after.
+    "libpq commit": (lambda tx: _libpq(tx, b"COMMIT"), "committed"),
+    "libpq commit, then more": (
+        lambda tx: (_libpq(tx, b"COMMIT"), _write_again(tx)),
+        "committed",
+    ),
     # A new transaction behind the engine's back: the write that records the phase finds
     # itself in it, raises, and the COMMIT sent with it never runs.
-    "driver commit, then a new transaction": (
+    "libpq commit, then a new transaction": (
         lambda tx: (
-            _raw(tx).commit(),
-            _raw(tx).execute("BEGIN"),
-            _raw(tx).execute(
-                "INSERT INTO audit_records (scope, action, key_id) VALUES ('leaked', 'after', 0)"
+            _libpq(tx, b"COMMIT"),
+            _libpq(tx, b"BEGIN"),
+            _libpq(
+                tx,
+                b"INSERT INTO audit_records (scope, action, key_id) VALUES ('leaked', 'after', 0)",
             ),
         ),
         "committed",
     ),
-    "driver rollback, then more": (
-        lambda tx: (_raw(tx).rollback(), _write_again(tx)),
+    "libpq rollback, then more": (
+        lambda tx: (_libpq(tx, b"ROLLBACK"), _write_again(tx)),
         "rolled back",
     ),
-    # The ORM Session joins the phase's transaction and its rollback() ends it: the write
-    # after it must not run, in autocommit, on its own.
-    "session rollback, then more": (lambda tx: _session_rollback_then_write(tx), "rolled back"),
 }
 
 
@@ -519,7 +536,6 @@ def test_a_phase_that_ends_the_transaction_fails_and_records_no_point(
 ) -> None:
     op = counting_op("ends_its_transaction", end)
     engine.register(op)
-    # Resumed keys take the fenced path; seed one at `started` by failing a first attempt.
     with pytest.raises(rp.TransactionEnded, match="'recorded'"):
         engine.run(op, key="k", params={"scope": scope}, scope=scope)
     audits = count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope)
@@ -544,16 +560,16 @@ def test_a_resumed_phase_that_commits_is_caught_too(
         calls.append("phase")
         if len(calls) == 1:
             raise rp.Retryable("first attempt fails before ending anything")
-        _raw(tx).commit()
+        _libpq(tx, b"COMMIT")
         _write_again(tx)
 
-    op = counting_op("ends_when_resumed", end)
+    op = counting_op("ends_when_resumed", end, opened=True)
     engine.register(op)
     with pytest.raises(rp.Retryable):
         engine.run(op, key="k", params={"scope": scope}, scope=scope)
-    with pytest.raises(rp.TransactionEnded):
+    with pytest.raises(rp.TransactionEnded):  # resumed at "opened", on the fenced path
         engine.run(op, key="k", params={"scope": scope}, scope=scope)
-    assert key_row(db, scope)["recovery_point"] == "started"
+    assert key_row(db, scope)["recovery_point"] == "opened"
 
 
 def test_a_savepoint_rolled_back_is_fine(engine: rp.Engine, db: sa.Engine, scope: str) -> None:

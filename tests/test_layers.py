@@ -7,8 +7,8 @@ Layers, lowest first (a module may import its own layer and those below):
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
    observe (the hooks every layer calls), leases (the lease rule, in SQL and Python),
    generations (the rule of a key's generation, in SQL),
-   _faults (the fault points the engine consults), and the request path's pure part
-   (engine._decide)
+   _faults (the fault points the engine consults), and the request path's pure parts
+   (engine._decide; engine.endings, which SQL ends a transaction)
 1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
    _faults), embedded, jobs
 2. the connection and the request path's queries, in the engine package: engine._pg,
@@ -52,6 +52,7 @@ LAYERS = {
             "engine._decide",
             "engine.conflicts",
             "engine.waits",
+            "engine.endings",
             "observe",
             "leases",
             "generations",

@@ -19,7 +19,7 @@
     │   └── DeclarationError         500  an operation declared wrongly (raised at import time)
     ├── NeedsReconciliation          423  a foreign step's provider forgot its key: the
     │                                     request is held for an operator
-    ├── TransactionEnded             500  phase code ended the phase's transaction itself
+    ├── TransactionEnded             500  phase code tried to end the phase's transaction itself
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
 Errors of the 4xx family never leave a row behind. Each class's docstring is its default
@@ -138,8 +138,9 @@ class NeedsReconciliation(IdempotencyError):
 
 
 class TransactionEnded(IdempotencyError):
-    """An atomic phase committed or rolled back the engine's transaction; the engine commits
-    each phase itself, with its recovery point. The attempt failed and nothing was recorded."""
+    """An atomic phase tried to commit or roll back the engine's transaction, which the engine
+    commits itself, with the phase's recovery point: the attempt failed and nothing of it was
+    recorded. Remove the commit from the phase; a savepoint undoes part of one."""
 
 
 class AbandonedCall(IdempotencyError):

@@ -13,7 +13,8 @@ Read it in this order, each module using only those before it:
    async one's, waited for by ``_waiter`` with the socket registered once per borrow);
 4. ``_pg_async`` (``_pg``): the SERIALIZABLE transaction, its BEGIN and COMMIT, and the
    retry after a serialization failure;
-5. ``phase_guard``: keeping phase code from ending the engine's transaction;
+5. ``phase_guard``: keeping phase code from ending the engine's transaction (``endings``:
+   which SQL text ends one);
 6. ``context/``: what a phase receives;
 7. ``store_async`` (``store``): the statements run in those transactions, by intent;
 8. ``heartbeat``: a running foreign step's lease, renewed in the background;

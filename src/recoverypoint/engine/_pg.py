@@ -182,10 +182,10 @@ class Transaction:
     def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.Cursor[Any]:
-        """Run one statement of phase code in the transaction, on a cursor of its own."""
+        """Run one statement of phase code in the transaction, on a cursor of its own
+        (which notes it, see phase_guard)."""
         if not self._began:
             self._begin()
-        self.note(query)
         return self.connection.cursor().execute(query, params)
 
     def note(self, statement: object) -> None:

@@ -188,10 +188,10 @@ class AsyncTransaction:
     async def execute(
         self, query: str, params: dict[str, Any] | Sequence[Any] | None = None
     ) -> psycopg.AsyncCursor[Any]:
-        """Run one statement of phase code in the transaction, on a cursor of its own."""
+        """Run one statement of phase code in the transaction, on a cursor of its own
+        (which notes it, see phase_guard)."""
         if not self._began:
             await self._begin()
-        self.note(query)
         return await self.connection.cursor().execute(query, params)
 
     def note(self, statement: object) -> None:

@@ -3,35 +3,41 @@
 An atomic phase's writes and its recovery point must commit together. Phase code that
 commits or rolls back the transaction itself breaks that: after a commit its writes stand
 without a recovery point, and a retry applies them twice; after a rollback the key would
-record a point for writes that never happened. So, while a phase runs:
+record a point for writes that never happened. So, while a phase runs (:class:`Guarding`),
+whatever would end its transaction raises :class:`TransactionEnded` before anything is
+sent, whichever layer phase code reaches it through:
 
-- ``tx.connection.commit()`` and ``.rollback()`` raise :class:`TransactionEnded` at once,
-  before anything happens;
-- so does a statement that ends a transaction (``COMMIT``, ``ROLLBACK``, ``END``,
-  ``ABORT``, ``PREPARE TRANSACTION``) executed through SQLAlchemy; ``ROLLBACK TO
-  SAVEPOINT`` is fine;
+- psycopg's connection under them all: its ``commit()`` and ``rollback()``, and every
+  statement a cursor of it sends (``execute``, ``executemany``, ``stream``, ``copy``):
+  ``tx.execute``, ``tx.cursor()``, SQLAlchemy's ``tx.connection`` and ORM Session, Django's
+  ORM and cursors all send theirs through it. A statement is refused when it ends a
+  transaction as the server reads it (:func:`recoverypoint.engine.endings.ends_transaction`:
+  ``COMMIT``, ``ROLLBACK``, ``END``, ``ABORT``, ``PREPARE TRANSACTION``, anywhere in a
+  string of several); ``ROLLBACK TO SAVEPOINT`` is fine;
+- SQLAlchemy's ``tx.connection.commit()`` and ``.rollback()`` (:func:`refusing_to_end`),
+  before SQLAlchemy's own bookkeeping;
+- an integration's own layer, through :func:`shadow` (Django's ``transaction.commit()``).
 
-once the transaction has ended anyway (a commit on the driver's connection, a
-multi-statement string, an ORM ``Session.rollback()``), no further statement of the phase
-runs through ``tx.execute`` or ``tx.connection`` (each would commit on its own, or
-begin a transaction nothing commits); and once the phase returns, :func:`check_still_open` fails the
-attempt rather than record a point, as does the write that records it when it finds itself
-in another transaction than the phase began in (:func:`ended`). Writes made
-before the slip and committed by it stand, which no engine can undo: a retry runs the phase
-again.
+What still reaches the server another way (libpq's own ``pgconn``) is found after: once the
+transaction has ended, no further statement of the phase runs through a cursor (each
+would commit on its own, or begin a transaction nothing commits); once the phase returns,
+:func:`check_still_open` fails the attempt rather than record a point, as does the write
+that records it when it finds itself in another transaction than the phase began in
+(:func:`ended`). Writes committed by such a slip stand, which no engine can undo: a retry
+runs the phase again.
 """
 
 from __future__ import annotations
 
-import re
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
-import sqlalchemy as sa
+import psycopg
 import sqlalchemy.ext.asyncio as sa_async
-from sqlalchemy import Connection, event
+from psycopg import sql
 
 from ..errors import TransactionEnded
+from .endings import ends_transaction
 
 C = TypeVar("C")
 
@@ -40,56 +46,72 @@ class GuardedTransaction(Protocol):
     """What the guard reads of a transaction, sync (``_pg``) or async (``_pg_async``)."""
 
     @property
-    def open(self) -> bool: ...
+    def connection(self) -> psycopg.Connection[Any] | psycopg.AsyncConnection[Any]: ...
 
     @property
-    def sqlalchemy_made(self) -> Connection | None: ...
+    def open(self) -> bool: ...
 
     def note(self, statement: object) -> None: ...
 
-
-_ENDS_TRANSACTION = re.compile(
-    r"\s*(?:COMMIT|END|ABORT|PREPARE\s+TRANSACTION"
-    r"|ROLLBACK(?!\s+(?:WORK\s+|TRANSACTION\s+)?TO\b))\b",
-    re.IGNORECASE,
-)
 
 # The transaction and recovery point of the atomic phase running in this context, if any.
 _PHASE: ContextVar[tuple[GuardedTransaction, str] | None] = ContextVar(
     "recoverypoint_phase", default=None
 )
 
+# What ends a transaction on a DB-API connection (psycopg's, Django's wrapper of it).
+ENDING_METHODS = ("commit", "rollback")
 
-def install(db: sa.Engine) -> None:
-    """Watch the statements run on ``db``'s connections (once per engine; an async engine's
-    ``sync_engine``)."""
-    if not event.contains(db, "before_cursor_execute", _refuse_ending_statement):
-        event.listen(db, "before_cursor_execute", _refuse_ending_statement)
+# The ways a psycopg cursor sends SQL: each checks its statement first (_guarded).
+_SENDING_METHODS = ("execute", "executemany", "stream", "copy")
 
 
 class Guarding:
-    """While inside, SQLAlchemy statements on ``tx`` that would end it refuse to run. (A
-    class rather than a generator: every atomic phase enters it. Made afresh for each
-    phase, and entered once: it keeps the token that restores the context.)"""
+    """While inside, the phase's psycopg connection refuses to end ``tx``: its
+    ``commit()`` and ``rollback()`` raise, and its cursors check what they send. (A class
+    rather than a generator: every atomic phase enters it. Made afresh for each phase, and
+    entered once: it keeps what it restores.)"""
 
     def __init__(self, tx: GuardedTransaction, point: str) -> None:
         self._phase = (tx, point)
 
     def __enter__(self) -> None:
         self._reset = _PHASE.set(self._phase)
+        connection = self._phase[0].connection
+        self._cursors = connection.cursor_factory
+        connection.cursor_factory = _guarded(self._cursors)
+        shadow(connection, ENDING_METHODS)
 
     def __exit__(self, *exc_info: object) -> None:
+        connection = self._phase[0].connection
+        unshadow(connection, ENDING_METHODS)
+        connection.cursor_factory = self._cursors
         _PHASE.reset(self._reset)
 
 
-def refusing_to_end(conn: C, point: str) -> C:
-    """``conn``, with ``commit()`` and ``rollback()`` raising :class:`TransactionEnded`
-    (instance attributes shadow the methods; the engine ends it with the class's own)."""
+def refuse(*args: object, **kwargs: object) -> NoReturn:
+    """Raise :class:`TransactionEnded` for the atomic phase running in this context: what
+    stands for a method that would end its transaction."""
+    phase = _PHASE.get()
+    raise TransactionEnded(None if phase is None else _message(phase[1]))
 
-    def refuse() -> NoReturn:
-        raise TransactionEnded(_message(point))
 
-    conn.commit = conn.rollback = refuse  # type: ignore[attr-defined]
+def shadow(target: object, methods: tuple[str, ...]) -> None:
+    """Make ``target``'s ``methods`` :func:`refuse`, until :func:`unshadow` (instance
+    attributes shadow the methods; whoever ends the transaction rightly calls the class's
+    own)."""
+    vars(target).update(dict.fromkeys(methods, refuse))
+
+
+def unshadow(target: object, methods: tuple[str, ...]) -> None:
+    for method in methods:
+        vars(target).pop(method, None)
+
+
+def refusing_to_end(conn: C) -> C:
+    """``conn``, a SQLAlchemy Connection, with ``commit()`` and ``rollback()`` refused (the
+    engine ends it with the class's own)."""
+    shadow(conn, ENDING_METHODS)
     return conn
 
 
@@ -98,9 +120,44 @@ class AsyncConnection(sa_async.AsyncConnection):
     (SQLAlchemy's own has ``__slots__``)."""
 
 
+# Each cursor class of a phase's connection, and its guarded subclass (made once).
+_GUARDED: dict[type[Any], type[Any]] = {}
+
+
+def _guarded(cursors: type[Any]) -> type[Any]:
+    """``cursors``, a psycopg cursor class, whose every way of sending SQL checks it first
+    (see :func:`_check`)."""
+    guarded = _GUARDED.get(cursors)
+    if guarded is None:
+        methods = {method: _checking(getattr(cursors, method)) for method in _SENDING_METHODS}
+        guarded = _GUARDED[cursors] = type(f"Guarded{cursors.__name__}", (cursors,), methods)
+    return guarded
+
+
+def _checking(send: Any) -> Any:
+    """A cursor's method ``send``, checking the SQL it is given first."""
+
+    def checked(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        _check(cursor, query)
+        return send(cursor, query, *args, **kwargs)
+
+    return checked
+
+
+def _text(query: object, cursor: Any) -> str | None:
+    """The SQL text of a query psycopg accepts, if it has one."""
+    if isinstance(query, str):
+        return query
+    if isinstance(query, bytes):
+        return query.decode(cursor.connection.info.encoding, errors="replace")
+    if isinstance(query, sql.Composable):
+        return query.as_string(cursor)
+    return None
+
+
 def check_statement(statement: object, point: str) -> None:
-    """Raise :class:`TransactionEnded` for a statement that would end the transaction."""
-    if isinstance(statement, str) and _ENDS_TRANSACTION.match(statement):
+    """Raise :class:`TransactionEnded` for SQL text that would end the transaction."""
+    if isinstance(statement, str) and ends_transaction(statement):
         raise TransactionEnded(_message(point))
 
 
@@ -116,32 +173,28 @@ def ended(point: str) -> TransactionEnded:
     return TransactionEnded(_message(point))
 
 
-def _refuse_ending_statement(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+def _check(cursor: Any, query: object) -> None:
+    """Check a query that ``cursor`` is about to send: raise :class:`TransactionEnded` for
+    one that would end the transaction of the atomic phase running in this context, or
+    that comes after it ended; nothing outside a phase, or on another connection than the
+    phase's (a phase's code that calls the engine again)."""
     phase = _PHASE.get()
-    if phase is not None and conn is phase[0].sqlalchemy_made:
-        check_phase_statement(statement)
-
-
-def check_phase_statement(statement: object) -> None:
-    """Check a statement that phase code sends on the phase's connection another way than
-    ``tx.execute`` (SQLAlchemy's ``tx.connection``, Django's ORM): raise
-    :class:`TransactionEnded` for one that would end the transaction, or that comes after
-    it ended; nothing outside an atomic phase."""
-    phase = _PHASE.get()
-    if phase is None:
+    if phase is None or cursor.connection is not phase[0].connection:
         return
-    phase[0].note(statement)
-    if not phase[0].open:
-        # Ended already (a Session's rollback): this statement would commit on its own
-        # (in autocommit) or begin a transaction nothing commits.
-        raise TransactionEnded(_message(phase[1]))
-    check_statement(statement, phase[1])
+    tx, point = phase
+    statement = _text(query, cursor)
+    tx.note(statement)
+    if not tx.open:
+        # Ended already (by libpq's own hand): this statement would commit on its own (in
+        # autocommit) or begin a transaction nothing commits.
+        raise TransactionEnded(_message(point))
+    check_statement(statement, point)
 
 
 def _message(point: str) -> str:
     return (
         f"atomic phase {point!r} tried to end the engine's transaction (commit, rollback or "
         "a COMMIT statement); the engine commits each phase with its recovery point. "
-        "Remove the commit, or use a savepoint (tx.connection.begin_nested()) to undo part "
-        "of a phase"
+        "Remove the commit, or use a savepoint (tx.connection.begin_nested(), or "
+        "transaction.atomic() with Django) to undo part of a phase"
     )

@@ -163,7 +163,6 @@ class Engine(Registry):
                 f"recoverypoint runs on psycopg 3, and this engine uses {driver}: "
                 "create it from a postgresql+psycopg:// URL"
             )
-        phase_guard.install(self.db)
         _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
         self._owns_db = not isinstance(database, sa.Engine)
         self.max_params_bytes = max_params_bytes

@@ -176,10 +176,7 @@ class AsyncEngine(Registry):
             # The workers, the admin layer and migrations are sync: an engine of their own
             # on the same database (it connects only when they use it).
             self.db = create_engine(self.async_db.url.set(drivername="postgresql+psycopg"))
-            phase_guard.install(self.async_db.sync_engine)
             _pooler.install(self.async_db.sync_engine, prepared_statements)
-        else:
-            phase_guard.install(self.db)
         _pooler.install(self.db, prepared_statements)  # the workers' and the admin's too
         self._owns_db = not isinstance(database, sa_async.AsyncEngine)
         self.max_params_bytes = max_params_bytes

@@ -48,10 +48,6 @@ class AsyncAtomicContext(Staging):
             )
             ride_id = (await cursor.fetchone())[0]
         """
-        # Once the transaction ended (a Session's rollback...), a statement would commit
-        # on its own (in autocommit) or begin a transaction nothing commits.
-        phase_guard.check_still_open(self._tx, self._point)
-        phase_guard.check_statement(query, self._point)
         return await self._tx.execute(query, params)  # type: ignore[arg-type]
 
     async def scalar(
@@ -63,7 +59,8 @@ class AsyncAtomicContext(Staging):
         return None if row is None else row[0]
 
     def cursor(self) -> psycopg.AsyncCursor[Any]:
-        """A psycopg cursor in the phase's transaction, for ``executemany``, ``copy``…"""
+        """A psycopg cursor in the phase's transaction, for ``executemany``, ``copy``…
+        (what would end the transaction raises :class:`~recoverypoint.TransactionEnded`)."""
         return self._tx.connection.cursor()
 
     @property
@@ -75,7 +72,7 @@ class AsyncAtomicContext(Staging):
                 made = phase_guard.AsyncConnection(self._tx.db, self._tx.sqlalchemy())
             else:
                 made = self._tx.sqlalchemy()
-            self._connection = phase_guard.refusing_to_end(made, self._point)
+            self._connection = phase_guard.refusing_to_end(made)
         return self._connection
 
     @property
