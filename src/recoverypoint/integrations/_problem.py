@@ -20,7 +20,13 @@ from decimal import Decimal
 from http import HTTPStatus
 from typing import Any
 
-from ..errors import ConfigurationError, IdempotencyError, InvalidKey, KeyInUse
+from ..errors import (
+    ConfigurationError,
+    IdempotencyError,
+    InvalidKey,
+    KeyInUse,
+    TransactionEnded,
+)
 from ..keys import validate_key
 from ..operation import PROBLEM_TYPE_PREFIX, Outcome
 from ._sfv import ParseError, Token, parse_item
@@ -44,6 +50,13 @@ UNEXPECTED_DETAIL = (
 CONFIGURATION_DETAIL = (
     "The service is not set up to handle this request, and retrying it will not help until "
     "its operators fix that; they have been told."
+)
+
+# What a 500 for phase code that ended its own transaction tells the client: the same, of
+# the service's code.
+SERVICE_CODE_DETAIL = (
+    "This request failed on a fault in the service's code, and retrying it will not help "
+    "until its operators fix that; they have been told."
 )
 
 # Statuses that carry no body (RFC 9110 §6.4.1).
@@ -180,16 +193,22 @@ def problem_reply(exc: BaseException, *, retry_after: int) -> Reply:
     An :class:`~recoverypoint.IdempotencyError` gets its ``http_status``; 409 and 503 add
     ``Retry-After: retry_after`` (a key in use: no more than the rest of its lease). A
     :class:`~recoverypoint.ConfigurationError` is a 500 that says the service is set up
-    wrongly and a retry will not help. Anything else, and an ``IdempotencyError`` of status
-    500, is a 500 whose text tells the client to retry with the same key; no server detail
-    is ever sent. 5xx answers use the error's default text, not its message, which phase
-    code may have filled with internal detail.
+    wrongly and a retry will not help; a :class:`~recoverypoint.TransactionEnded` (phase code
+    that ends its own transaction) one that says its code is at fault, as no retry mends.
+    Anything else, and an ``IdempotencyError`` of status 500, is a 500 whose text tells the
+    client to retry with the same key; no server detail is ever sent. 5xx answers use the
+    error's default text, not its message, which phase code may have filled with internal
+    detail.
     """
     cls = type(exc)
     if isinstance(exc, ConfigurationError):
         # The service's mistake, which no retry mends: said so, without its insides.
         kind = _CAMEL_BOUNDARY.sub("-", cls.__name__).lower()
         return problem(500, kind, "The service is misconfigured", CONFIGURATION_DETAIL)
+    if isinstance(exc, TransactionEnded):
+        # As deterministic: the phase's code ends its transaction on every attempt.
+        title = "The service failed to handle this request"
+        return problem(500, "transaction-ended", title, SERVICE_CODE_DETAIL)
     if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
         return problem(
             500, "unexpected-error", "The request failed unexpectedly", UNEXPECTED_DETAIL
