@@ -4,7 +4,7 @@ from rest_framework.routers import SimpleRouter
 
 from examples.django_rides.rides.views import RideView
 
-from . import choices_views, views
+from . import choices_views, views, wallet_views
 
 router = SimpleRouter(trailing_slash=False)
 router.register("viewset", views.OrderViewSet, basename="orders")
@@ -23,6 +23,9 @@ urlpatterns = [
     path("cookie", views.cookie_view),
     path("drf-in-atomic", views.DRFView.as_view()),  # forgotten: ATOMIC_REQUESTS wraps it
     path("rides", non_atomic_requests(RideView.as_view())),
+    path("wallet", non_atomic_requests(wallet_views.wallet_view)),
+    path("wallet-async", non_atomic_requests(wallet_views.wallet_async_view)),
+    path("wallet-drf", non_atomic_requests(wallet_views.WalletDRFView.as_view())),
     path("choices/renamed", choices_views.renamed_view),
     path("choices/failing", choices_views.failing_view),
     path("choices/not-found", choices_views.not_found_view),

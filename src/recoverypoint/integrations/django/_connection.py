@@ -25,10 +25,12 @@ the ORM does in a phase stays inside the phase's transaction:
   commits it;
 - ``transaction.on_commit()`` raises ``TransactionManagementError``: work that follows a
   commit is a staged job (``tx.stage_job``), committed with the phase;
-- a statement that would end the transaction (``COMMIT``, ``ROLLBACK``) run through the ORM's
-  cursor raises :class:`~recoverypoint.TransactionEnded` before it is sent, as through
-  ``tx.connection``; ``connection.commit()`` called on Django's wrapper slips past that,
-  and the engine then fails the phase rather than record its point.
+- what would end the phase's transaction raises :class:`~recoverypoint.TransactionEnded`
+  before anything is sent: ``transaction.commit()``, ``.rollback()`` and
+  ``.set_autocommit()`` (the connection's own methods, shadowed while the engine holds it),
+  ``atomic(durable=True)``, which would be a savepoint that commits nothing (:class:`_Phase`),
+  and a statement that ends a transaction, through the ORM's cursors or psycopg's connection
+  under them (see phase_guard).
 
 So the engine refuses to run inside ``transaction.atomic()`` (``ATOMIC_REQUESTS`` wraps every
 view in one): its COMMIT would commit the caller's block. The view decorators of
@@ -176,15 +178,20 @@ class _DjangoConnections(Pool):
         wrapper.__dict__[_HELD] = held
         wrapper.autocommit = False
         # The engine's queries, the workers' and phase code's read jsonb as psycopg does;
-        # Django's cursors get Django's loader back as they execute (_guard_statement).
+        # Django's cursors get Django's loader back as they execute (_django_loaders).
         raw.adapters.register_loader(jsonb, JsonbLoader)
-        wrapper.execute_wrappers.append(_guard_statement)
+        wrapper.execute_wrappers.append(_django_loaders)
+        phase_guard.shadow(wrapper, _ENDING_METHODS)
+        wrapper.atomic_blocks.append(_PHASE)
         return record
 
     def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
         wrapper = connections[self.using]
         held: _Held = wrapper.__dict__.pop(_HELD)
-        wrapper.execute_wrappers.remove(_guard_statement)
+        wrapper.execute_wrappers.remove(_django_loaders)
+        phase_guard.unshadow(wrapper, _ENDING_METHODS)
+        if _PHASE in wrapper.atomic_blocks:  # gone if phase code made Django connect anew
+            wrapper.atomic_blocks.remove(_PHASE)
         wrapper.autocommit = held.autocommit
         wrapper.needs_rollback = False
         raw = wrapper.connection
@@ -205,13 +212,31 @@ class _DjangoConnections(Pool):
         """Nothing to close: the connections are Django's."""
 
 
-def _guard_statement(
+class _Phase:
+    """The atomic block that Django's ``atomic()`` nests in while the engine holds the
+    connection (first in ``atomic_blocks``). Django reads ``_from_testcase`` of the
+    innermost block only when ``atomic(durable=True)`` is entered, to let a test case's
+    block hold a durable one; in a phase, the durable block would be a savepoint that
+    commits nothing, so it is refused. (Nested in phase code's own ``atomic()``, Django
+    refuses it itself: ``RuntimeError``.)"""
+
+    @property
+    def _from_testcase(self) -> bool:
+        phase_guard.refuse()
+
+
+_PHASE = _Phase()
+
+# Django's connection's methods that would end the engine's transaction.
+_ENDING_METHODS = (*phase_guard.ENDING_METHODS, "set_autocommit")
+
+
+def _django_loaders(
     execute: Any, sql: Any, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
-    """Django's statements while the engine holds its connection: jsonb read as Django
-    reads it, and in a phase, checked as SQLAlchemy's are (see phase_guard)."""
+    """Django's statements while the engine holds its connection read jsonb as Django
+    reads it (the engine's read it as psycopg does)."""
     wrapper = context["connection"]
     adapters = context["cursor"].cursor.adapters
     adapters.register_loader(adapters.types["jsonb"].oid, wrapper.__dict__[_HELD].jsonb_loader)
-    phase_guard.check_phase_statement(sql)
     return execute(sql, params, many, context)
