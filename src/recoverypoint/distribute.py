@@ -71,7 +71,8 @@ def statements(colocate: Sequence[str] = ()) -> list[str]:
     return out
 
 
-_HAS_CITUS = sa.text("SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')")
+CITUS_INSTALLED = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+_HAS_CITUS = sa.text(CITUS_INSTALLED)
 _PLACED = sa.text(
     "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = CAST(:t AS regclass))"
 )
