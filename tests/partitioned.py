@@ -1,5 +1,5 @@
-"""The shape of a distributed database, on PostgreSQL itself: ``idempotency_keys`` and
-``staged_jobs`` hash-partitioned by ``scope``.
+"""The shape of a distributed database, on PostgreSQL itself: the tables Citus distributes
+by ``scope`` (``idempotency_keys`` and those co-located with it) hash-partitioned by it.
 
 Citus cannot be installed from any registry this project uses, and PostgreSQL's partitioned
 tables obey the rule Citus's distributed tables do (every primary key and unique constraint
@@ -13,7 +13,7 @@ import re
 
 import sqlalchemy as sa
 
-PARTITIONED = ("idempotency_keys", "staged_jobs", "key_generations")
+PARTITIONED = ("idempotency_keys", "staged_jobs", "key_generations", "processed_messages")
 PARTITIONS = 4
 
 # A partition's name in a plan: the table's, then _p and its remainder.

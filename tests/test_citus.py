@@ -11,6 +11,7 @@ scopes of its own: Citus does not propagate CREATE DATABASE, so they share the d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -25,9 +27,9 @@ import pytest
 import sqlalchemy as sa
 
 import recoverypoint as rp
-from recoverypoint import admin
+from recoverypoint import admin, distribute
 from recoverypoint.database import create_engine, normalize_url
-from recoverypoint.jobs import InProcessBackend, Job
+from recoverypoint.jobs import InProcessBackend, Job, consume_once
 from recoverypoint.workers import Completer, Enqueuer, Reaper
 
 CITUS_URL_ENV = "RECOVERYPOINT_CITUS_URL"
@@ -48,6 +50,12 @@ CREATE TABLE IF NOT EXISTS citus_notes (
     PRIMARY KEY (scope, key_id)
 )
 """
+# A reference table of the application's (no scope: copied to every node).
+PLANS = "CREATE TABLE IF NOT EXISTS citus_plans (name text PRIMARY KEY)"
+PLANS_REFERENCE = """
+SELECT create_reference_table('citus_plans') WHERE NOT EXISTS (
+    SELECT FROM pg_dist_partition WHERE logicalrelid = CAST('citus_plans' AS regclass))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +64,8 @@ def citus() -> Iterator[sa.Engine]:
     db = create_engine(url, pool_size=5, max_overflow=10)
     with db.begin() as conn:
         conn.exec_driver_sql(NOTES)
+        conn.exec_driver_sql(PLANS)
+        conn.exec_driver_sql(PLANS_REFERENCE)
     plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
     migrated = subprocess.run(
         [sys.executable, "-m", "recoverypoint", "migrate", "--citus", "--colocate",
@@ -70,6 +80,60 @@ def citus() -> Iterator[sa.Engine]:
 @pytest.fixture
 def scope() -> str:
     return f"tenant-{uuid.uuid4().hex[:12]}"
+
+
+def _worker_of(db: sa.Engine, scope: str) -> str:
+    """The worker that holds ``scope``'s shard."""
+    with db.connect() as conn:
+        return str(
+            conn.execute(
+                sa.text(
+                    "SELECT nodename || ':' || nodeport FROM citus_shards WHERE shardid = "
+                    "get_shard_id_for_distribution_column('idempotency_keys', CAST(:s AS text))"
+                ),
+                {"s": scope},
+            ).scalar_one()
+        )
+
+
+@pytest.fixture
+def other_scope(citus: sa.Engine, scope: str) -> str:
+    """A scope whose shard is on another worker than ``scope``'s."""
+    here = _worker_of(citus, scope)
+    return next(
+        other for n in itertools.count() if _worker_of(citus, other := f"{scope}-{n}") != here
+    )
+
+
+@contextmanager
+def _remote_commands(citus: sa.Engine) -> Iterator[tuple[sa.Engine, list[tuple[str, str]]]]:
+    """An engine on the coordinator whose sessions log what Citus sends to its workers
+    (``citus.log_remote_commands``: one notice per command, naming the worker), and the
+    ``(command, worker)`` of each notice."""
+    sent: list[tuple[str, str]] = []
+    db = create_engine(
+        citus.url, pool_size=1, connect_args={"options": "-c citus.log_remote_commands=on"}
+    )
+
+    def record(notice: Any) -> None:
+        message, detail = notice.message_primary or "", notice.message_detail or ""
+        if message.startswith("issuing "):
+            sent.append((message.removeprefix("issuing "), detail.split(" connectionId")[0]))
+
+    sa.event.listen(db, "connect", lambda dbapi_conn, _: dbapi_conn.add_notice_handler(record))
+    try:
+        yield db, sent
+    finally:
+        db.dispose()
+
+
+def _prepared_on_workers(db: sa.Engine) -> int:
+    """Transactions left prepared on the workers (a two-phase commit not finished)."""
+    return _count(
+        db,
+        "SELECT coalesce(sum(result::int), 0) FROM run_command_on_workers("
+        "'SELECT count(*) FROM pg_prepared_xacts')",
+    )
 
 
 def _notes(name: str, *, fail_once: list[bool] | None = None, **options: Any) -> rp.Operation[Any]:
@@ -126,37 +190,23 @@ def test_a_fresh_request_a_replay_and_a_reused_key(citus: sa.Engine, scope: str)
 def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
     citus: sa.Engine, scope: str
 ) -> None:
-    """What Citus sends to its workers (``citus.log_remote_commands``, one notice per
-    command, naming the worker): a fresh request's commands all go to one worker and
+    """What Citus sends to its workers: a fresh request's commands all go to one worker and
     commit with a plain COMMIT; a replay is one command."""
-    notices: list[tuple[str, str]] = []
-    db = create_engine(
-        citus.url, pool_size=1, connect_args={"options": "-c citus.log_remote_commands=on"}
-    )
-
-    @sa.event.listens_for(db, "connect")
-    def record_notices(dbapi_conn: Any, record: Any) -> None:
-        dbapi_conn.add_notice_handler(
-            lambda d: notices.append((d.message_primary or "", d.message_detail or ""))
-        )
-
     op = _notes(f"citus_remote_{uuid.uuid4().hex[:8]}")
-    engine = rp.Engine(db)
-    engine.register(op)
     params = {"scope": scope, "body": "x"}
-    try:
-        sent = []
+    runs = []
+    with _remote_commands(citus) as (db, sent):
+        engine = rp.Engine(db)
+        engine.register(op)
         for _ in range(2):
-            notices.clear()
+            sent.clear()
             engine.run(op, key="k", params=params, scope=scope)
-            sent.append([(m, d) for m, d in notices if m.startswith("issuing")])
-    finally:
-        db.dispose()
-    fresh, replay = sent
-    assert len({detail.split(" connectionId")[0] for _, detail in fresh}) == 1, fresh
-    commands = [message.removeprefix("issuing ") for message, _ in fresh]
+            runs.append(list(sent))
+    fresh, replay = runs
+    assert len({worker for _, worker in fresh}) == 1, fresh
+    commands = [command for command, _ in fresh]
     assert commands.count("COMMIT") == 2 and not any("PREPARE" in c for c in commands)
-    assert len(replay) == 1 and replay[0][0].startswith("issuing SELECT")
+    assert len(replay) == 1 and replay[0][0].startswith("SELECT")
 
 
 def test_the_async_engine_runs_and_replays(citus: sa.Engine, scope: str) -> None:
@@ -249,6 +299,7 @@ def test_the_completer_enqueuer_and_reaper_finish_publish_and_delete(
     assert _count(citus, "SELECT count(*) FROM staged_jobs WHERE scope = :s", s=scope) == 0
     mine = [job for job in published if job.job_key in ours]
     assert sorted(job.args["n"] for job in mine) == [1, 2, 3]  # each published once
+    assert {job.scope for job in mine} == {scope}  # for consume_once
 
     Reaper(engine, retention=timedelta(0), abandoned_retention=timedelta(0)).run_once()
     keys = "SELECT count(*) FROM idempotency_keys WHERE scope = :s"
@@ -297,6 +348,173 @@ def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scop
         engine.run(op, key="k", params={}, scope=scope)
     finished = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
     assert _count(citus, finished, s=scope) == 0
+
+
+# A phase stays in its scope: one that writes on another worker too (which Citus would
+# commit by two-phase commit, where SERIALIZABLE does not hold) fails at its COMMIT, and
+# nothing commits on any worker.
+
+OUTSIDE = [
+    pytest.param(
+        "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(other)s, %(k)s, 'theirs')",
+        id="another-scopes-row",
+    ),
+    pytest.param("INSERT INTO citus_plans (name) VALUES (%(other)s)", id="a-reference-table"),
+    pytest.param("UPDATE citus_notes SET body = 'all' WHERE key_id = %(k)s", id="every-shard"),
+]
+
+
+@pytest.mark.parametrize("write", OUTSIDE)
+def test_a_phase_that_writes_outside_its_scope_is_refused_and_commits_nothing(
+    citus: sa.Engine, scope: str, other_scope: str, write: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"citus_left_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
+            {"s": scope, "k": tx.key_id},
+        )
+        tx.execute(write, {"other": other_scope, "k": tx.key_id})
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with pytest.raises(rp.PhaseLeftScope, match="wrote outside its scope"):
+        engine.run(op, key="k", params={}, scope=scope)
+    # The phase ran in the claim's transaction: no key, no row on either worker, and no
+    # transaction left prepared.
+    assert _count(citus, "SELECT count(*) FROM idempotency_keys WHERE scope = :s", s=scope) == 0
+    notes = "SELECT count(*) FROM citus_notes WHERE scope = ANY(:s)"
+    assert _count(citus, notes, s=[scope, other_scope]) == 0
+    assert _count(citus, "SELECT count(*) FROM citus_plans WHERE name = :s", s=other_scope) == 0
+    assert _prepared_on_workers(citus) == 0
+
+
+def test_a_later_phase_of_the_async_engine_that_writes_another_scope_is_refused(
+    citus: sa.Engine, scope: str, other_scope: str
+) -> None:
+    """A phase after a foreign step (its transaction begins with the fence): refused too;
+    the step's result is kept, and the key waits for its next attempt with the error."""
+    op: rp.Operation[Any] = rp.Operation(f"citus_later_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("noted")
+    async def note(tx: Any, params: Any) -> None:
+        await tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
+            {"s": scope, "k": tx.key_id},
+        )
+
+    @op.foreign_step("called")
+    async def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+        return {}
+
+    @op.atomic_phase("finished")
+    async def finish(tx: Any, params: Any) -> rp.Response:
+        await tx.execute(
+            "UPDATE citus_notes SET body = 'theirs' WHERE scope = %(other)s",
+            {"other": other_scope},
+        )
+        await tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(other)s, 0, 'theirs')",
+            {"other": other_scope},
+        )
+        return rp.Response(201, {})
+
+    async def run() -> None:
+        engine = rp.AsyncEngine(citus.url.render_as_string(hide_password=False))
+        engine.register(op)
+        try:
+            await engine.run(op, key="k", params={}, scope=scope)
+        finally:
+            await engine.dispose()
+
+    with pytest.raises(rp.PhaseLeftScope):
+        asyncio.run(run())
+    row = _key_row(citus, scope)
+    assert (row.recovery_point, row.finished_at, row.lock_token) == ("called", None, None)
+    assert row.last_error.startswith("PhaseLeftScope: atomic phase 'finished'")
+    notes = "SELECT count(*) FROM citus_notes WHERE scope = :s"
+    assert _count(citus, notes, s=other_scope) == 0
+    assert _prepared_on_workers(citus) == 0
+
+
+def test_a_compensation_that_writes_a_reference_table_is_refused(
+    citus: sa.Engine, scope: str
+) -> None:
+    op = _notes(f"citus_compensate_{uuid.uuid4().hex[:8]}", fail_once=[True], max_attempts=1)
+
+    @op.compensation
+    def refund(tx: rp.AtomicContext, params: Any) -> None:
+        tx.execute("INSERT INTO citus_plans (name) VALUES (%(s)s)", {"s": scope})
+
+    engine = rp.Engine(citus, retry_base=0.01, retry_cap=0.01)
+    engine.register(op)
+    with pytest.raises(RuntimeError):
+        engine.run(op, key="k", params={"scope": scope, "body": "x"}, scope=scope)
+    passed = Completer(engine, min_age=0).run_once()
+    assert (passed.abandoned, passed.compensated, passed.compensation_failed) == (1, 0, 1)
+    assert _key_row(citus, scope).compensated_at is None
+    assert _count(citus, "SELECT count(*) FROM citus_plans WHERE name = :s", s=scope) == 0
+
+
+def test_migrate_moves_a_reference_table_onto_the_scopes_shards(citus: sa.Engine) -> None:
+    """As ``migrate --citus`` moves ``processed_messages``, a reference table before
+    migration 0014: made local again, then distributed with the keys, its rows with it."""
+    with citus.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE IF EXISTS citus_moved")
+        conn.exec_driver_sql(
+            "CREATE TABLE citus_moved (scope text, id int, PRIMARY KEY (scope, id))"
+        )
+        conn.exec_driver_sql("SELECT create_reference_table('citus_moved')")
+        conn.exec_driver_sql("INSERT INTO citus_moved VALUES ('a', 1), ('b', 2)")
+    try:
+        assert distribute.distribute(citus, ["citus_moved"]) == ["citus_moved"]
+        with_keys = (
+            "SELECT count(*) FROM pg_dist_partition AS t, pg_dist_partition AS k "
+            "WHERE t.logicalrelid = CAST('citus_moved' AS regclass) AND t.partmethod = 'h' "
+            "AND k.logicalrelid = CAST('idempotency_keys' AS regclass) "
+            "AND t.colocationid = k.colocationid"
+        )
+        assert _count(citus, with_keys) == 1
+        assert _count(citus, "SELECT count(*) FROM citus_moved") == 2
+        assert distribute.distribute(citus, ["citus_moved"]) == []  # placed: left alone
+    finally:
+        with citus.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE citus_moved")
+
+
+def test_a_consumed_job_commits_on_its_scopes_worker_alone(citus: sa.Engine, scope: str) -> None:
+    """consume_once's record is on the job's scope's shard: with the consumer's write to a
+    row of that scope it commits on one worker, without two-phase commit."""
+    job_key = f"job-{uuid.uuid4().hex}"
+    with _remote_commands(citus) as (db, sent):
+        with db.begin() as conn:
+            assert consume_once(conn, "citus_receipt", job_key, scope=scope)
+            conn.execute(
+                sa.text("INSERT INTO citus_notes (scope, key_id, body) VALUES (:s, 1, 'sent')"),
+                {"s": scope},
+            )
+        consumed = list(sent)
+        with db.begin() as conn:  # delivered again: recognised
+            assert not consume_once(conn, "citus_receipt", job_key, scope=scope)
+    assert len({worker for _, worker in consumed}) == 1, consumed
+    commands = [command for command, _ in consumed]
+    assert "COMMIT" in commands and not any("PREPARE" in c for c in commands), commands
+
+    # The reaper prunes the records scope by scope.
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE processed_messages SET processed_at = now() - interval '8 days' "
+                "WHERE scope = :s"
+            ),
+            {"s": scope},
+        )
+    Reaper(rp.Engine(citus), processed_retention=timedelta(days=7)).run_once()
+    records = "SELECT count(*) FROM processed_messages WHERE scope = :s"
+    assert _count(citus, records, s=scope) == 0
 
 
 def test_the_completer_abandons_a_key_out_of_attempts(citus: sa.Engine, scope: str) -> None:

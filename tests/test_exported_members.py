@@ -37,6 +37,7 @@ SURFACE = {
         "OperationNotRegistered",
         "Outcome",
         "ParamsMismatch",
+        "PhaseLeftScope",
         "RecoveryPoint",
         "Request",
         "RequestTooLarge",

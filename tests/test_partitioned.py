@@ -88,7 +88,13 @@ REQUEST_PATH = [
     ("ABANDON_EXHAUSTED", sql.ABANDON_EXHAUSTED.text),
     ("KEY_OPERATION", sql.KEY_OPERATION),
     ("FENCE_BY_ID", sql.FENCE_BY_ID),
+    ("FENCE_BY_ID_BOUND", sql.FENCE_BY_ID_BOUND),
     ("fence by ctid", sql.fence_by_ctid(f"'{SCOPE}'", "(0,1)", 7, uuid.uuid4())),
+    (
+        "fence by ctid, bound",
+        sql.fence_by_ctid(f"'{SCOPE}'", "(0,1)", 7, uuid.uuid4(), bound=True),
+    ),
+    ("BIND", sql.BIND.text),
     *_fenced(),
 ]
 
@@ -132,6 +138,7 @@ WORKER_CLAIMS = [
         },
     ),
     ("reaper's pruning", reaper._PRUNE_GENERATIONS, {"retention": 1.0, "batch_size": 10}),
+    ("reaper's consume-once records", reaper._REAP_MESSAGES, {"retention": 1.0, "batch_size": 10}),
     (
         "operator's delete",
         key_actions._DELETE,

@@ -2,19 +2,22 @@
 
 On a Citus coordinator, after ``recoverypoint migrate``:
 
-- ``idempotency_keys`` is distributed by ``scope``, and ``staged_jobs`` and
-  ``key_generations`` with it (co-located: a key's staged jobs and recorded generation
-  live on its shard, so a phase that stages jobs, and a claim or deletion that reads or
-  records the generation, commits on one worker, without two-phase commit);
-- the small tables every process reads or writes by their own keys (``processed_messages``,
-  ``worker_passes``, ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``)
-  become reference tables, copied to every worker;
+- ``idempotency_keys`` is distributed by ``scope``, and ``staged_jobs``, ``key_generations``
+  and ``processed_messages`` with it (co-located: a key's staged jobs and recorded
+  generation live on its shard, so a phase that stages jobs, and a claim or deletion that
+  reads or records the generation, commits on one worker, without two-phase commit; so does
+  a consumer's record of a job of the scope, with the consumer's writes to the scope's rows);
+- the small tables every process reads or writes by their own keys (``worker_passes``,
+  ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``) become reference
+  tables, copied to every worker;
 - each of the application's tables named in ``colocate`` is distributed by its scope
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
 
-A table already distributed is left alone, so running it again is harmless. The SQL is
-:func:`statements`: a team that runs DDL itself applies that instead.
+A table already distributed is left alone, so running it again is harmless; a reference
+table that is now to be distributed (``processed_messages``, before migration 0014) is
+turned back into a local table first (``undistribute_table``), then distributed, its rows
+with it. The SQL is :func:`statements`: a team that runs DDL itself applies that instead.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ import sqlalchemy as sa
 from .errors import ConfigurationError
 
 DISTRIBUTED = "idempotency_keys"
-CO_LOCATED = ("staged_jobs", "key_generations")
+CO_LOCATED = ("staged_jobs", "key_generations", "processed_messages")
 REFERENCE = (
-    "processed_messages",
     "worker_passes",
     "recoverypoint_namespace",
     "audit_log",
@@ -71,10 +73,14 @@ def statements(colocate: Sequence[str] = ()) -> list[str]:
     return out
 
 
-_HAS_CITUS = sa.text("SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')")
+CITUS_INSTALLED = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+_HAS_CITUS = sa.text(CITUS_INSTALLED)
+# How Citus holds a table: no row when it does not, else whether it is a reference table.
 _PLACED = sa.text(
-    "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = CAST(:t AS regclass))"
+    "SELECT partmethod = 'n' AND repmodel = 't' FROM pg_dist_partition "
+    "WHERE logicalrelid = CAST(:t AS regclass)"
 )
+_UNDISTRIBUTE = sa.text("SELECT undistribute_table(CAST(:t AS regclass))")
 _DISTRIBUTE = sa.text(
     "SELECT create_distributed_table(CAST(:t AS regclass), :column, colocate_with => :with)"
 )
@@ -104,11 +110,15 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
         plan += [(t, "scope", DISTRIBUTED) for t in CO_LOCATED]
         plan += [(t, c, DISTRIBUTED) for t, c in wanted]
         for table, column, with_ in plan:
-            if not conn.execute(_PLACED, {"t": table}).scalar():
-                conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
-                placed.append(table)
+            reference = conn.execute(_PLACED, {"t": table}).scalar_one_or_none()
+            if reference is False:  # distributed already
+                continue
+            if reference:  # processed_messages before migration 0014, or one to co-locate
+                conn.execute(_UNDISTRIBUTE, {"t": table})
+            conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
+            placed.append(table)
         for table in REFERENCE:
-            if not conn.execute(_PLACED, {"t": table}).scalar():
+            if conn.execute(_PLACED, {"t": table}).scalar_one_or_none() is None:
                 conn.execute(_REFERENCE, {"t": table})
                 placed.append(table)
     return placed

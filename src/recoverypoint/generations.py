@@ -9,7 +9,8 @@ before generations existed). The rule, written here once in SQL:
 
 - every deletion of a key row (the claim of a reuse past the retention, the reaper, an
   operator's ``keys delete`` and ``keys purge``) records the key's next generation in
-  ``key_generations``, in the statement that deletes the row (:func:`record_next`);
+  ``key_generations``, in the statement that deletes the row (:func:`record_next`, or
+  :func:`record` where the deletion knows it beforehand);
 - the claim that inserts a key row takes the recorded generation, 0 when none, as the
   lookup before its transaction read it (:data:`recoverypoint.engine.sql.FIND_FINISHED`).
 
@@ -36,14 +37,30 @@ def record_next(deleted: str) -> str:
     """SQL: the CTE ``generations``, which records the next generation of every key row the
     CTE ``deleted`` returns (its scope, operation, idempotency_key and generation). To
     follow ``deleted`` in the WITH of the statement that deletes the rows."""
+    return _record(
+        f"""SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1, now()
+        FROM {deleted} AS d"""
+    )
+
+
+def record(scope: str, operation: str, key: str, generation: str) -> str:
+    """SQL: the CTE ``generations``, which records ``generation`` as the next generation of
+    the key (all four are placeholders), for a deletion that knows it before it runs (the
+    claim of a reuse past its retention, from its lookup). From VALUES, not from the deleted
+    rows: Citus then runs it on the scope's shard alone, like the deletion, whereas it sends
+    the rows of a CTE on to every worker, or inserts them by a command to every shard, and
+    commits either by two-phase commit."""
+    return _record(f"VALUES ({scope}, {operation}, {key}, {generation}, now())")
+
+
+def _record(rows: str) -> str:
     # greatest(): a recorded generation never goes back, whatever order deletions come in.
     # The deletion's time comes in with the inserted row: Citus refuses a function that is
     # not IMMUTABLE (now()) in DO UPDATE SET.
     return f"""generations AS (
         INSERT INTO key_generations AS g (
             scope, operation, idempotency_key, generation, deleted_at)
-        SELECT d.scope, d.operation, d.idempotency_key, d.generation + 1, now()
-        FROM {deleted} AS d
+        {rows}
         ON CONFLICT (idempotency_key, scope, operation) DO UPDATE
         SET generation = greatest(g.generation, excluded.generation),
             deleted_at = excluded.deleted_at

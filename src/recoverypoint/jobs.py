@@ -34,6 +34,10 @@ class Job:
     """The W3C ``traceparent`` of the phase that staged the job, when the engine traces:
     hand it to :func:`consume_once` (a backend may carry it in the message) so that the
     consumer's span links to the request."""
+    scope: str = ""
+    """The scope of the request that staged the job: hand it to :func:`consume_once` (a
+    backend may carry it in the message) so that, on Citus, the consumer's record commits
+    on the scope's worker."""
 
 
 class JobBackend(Protocol):
@@ -75,10 +79,12 @@ class InProcessBackend:
 
 # Inserted first in the consumer's transaction: a second delivery either finds the row
 # (committed) or waits for the first delivery's transaction to end, then finds it or not.
+# In the job's scope: one shard on Citus, co-located with the scope's rows.
 _MARK_PROCESSED = text(
     """
-    INSERT INTO processed_messages (consumer, message_id) VALUES (:consumer, :message_id)
-    ON CONFLICT (consumer, message_id) DO NOTHING
+    INSERT INTO processed_messages (consumer, message_id, scope)
+    VALUES (:consumer, :message_id, :scope)
+    ON CONFLICT (consumer, message_id, scope) DO NOTHING
     RETURNING true
     """
 )
@@ -89,6 +95,7 @@ def consume_once(
     consumer: str,
     message_id: str,
     *,
+    scope: str = "",
     observer: Observer = NO_OBSERVER,
     trace_context: str | None = None,
 ) -> bool:
@@ -99,11 +106,18 @@ def consume_once(
     so that a redelivery can try again::
 
         with db.begin() as conn:
-            if consume_once(conn, "send_receipt", job.job_key):
+            if consume_once(conn, "send_receipt", job.job_key, scope=job.scope):
                 send_receipt(conn, job.args)
 
     ``consumer`` names the piece of work: two consumers of one message each run once. The
     reaper deletes records older than its ``processed_retention``.
+
+    ``scope``: the job's (:attr:`Job.scope`), stored with the record. On Citus the records
+    are distributed by it, so that the record commits on the scope's worker together with
+    the consumer's writes to that scope's rows (one worker, no two-phase commit). A
+    message is recognised only under the scope it was recorded with: a consumer passes its
+    jobs' scopes always or never (records written before migration 0014 have ``''``, as do
+    those of a consumer that passes none).
 
     ``observer`` (e.g. ``engine.observer``) counts processed and duplicate messages and
     traces the call, linked to the request that staged the job by ``trace_context``
@@ -116,7 +130,7 @@ def consume_once(
     with observer.consuming(consumer, message_id, trace_context):
         processed = (
             connection.execute(
-                _MARK_PROCESSED, {"consumer": consumer, "message_id": message_id}
+                _MARK_PROCESSED, {"consumer": consumer, "message_id": message_id, "scope": scope}
             ).first()
             is not None
         )

@@ -176,9 +176,14 @@ staged_jobs = Table(
 processed_messages = Table(
     "processed_messages",
     metadata,
-    Column("consumer", Text, primary_key=True),
-    Column("message_id", Text, primary_key=True),
+    Column("consumer", Text, nullable=False),
+    Column("message_id", Text, nullable=False),
     Column("processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    # The scope of the job processed (migration 0014), as its consumer passed it; '' when it
+    # passes none. The column the table is distributed by on Citus, co-located with the
+    # keys, so that a consumer's record commits on its scope's worker.
+    Column("scope", Text, nullable=False, server_default=text("''")),
+    PrimaryKeyConstraint("consumer", "message_id", "scope", name="processed_messages_pkey"),
     Index("processed_messages_processed_at", "processed_at"),
 )
 

@@ -39,6 +39,7 @@ from ..errors import (
     KeyInUse,
     LockLost,
     NeedsReconciliation,
+    PhaseLeftScope,
 )
 from ..jobs import JobBackend
 from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
@@ -172,6 +173,7 @@ class Engine(Registry):
         self.jobs = jobs
         self.observer = NO_OBSERVER if observer is None else observer
         self.namespace = None if namespace is None else validate_namespace(namespace)
+        self._bound: bool | None = None  # see bound
         self._wait_slots = waits.WaitSlots(waits.MAX_WAITERS)
         self._heartbeat = heartbeat.Heartbeat(self.db)
 
@@ -293,6 +295,7 @@ class Engine(Registry):
         namespace = self.namespace
         if namespace is None:
             namespace = self._database_namespace()
+        self._find_binding()
         claim_request = self.claim_request(
             operation, key, params, scope, request, self.max_params_bytes, namespace
         )
@@ -329,6 +332,18 @@ class Engine(Registry):
         self.namespace = validate_namespace(row[0])
         return self.namespace
 
+    @property
+    def bound(self) -> bool:
+        """Whether each atomic phase's transaction is bound to its scope's worker (on
+        Citus, where ``idempotency_keys`` is distributed): one that writes on another
+        worker too then fails with :class:`PhaseLeftScope`, nothing committed."""
+        return bool(self._bound)
+
+    def _find_binding(self) -> None:
+        """Find out :attr:`bound` before the first transaction; once, then kept."""
+        if self._bound is None:
+            self._bound = store.distributed(self.db)
+
     def resume(
         self, key_id: int, *, scope: str | None = None, token: uuid.UUID | None = None
     ) -> Outcome:
@@ -364,6 +379,7 @@ class Engine(Registry):
         observing = self.observer.run(
             operation.name, operation.version, by=COMPLETER, scope=None, key=None
         )
+        self._find_binding()
         with observing as observed:
             key = KeyId(scope, key_id, held, lock_timeout, operation.max_attempts)
             claim = _ClaimById(key, self._schedule())
@@ -413,6 +429,7 @@ class Engine(Registry):
                 f"{operation.name} v{operation.version} declares no compensation: "
                 "abandoned keys of it are left to a human"
             )
+        self._find_binding()
         try:
             return self._transact(self._compensate, operation, phase, key_id, scope, token)
         except _DRIVER_ERRORS as exc:
@@ -435,6 +452,8 @@ class Engine(Registry):
             return False
         run = _Run(self, operation, record, token)
         run.key.locked_by = tx
+        if self.bound:
+            store.bind(tx, run.key)
         run.compensate(tx, phase)
         return True
 
@@ -453,7 +472,7 @@ class Engine(Registry):
         finished, generation = store.finished_key(tx, request, honoured_for)
         if finished is not None and finished.expired:
             # Past its retention a key is a new request, whether or not it was reaped.
-            store.forget_expired(tx, request, honoured_for)
+            store.forget_expired(tx, request, honoured_for, generation)
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
@@ -491,6 +510,8 @@ class Engine(Registry):
         run = claim.run = _Run(self, operation, record, request.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
             store.held(tx, run.key, record)
+            if self.bound:
+                store.bind(tx, run.key)
             with claim.observed.phase(operation.phases[0].point, True):
                 return run.atomic(tx, operation.phases[0], "{}")
         return None
@@ -680,6 +701,18 @@ class _Settled(Exception):
     """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
+def _left_scope(operation: str, point: str) -> PhaseLeftScope:
+    """The error for phase ``point`` of ``operation`` that Citus refused to commit, having
+    written on another worker than its scope's (see :func:`store.bind`)."""
+    return PhaseLeftScope(
+        f"atomic phase {point!r} of {operation} wrote outside its scope, on another Citus "
+        "worker than its scope's (another scope's rows, a reference table, every shard of a "
+        "table): Citus would have committed it there by two-phase commit, where SERIALIZABLE "
+        "does not hold, and refused. Nothing was committed. Name the scope in every statement "
+        "of the phase; do cross-tenant work in a foreign step or in another operation"
+    )
+
+
 class _Run:
     """One attempt at one key record: runs phases and commits their results, fenced."""
 
@@ -818,7 +851,7 @@ class _Run:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
         that lost its lease fails with LockLost before its writes can collide with the new
         owner's, and no takeover can happen while the phase runs."""
-        store.fence(tx, self.key)
+        store.fence(tx, self.key, bound=self.engine.bound)
         return self.atomic(tx, phase, state_json)
 
     def atomic(self, tx: Transaction, phase: Phase, state_json: str) -> Step:
@@ -841,6 +874,8 @@ class _Run:
             # The point is written only in the transaction the phase began in; phase code
             # that ended it and began another makes the write miss.
             raise phase_guard.ended(phase.point) from None
+        except store.PhaseLeftWorker as exc:
+            raise _left_scope(self.operation.name, phase.point) from exc.__cause__
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
@@ -870,6 +905,8 @@ class _Run:
             store.compensated(tx, self.key, ctx.staged_jobs, dump_state(phase, ctx.state))
         except store.PhaseEndedTransaction:
             raise phase_guard.ended(phase.point) from None
+        except store.PhaseLeftWorker as exc:
+            raise _left_scope(self.operation.name, phase.point) from exc.__cause__
         for job in ctx.staged_jobs:  # committed with compensated_at
             self.engine.observer.job_staged(self.operation.name, job.name)
 

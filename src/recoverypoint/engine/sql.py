@@ -228,16 +228,20 @@ FIND_FINISHED = Statement("""
 # request, whether or not the reaper got to it. Deleted in the claim's transaction, before
 # CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
 # abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
-# Records the key's next generation, which the claim then gives the new row.
+# Records the key's next generation, which the claim then gives the new row, as
+# FIND_FINISHED read it before the transaction (the row's, plus one: a finished row never
+# changes; and when this finds the row gone, reaped meanwhile, the reaper recorded the same).
+# From that value, so that on Citus the statement stays on the scope's shard
+# (generations.record).
 PAST_RETENTION = Statement(f"""
     WITH deleted AS (
         DELETE FROM idempotency_keys AS k
         WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
           AND finished_at <= now() - make_interval(secs => %(retention)s)
           AND abandoned_at IS NULL
-        RETURNING {generations.DELETED}
-    ), {generations.record_next("deleted")}
-    SELECT generation FROM deleted
+        RETURNING 1
+    ), {generations.record("%(scope)s", "%(operation)s", "%(key)s", "%(generation)s")}
+    SELECT count(*) FROM deleted
 """)
 
 # The database's namespace of derived keys (migration 0009), read once per engine.
@@ -380,23 +384,51 @@ def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) ->
     )
 
 
+# A phase stays on its scope's worker (Citus): its transaction exports a snapshot there, on
+# the shard that holds the key row, in the statement that locks the row (the fence, bound) or
+# right after the claim that inserted it (BIND). PostgreSQL refuses to PREPARE a transaction
+# that exported a snapshot, so a phase that also writes on another worker (another scope's
+# rows, a reference table, every shard), which Citus would commit by two-phase commit without
+# SERIALIZABLE across the workers, fails at its COMMIT (LEFT_ITS_WORKER): that worker refuses
+# the PREPARE and Citus rolls the others back, so nothing commits anywhere. A phase that stays
+# on its worker commits with a plain COMMIT, which the export does not hinder. A SELECT, so
+# Citus runs the function where the row is (it evaluates functions on the coordinator for
+# writes only). Only where the keys are distributed (KEYS_DISTRIBUTED, asked where Citus is
+# installed): on one server nothing is prepared, and the export would cost a file per phase
+# for nothing.
+_EXPORT = "pg_export_snapshot()"
+_BOUND = f", {_EXPORT}"
+BIND = Statement(f"SELECT {_EXPORT} FROM idempotency_keys WHERE scope = %(scope)s AND id = %(id)s")
+LEFT_ITS_WORKER = "cannot PREPARE a transaction that has exported snapshots"
+KEYS_DISTRIBUTED = """
+    SELECT EXISTS (
+        SELECT FROM pg_dist_partition
+        WHERE logicalrelid = CAST('idempotency_keys' AS regclass) AND partmethod = 'h'
+    )
+"""
+
 # Lock the row for the rest of the transaction, if the lease is still ours. The lease is
 # renewed by the write that commits the phase: a renewal here would be seen by nobody
 # (no other transaction sees it before that write replaces it) and would cost a row version.
+# Bound to the scope's worker on Citus (see BIND).
 _FENCE = """
-    SELECT ctid::text FROM idempotency_keys WHERE {where}
+    SELECT ctid::text{bound} FROM idempotency_keys WHERE {where}
     FOR UPDATE
 """
-FENCE_BY_ID = _FENCE.format(where=_BY_ID)
+FENCE_BY_ID = _FENCE.format(bound="", where=_BY_ID)
+FENCE_BY_ID_BOUND = _FENCE.format(bound=_BOUND, where=_BY_ID)
 _CTID = re.compile(r"\(\d+,\d+\)")
 
 
-def fence_by_ctid(scope_literal: str, ctid: str, key_id: int, token: UUID) -> str:
+def fence_by_ctid(
+    scope_literal: str, ctid: str, key_id: int, token: UUID, *, bound: bool = False
+) -> str:
     """The fence by address, its values written into the text, so that it travels with
     BEGIN in one message (:meth:`recoverypoint.engine._pg.Transaction.begin_with`): a round trip
     less for every phase after the first. Only values whose form is checked here go in, and
     the scope as the connection's own quoting wrote it (``scope_literal``, libpq's
-    ``PQescapeLiteral``): a constant, which routes the fence to the scope's shard."""
+    ``PQescapeLiteral``): a constant, which routes the fence to the scope's shard.
+    ``bound``: the transaction stays on the scope's worker (see :data:`BIND`)."""
     if _CTID.fullmatch(ctid) is None or type(key_id) is not int or type(token) is not UUID:
         raise ValueError(f"not a key row's address: {ctid!r}, {key_id!r}, {token!r}")
     if not (scope_literal.startswith(("'", " E'")) and scope_literal.endswith("'")):
@@ -405,7 +437,7 @@ def fence_by_ctid(scope_literal: str, ctid: str, key_id: int, token: UUID) -> st
         f"scope = {scope_literal} AND ctid = '{ctid}'::tid AND id = {key_id} "
         f"AND lock_token = '{token}'"
     )
-    return _FENCE.format(where=where)
+    return _FENCE.format(bound=_BOUND if bound else "", where=where)
 
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment

@@ -13,6 +13,7 @@ from uuid import UUID
 import psycopg
 import sqlalchemy as sa
 
+from .. import distribute
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
@@ -37,14 +38,18 @@ def finished_key(
     return (None if row[0] is None else Finished.parse(row[:6])), int(row[6] or 0)
 
 
-def forget_expired(tx: Transaction, request: ClaimRequest, retention: float) -> None:
+def forget_expired(
+    tx: Transaction, request: ClaimRequest, retention: float, generation: int
+) -> None:
     """Delete the key if it finished more than ``retention`` seconds ago (and was not
-    abandoned), so that the claim that follows in ``tx`` makes it anew."""
+    abandoned), so that the claim that follows in ``tx`` makes it anew, and record its next
+    ``generation`` (as :func:`finished_key` read it)."""
     params = {
         "scope": request.scope,
         "operation": request.operation,
         "key": request.key,
         "retention": retention,
+        "generation": generation,
     }
     with _waiting_for_key:
         tx.fetch(sql.PAST_RETENTION, params)
@@ -101,15 +106,29 @@ def key_operation(db: sa.Engine, key_id: int, scope: str | None) -> tuple[str, i
     return None if row is None else (row[0], row[1], row[2])
 
 
-def fence(tx: Transaction, key: KeyRef) -> None:
+def distributed(db: sa.Engine) -> bool:
+    """Whether ``idempotency_keys`` is distributed by Citus, so that each phase is bound to
+    its scope's worker (:data:`recoverypoint.engine.sql.BIND`)."""
+    with borrowed(db) as (_, connection):
+        for query in (distribute.CITUS_INSTALLED, sql.KEYS_DISTRIBUTED):
+            cursor = connection.execute(query)
+            row = cursor.fetchone()
+            if not (row and row[0]):
+                return False
+    return True
+
+
+def fence(tx: Transaction, key: KeyRef, *, bound: bool) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
-    the database's lock or statement timeout ends the wait for another holder's row lock."""
+    the database's lock or statement timeout ends the wait for another holder's row lock.
+    ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
     with _waiting_for_key:
         scope = tx.literal(key.scope)
-        row = tx.begin_with(sql.fence_by_ctid(scope, key.ctid, key.id, key.token))
+        fence = sql.fence_by_ctid(scope, key.ctid, key.id, key.token, bound=bound)
+        row = tx.begin_with(fence)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             params = {"scope": key.scope, "id": key.id, "token": key.token}
-            row = tx.fetchone(sql.FENCE_BY_ID, params)
+            row = tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
 
@@ -117,6 +136,13 @@ def fence(tx: Transaction, key: KeyRef) -> None:
 def held(tx: Transaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
     key.ctid, key.locked_by = record.ctid, tx
+
+
+def bind(tx: Transaction, key: KeyRef) -> None:
+    """Bind ``tx``, which holds the key row, to the scope's worker on Citus: its COMMIT then
+    fails with :class:`PhaseLeftWorker` if it wrote on another worker too
+    (:data:`recoverypoint.engine.sql.BIND`)."""
+    tx.fetch(sql.BIND, {"scope": key.scope, "id": key.id})
 
 
 def advance(
@@ -187,6 +213,11 @@ class PhaseEndedTransaction(Exception):
     phase code ended its own (the engine raises :class:`TransactionEnded`)."""
 
 
+class PhaseLeftWorker(Exception):
+    """Citus refused to commit a phase bound to its scope's worker (:func:`bind`) that wrote
+    on another worker too; nothing committed (the engine raises :class:`PhaseLeftScope`)."""
+
+
 class _WaitingForKey:
     """A wait for the key row that the role's ``lock_timeout`` or ``statement_timeout``
     cut short means another request holds the key: :class:`KeyInUse`, not a 500. (A class
@@ -246,6 +277,8 @@ def _commit_fenced(
             # transaction. Nothing is committed.
             if exc.sqlstate == sql.TRANSACTION_ENDED:
                 raise PhaseEndedTransaction() from None
+            if exc.diag.message_primary == sql.LEFT_ITS_WORKER:
+                raise PhaseLeftWorker() from exc
             if exc.sqlstate == sql.KEY_ROW_CHANGED:
                 raise LockLost(
                     "the key row changed under the phase (phase code must not write to "

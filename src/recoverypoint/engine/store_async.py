@@ -11,6 +11,7 @@ from uuid import UUID
 import psycopg
 import sqlalchemy.ext.asyncio as sa_async
 
+from .. import distribute
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
@@ -35,14 +36,18 @@ async def finished_key(
     return (None if row[0] is None else Finished.parse(row[:6])), int(row[6] or 0)
 
 
-async def forget_expired(tx: AsyncTransaction, request: ClaimRequest, retention: float) -> None:
+async def forget_expired(
+    tx: AsyncTransaction, request: ClaimRequest, retention: float, generation: int
+) -> None:
     """Delete the key if it finished more than ``retention`` seconds ago (and was not
-    abandoned), so that the claim that follows in ``tx`` makes it anew."""
+    abandoned), so that the claim that follows in ``tx`` makes it anew, and record its next
+    ``generation`` (as :func:`finished_key` read it)."""
     params = {
         "scope": request.scope,
         "operation": request.operation,
         "key": request.key,
         "retention": retention,
+        "generation": generation,
     }
     with _waiting_for_key:
         await tx.fetch(sql.PAST_RETENTION, params)
@@ -103,15 +108,29 @@ async def key_operation(
     return None if row is None else (row[0], row[1], row[2])
 
 
-async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
+async def distributed(db: sa_async.AsyncEngine) -> bool:
+    """Whether ``idempotency_keys`` is distributed by Citus, so that each phase is bound to
+    its scope's worker (:data:`recoverypoint.engine.sql.BIND`)."""
+    async with borrowed(db) as (_, connection):
+        for query in (distribute.CITUS_INSTALLED, sql.KEYS_DISTRIBUTED):
+            cursor = await connection.execute(query)
+            row = await cursor.fetchone()
+            if not (row and row[0]):
+                return False
+    return True
+
+
+async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
-    the database's lock or statement timeout ends the wait for another holder's row lock."""
+    the database's lock or statement timeout ends the wait for another holder's row lock.
+    ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
     with _waiting_for_key:
         scope = tx.literal(key.scope)
-        row = await tx.begin_with(sql.fence_by_ctid(scope, key.ctid, key.id, key.token))
+        fence = sql.fence_by_ctid(scope, key.ctid, key.id, key.token, bound=bound)
+        row = await tx.begin_with(fence)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             params = {"scope": key.scope, "id": key.id, "token": key.token}
-            row = await tx.fetchone(sql.FENCE_BY_ID, params)
+            row = await tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
 
@@ -119,6 +138,13 @@ async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
 def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
     key.ctid, key.locked_by = record.ctid, tx
+
+
+async def bind(tx: AsyncTransaction, key: KeyRef) -> None:
+    """Bind ``tx``, which holds the key row, to the scope's worker on Citus: its COMMIT then
+    fails with :class:`PhaseLeftWorker` if it wrote on another worker too
+    (:data:`recoverypoint.engine.sql.BIND`)."""
+    await tx.fetch(sql.BIND, {"scope": key.scope, "id": key.id})
 
 
 async def advance(
@@ -193,6 +219,11 @@ class PhaseEndedTransaction(Exception):
     phase code ended its own (the engine raises :class:`TransactionEnded`)."""
 
 
+class PhaseLeftWorker(Exception):
+    """Citus refused to commit a phase bound to its scope's worker (:func:`bind`) that wrote
+    on another worker too; nothing committed (the engine raises :class:`PhaseLeftScope`)."""
+
+
 class _WaitingForKey:
     """A wait for the key row that the role's ``lock_timeout`` or ``statement_timeout``
     cut short means another request holds the key: :class:`KeyInUse`, not a 500. (A class
@@ -252,6 +283,8 @@ async def _commit_fenced(
             # transaction. Nothing is committed.
             if exc.sqlstate == sql.TRANSACTION_ENDED:
                 raise PhaseEndedTransaction() from None
+            if exc.diag.message_primary == sql.LEFT_ITS_WORKER:
+                raise PhaseLeftWorker() from exc
             if exc.sqlstate == sql.KEY_ROW_CHANGED:
                 raise LockLost(
                     "the key row changed under the phase (phase code must not write to "

@@ -130,7 +130,7 @@ class Enqueuer(Worker[EnqueuerResult]):
             failures: list[dict[str, object]] = []
             first_failure: dict[str, object] = {}
             for row in rows:
-                job = Job(row.job_name, row.job_args, row.job_key, row.trace_context)
+                job = Job(row.job_name, row.job_args, row.job_key, row.trace_context, scope)
                 try:
                     with observer.publishing(job.name, job.job_key, job.trace_context):
                         self.backend.publish(job)

@@ -143,17 +143,27 @@ _PRUNE_GENERATIONS = text(
     """
 )
 
-# One batch of consume-once records past their retention.
+# The scopes with consume-once records past their retention, the oldest first.
+_DUE_MESSAGE_SCOPES = text(
+    """
+    SELECT scope FROM processed_messages
+    WHERE processed_at < now() - make_interval(secs => :retention)
+    GROUP BY scope ORDER BY min(processed_at) LIMIT :scopes
+    """
+)
+
+# One batch of one scope's consume-once records past their retention.
 _REAP_MESSAGES = text(
     """
     WITH doomed AS (
         SELECT consumer, message_id FROM processed_messages
-        WHERE processed_at < now() - make_interval(secs => :retention)
+        WHERE scope = :scope AND processed_at < now() - make_interval(secs => :retention)
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM processed_messages AS p USING doomed
-    WHERE p.consumer = doomed.consumer AND p.message_id = doomed.message_id
+    WHERE p.scope = :scope AND p.consumer = doomed.consumer
+      AND p.message_id = doomed.message_id
     RETURNING 1
     """
 )
@@ -259,11 +269,13 @@ class Reaper(Worker[ReaperResult]):
 
         self.by_scope(_DUE_GENERATION_SCOPES, pruned, prune)
         messages = {"retention": self.processed_retention.total_seconds()}
-        while not self.stopping:
-            deleted = len(self._batch(_REAP_MESSAGES, messages, result))
+
+        def forget(scope: str) -> int:
+            deleted = len(self._batch(_REAP_MESSAGES, {**messages, "scope": scope}, result))
             result.messages += deleted
-            if deleted < self.batch_size:
-                break
+            return deleted
+
+        self.by_scope(_DUE_MESSAGE_SCOPES, messages, forget)
         for table, deleted in (
             ("idempotency_keys", result.finished + result.abandoned),
             ("processed_messages", result.messages),

@@ -23,5 +23,5 @@ _SEND = sa.text(
 def send_ride_receipt(db: sa.Engine, job: Job) -> None:
     with db.begin() as conn:
         conn.execute(_DELIVERED, {"job_key": job.job_key, "pid": os.getpid()})
-        if consume_once(conn, RECEIPT_JOB, job.job_key):
+        if consume_once(conn, RECEIPT_JOB, job.job_key, scope=job.scope):
             conn.execute(_SEND, {"job_key": job.job_key, **job.args})
