@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 import warnings
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
+from docs_snippets import blocks, page
 from fastapi import FastAPI, Request, Response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -425,3 +427,13 @@ def test_a_client_built_from_the_schema_sends_the_key(engine: rp.Engine, db: sa.
             {"k": key},
         ).scalar_one()
     assert stored == 1
+
+
+# -- what docs/how-to/http.md shows is what the app says ----------------------------------
+
+
+def test_the_schema_shown_in_the_http_page_is_the_apps(engine: rp.Engine) -> None:
+    shown = [json.loads(b.body) for b in blocks(page("how-to/http.md")) if b.lang == "json"]
+    app, _ = shop(engine)
+    op = operation(app, "/phased")
+    assert shown == [key_parameter(op), op["responses"]["409"]]

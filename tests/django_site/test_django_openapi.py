@@ -5,6 +5,7 @@ replay header and the problem answers; views that are not idempotent declare not
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -77,3 +78,10 @@ def test_extend_schema_and_a_renamed_key_header() -> None:
     assert {"X-Replayed", "Idempotent-Unprotected"} <= set(op["responses"]["200"]["headers"])
     plain = document["paths"]["/plain"]["post"]
     assert "parameters" not in plain and not PROBLEMS & set(plain["responses"])
+
+
+def test_the_schema_shown_in_the_django_page_is_the_sites() -> None:
+    from docs_snippets import blocks, page
+
+    shown = [json.loads(b.body) for b in blocks(page("how-to/django.md")) if b.lang == "json"]
+    assert shown == [schema()["paths"]["/rides"]["post"]["responses"]["423"]]
