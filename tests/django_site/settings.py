@@ -40,6 +40,8 @@ DATABASES = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # drf-spectacular's, for test_django_openapi.py.
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Django 6.1's way to name the mail backend (the tests swap in locmem's).

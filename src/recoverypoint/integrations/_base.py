@@ -67,6 +67,7 @@ from ..keys import MAX_JSON_DEPTH, UNSCOPED, Unscoped, chosen_scope, safe_header
 from ..logfmt import logfmt
 from ..operation import FINISHED, AsyncRunner, Operation, Outcome, Response, Withdrawn
 from ..operation import Request as KeyRequest
+from ._openapi import Declaration, declared
 from ._problem import (
     IDEMPOTENCY_KEY,
     IDEMPOTENT_REPLAYED,
@@ -81,6 +82,7 @@ from ._problem import (
 logger = logging.getLogger("recoverypoint.http")
 
 RequestT = TypeVar("RequestT")
+E = TypeVar("E", bound=Callable[..., Any])
 
 RESPONDED = "responded"
 
@@ -310,6 +312,20 @@ class BaseIdempotency(Generic[RequestT]):
             raise ValueError(f"key_header and replayed_header are both {key_header!r}")
         self.stored_classes = _status_classes(stored_classes)
         self.wait = wait
+
+    def phased(self, *, key_required: bool = True) -> Callable[[E], E]:
+        """Declare an endpoint that calls ``run`` in the application's schema (FastAPI's
+        OpenAPI with ``declare_openapi``, DRF's with drf-spectacular), as a single-step
+        endpoint declares itself: the key header, the replay header, the problem answers.
+        Say the same ``key_required`` as the endpoint's ``run``. It changes nothing else."""
+
+        def declare(endpoint: E) -> E:
+            return declared(endpoint, self._declaration(key_required))
+
+        return declare
+
+    def _declaration(self, key_required: bool) -> Declaration:
+        return Declaration(self.key_header, self.replayed_header, key_required)
 
     def _scope_of(
         self, request: RequestT, when: str, refusals: tuple[type[Exception], ...]

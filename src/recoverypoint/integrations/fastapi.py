@@ -7,11 +7,15 @@ A phased operation, from a sync or an async route::
 
     idempotency = Idempotency(engine, scope=lambda request: request.user.identity)
 
+    declare_openapi(app)  # the key and the answers in app.openapi(), for clients
+
     @app.post("/rides")
+    @idempotency.phased()  # declared in the schema
     def post_ride(request: Request, body: RideParams) -> Response:
         return idempotency.run(rides, request, body)
 
     @app.post("/rides/async")
+    @idempotency.phased()
     async def post_ride_async(request: Request, body: RideParams) -> Response:
         return await idempotency.run_async(rides, request, body)
 
@@ -41,6 +45,7 @@ request and send it again with the same key.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable
@@ -71,9 +76,10 @@ from ._base import (
     logger,
     target,
 )
+from ._openapi import PROBLEM_COMPONENT, PROBLEM_SCHEMA, declaration_of, declare, declared
 from ._problem import Reply, http_problem, problem, problem_reply, read_key
 
-__all__ = ["Idempotency", "SingleStepMiddleware"]
+__all__ = ["Idempotency", "SingleStepMiddleware", "declare_openapi"]
 
 E = TypeVar("E", bound=Callable[..., Any])
 
@@ -170,13 +176,55 @@ class Idempotency(BaseIdempotency[Request]):
             operation = self._declare_single_step(
                 name, lock_timeout, dedupe_window, on_loop=on_loop
             )
-            guarded = _guarded(endpoint)
+            guarded = declared(_guarded(endpoint), self._declaration(key_required))
             # Both: should this decorator be put above the route's, the route has the
             # endpoint itself, which the middleware must recognise all the same.
             _SINGLE_STEPS[guarded] = _SINGLE_STEPS[endpoint] = (self, operation, key_required)
             return guarded
 
         return decorate
+
+
+def declare_openapi(app: Any) -> None:
+    """Declare, in ``app.openapi()`` (and so in ``/openapi.json``, ``/docs`` and the clients
+    generated from them), what each route served through an :class:`Idempotency` sends and
+    answers: the key header (required or not, its format), ``Idempotent-Replayed`` and the
+    ``application/problem+json`` answers (400, 409, 413, 422, 423, 503). Single-step
+    endpoints declare themselves; a route that calls ``run`` says so with
+    ``@idempotency.phased()``.
+
+    FastAPI learns of a route only from its decorator's arguments and its endpoint's
+    signature, and a route that calls ``run`` inside its body shows neither: hence this one
+    call per application, which wraps ``app.openapi`` (FastAPI's way to extend its schema).
+    The key is declared in the schema only; the integration still reads and checks it, so a
+    bad key is its 400, never FastAPI's 422.
+    """
+    generate: Callable[[], dict[str, Any]] = app.openapi
+    done: list[dict[str, Any]] = []  # the schema last declared in: FastAPI caches it
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()
+        if not done or done[0] is not schema:
+            _declare_routes(schema, app.routes)
+            done[:] = [schema]
+        return schema
+
+    app.openapi = openapi
+
+
+def _declare_routes(schema: dict[str, Any], routes: Iterable[BaseRoute]) -> None:
+    paths: dict[str, Any] = schema.get("paths", {})
+    for route in routes:
+        declaration = declaration_of(getattr(route, "endpoint", None))
+        path = paths.get(getattr(route, "path_format", ""))
+        if declaration is None or path is None:
+            continue  # not ours, or not in the schema (include_in_schema=False)
+        for method in getattr(route, "methods", None) or ():
+            operation = path.get(method.lower())
+            if operation is not None:
+                declare(operation, declaration, f"#/components/schemas/{PROBLEM_COMPONENT}")
+                components = schema.setdefault("components", {}).setdefault("schemas", {})
+                components[PROBLEM_COMPONENT] = copy.deepcopy(PROBLEM_SCHEMA)
 
 
 # When the scope function runs, for the error that says it failed.

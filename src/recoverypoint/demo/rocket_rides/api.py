@@ -23,19 +23,48 @@ from typing import Annotated, Any
 import httpx
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 import recoverypoint as rp
-from recoverypoint.integrations.fastapi import Idempotency
+from recoverypoint.integrations.fastapi import Idempotency, declare_openapi
 
 AMOUNT, CURRENCY = 2000, "usd"
 
 
 class RideBody(BaseModel):
+    # Strict: a body its schema refuses (`false` for a coordinate) is refused, not coerced.
+    model_config = ConfigDict(strict=True)
+
     origin_lat: float = Field(ge=-90, le=90)
     origin_lon: float = Field(ge=-180, le=180)
     target_lat: float = Field(ge=-90, le=90)
     target_lon: float = Field(ge=-180, le=180)
+
+
+class RideBooked(BaseModel):
+    ride_id: int
+    charge_id: str
+
+
+class Refusal(BaseModel):
+    """FastAPI's answer to an ``HTTPException``."""
+
+    detail: str
+
+
+class Declined(BaseModel):
+    error: str
+    message: str
+
+
+# The API's own answers, for its schema; the key's and the integration's are declared by
+# `declare_openapi` and `phased`.
+_ANSWERS: dict[int | str, dict[str, Any]] = {
+    201: {"model": RideBooked, "description": "The ride is booked and charged."},
+    400: {"model": Refusal, "description": "The body could not be parsed (FastAPI's answer)."},
+    401: {"model": Refusal, "description": "No user has this email."},
+    402: {"model": Declined, "description": "The card was declined; nothing was charged."},
+}
 
 
 class RideParams(RideBody):
@@ -187,6 +216,7 @@ def create_app(
         engine, async_engine=async_engine, scope=lambda request: str(request.state.user_id)
     )
     app = FastAPI(title="Rocket Rides")
+    declare_openapi(app)
 
     def user_id(request: Request, authorization: Annotated[str | None, Header()] = None) -> int:
         if not authorization:
@@ -201,7 +231,8 @@ def create_app(
         request.state.user_id = found
         return int(found)
 
-    @app.post("/rides")
+    @app.post("/rides", status_code=201, responses=_ANSWERS)
+    @idempotency.phased()
     # The dependency as a default, not in Annotated: `user_id` is local, and string
     # annotations are resolved in the module's globals. Async: on the event loop when the
     # operation is async, else in a worker thread (run_async hands it to one).

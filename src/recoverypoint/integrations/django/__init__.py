@@ -17,11 +17,22 @@ Django set up: the workers, migrations, keys).
     def post_ride(request):
         return idempotency.run(rides, request)   # a phased operation
 
-See :mod:`._connection` for how a phase's ORM writes commit with its recovery point, and
-:mod:`._views` for what the views answer.
+See :mod:`._connection` for how a phase's ORM writes commit with its recovery point,
+:mod:`._views` for what the views answer, and :mod:`._spectacular` for what drf-spectacular's
+schema says of them (when it is installed).
 """
+
+from contextlib import suppress
+from importlib.util import find_spec
+
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
 
 from ._connection import django_engine
 from ._views import Idempotency, authenticated_user
+
+if find_spec("drf_spectacular") is not None:
+    # Imported before Django's settings, drf-spectacular cannot load (nor generate) either.
+    with suppress(ImproperlyConfigured):
+        from . import _spectacular  # noqa: F401  its view extension registers itself
 
 __all__ = ["Idempotency", "authenticated_user", "django_engine"]

@@ -46,6 +46,7 @@ from ...keys import Unscoped
 from ...leases import DEFAULT_LOCK_TIMEOUT
 from ...operation import Operation
 from .._base import STORED_CLASSES, BaseIdempotency, Captured, body_over, body_params, target
+from .._openapi import declared
 from .._problem import IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Reply
 from ._connection import _DjangoConnections
 
@@ -233,7 +234,7 @@ class Idempotency(BaseIdempotency[Any]):
                     return serve(view, args, kwargs)
 
                 wrapped = single_step_view
-            return self._non_atomic(wrapped)  # type: ignore[return-value]
+            return declared(self._non_atomic(wrapped), self._declaration(key_required))  # type: ignore[return-value]
 
         return decorate
 
