@@ -302,3 +302,20 @@ def test_replays_are_marked_and_bodies_follow_their_status_and_type() -> None:
 
     text = outcome_reply(rp.Outcome(200, "hi", {"Content-Type": "text/plain"}, replayed=False))
     assert text.body == b"hi"
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (rp.TransactionEnded("COMMIT in /srv/app/views.py"), "transaction-ended"),
+        (rp.PhaseLeftScope("shard 102008 at 10.0.0.1"), "phase-left-scope"),
+    ],
+)
+def test_a_phase_at_fault_says_no_retry_helps_and_nothing_of_its_insides(
+    error: Exception, kind: str
+) -> None:
+    reply = problem_reply(error, retry_after=2)
+    body = json.loads(reply.body)
+    assert (reply.status, body["type"]) == (500, f"tag:recoverypoint,2025:{kind}")
+    assert "will not help" in body["detail"] and "Retry-After" not in dict(reply.headers)
+    assert "10.0.0.1" not in reply.body.decode() and "/srv/app" not in reply.body.decode()

@@ -25,6 +25,7 @@ from ..errors import (
     IdempotencyError,
     InvalidKey,
     KeyInUse,
+    PhaseLeftScope,
     TransactionEnded,
 )
 from ..keys import validate_key
@@ -194,7 +195,8 @@ def problem_reply(exc: BaseException, *, retry_after: int) -> Reply:
     ``Retry-After: retry_after`` (a key in use: no more than the rest of its lease). A
     :class:`~recoverypoint.ConfigurationError` is a 500 that says the service is set up
     wrongly and a retry will not help; a :class:`~recoverypoint.TransactionEnded` (phase code
-    that ends its own transaction) one that says its code is at fault, as no retry mends.
+    that ends its own transaction) or :class:`~recoverypoint.PhaseLeftScope` (a Citus phase
+    that writes outside its scope) one that says its code is at fault, as no retry mends.
     Anything else, and an ``IdempotencyError`` of status 500, is a 500 whose text tells the
     client to retry with the same key; no server detail is ever sent. 5xx answers use the
     error's default text, not its message, which phase code may have filled with internal
@@ -205,10 +207,11 @@ def problem_reply(exc: BaseException, *, retry_after: int) -> Reply:
         # The service's mistake, which no retry mends: said so, without its insides.
         kind = _CAMEL_BOUNDARY.sub("-", cls.__name__).lower()
         return problem(500, kind, "The service is misconfigured", CONFIGURATION_DETAIL)
-    if isinstance(exc, TransactionEnded):
-        # As deterministic: the phase's code ends its transaction on every attempt.
+    if isinstance(exc, (TransactionEnded, PhaseLeftScope)):
+        # As deterministic: the phase's code does the same on every attempt.
+        kind = _CAMEL_BOUNDARY.sub("-", cls.__name__).lower()
         title = "The service failed to handle this request"
-        return problem(500, "transaction-ended", title, SERVICE_CODE_DETAIL)
+        return problem(500, kind, title, SERVICE_CODE_DETAIL)
     if not isinstance(exc, IdempotencyError) or exc.http_status == 500:
         return problem(
             500, "unexpected-error", "The request failed unexpectedly", UNEXPECTED_DETAIL
