@@ -7,8 +7,8 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   live on its shard, so a phase that stages jobs, and a claim or deletion that reads or
   records the generation, commits on one worker, without two-phase commit);
 - the small tables every process reads or writes by their own keys (``processed_messages``,
-  ``worker_passes``, ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``)
-  become reference tables, copied to every worker;
+  ``worker_passes``, ``completer_operations``, ``recoverypoint_namespace``, ``audit_log``,
+  ``installation_secrets``) become reference tables, copied to every worker;
 - each of the application's tables named in ``colocate`` is distributed by its scope
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
@@ -31,6 +31,7 @@ CO_LOCATED = ("staged_jobs", "key_generations")
 REFERENCE = (
     "processed_messages",
     "worker_passes",
+    "completer_operations",
     "recoverypoint_namespace",
     "audit_log",
     "installation_secrets",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
+from workload import plant_keys
 
 from recoverypoint.database import create_engine
 from recoverypoint.testing import temporary_database
@@ -26,7 +27,7 @@ RIDES = ROOT / "examples" / "django_rides" / "rides"  # the models the page's ri
 
 # The provider the page's myproject.payments names: one charge per idempotency key, each
 # written to charges.log; down while $PAYMENTS_DOWN is set.
-PAYMENTS = '''
+PAYMENTS = """
 import os
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class Payments:
 
 
 payments = Payments()
-'''
+"""
 
 # What a project adds to the settings startproject wrote: the page's apps, and PostgreSQL.
 SETTINGS = """
@@ -141,6 +142,9 @@ def test_the_page_s_worker_command_finishes_a_key_from_a_shell(
         try:
             with db.begin() as conn:  # its backoff waited out, as `keys retry` does
                 conn.execute(sa.text("UPDATE idempotency_keys SET next_attempt_at = now()"))
+            # A single-step view's request whose client never came back: the view's module
+            # registers its operation, which only the URLconf imports.
+            [view_key] = plant_keys(db, "create_order", 1)
 
             # One pass, rather than until stopped; its client's retry is not awaited.
             done = run([sys.executable, *worker[1:], "--once", "--min-age", "0"], tmp_path, **env)
@@ -148,12 +152,22 @@ def test_the_page_s_worker_command_finishes_a_key_from_a_shell(
             assert done.returncode == 0, done.stderr
             with db.connect() as conn:
                 key = conn.execute(
-                    sa.text("SELECT recovery_point, response_status FROM idempotency_keys")
+                    sa.text(
+                        "SELECT recovery_point, response_status FROM idempotency_keys "
+                        "WHERE operation = 'create_ride'"
+                    )
                 ).one()
+                view_attempts = conn.execute(
+                    sa.text("SELECT attempts FROM idempotency_keys WHERE id = :id"),
+                    {"id": view_key},
+                ).scalar_one()
                 ride = conn.execute(sa.text("SELECT charge_id FROM rides_ride")).one()
         finally:
             db.dispose()
     assert tuple(key) == ("finished", 201), done.stderr
+    # The completer knew the view's operation: it tried the key (only its client can finish
+    # it), rather than report it as no worker's.
+    assert view_attempts == 1 and "event=unfinishable" not in done.stderr
     charges = (tmp_path / "charges.log").read_text().split()
     assert len(charges) == 1 and ride.charge_id == f"ch_{charges[0][-8:]}"
     # The enqueuer published the receipt the last phase staged: Django's console mailer.
