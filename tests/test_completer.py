@@ -273,16 +273,17 @@ def test_keys_of_unregistered_operations_or_versions_are_reported_and_never_touc
         result = completer.run_once()
         completer.run_once()
 
-    assert result.unregistered == len(planted) == 4
+    # No running completer registers them: no worker can finish them (tests/test_unfinishable.py).
+    assert result.unregistered == result.unfinishable == len(planted) == 4
     assert (result.finished, result.failed, result.abandoned, result.skipped) == (0, 0, 0, 0)
     assert rows(worker_db, snapshot) == before
-    warnings = sorted(
-        r.getMessage() for r in caplog.records if "event=unregistered" in r.getMessage()
+    errors = sorted(
+        r.getMessage() for r in caplog.records if "event=unfinishable" in r.getMessage()
     )
     # Reported once, not on every pass, per operation and version.
-    assert len(warnings) == 2
-    assert "operation=ghost version=1 keys=3" in warnings[0]
-    assert "operation=steps version=2 keys=1" in warnings[1]
+    assert len(errors) == 2
+    assert "operation=ghost version=1 keys=3" in errors[0]
+    assert "operation=steps version=2 keys=1" in errors[1]
 
 
 def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(

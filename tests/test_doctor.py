@@ -32,10 +32,10 @@ def test_a_ready_database_passes(
 
     assert status == 0
     assert list(found) == ["database", "schema", "clock", "autovacuum", "workers",
-                           "staged jobs", "keys", "dedupe windows", "compensations",
-                           "pooler"]  # fmt: skip
-    for name in ("database", "schema", "clock", "staged jobs", "keys", "dedupe windows",
-                 "compensations", "pooler"):  # fmt: skip
+                           "staged jobs", "keys", "unfinishable", "dedupe windows",
+                           "compensations", "pooler"]  # fmt: skip
+    for name in ("database", "schema", "clock", "staged jobs", "keys", "unfinishable",
+                 "dedupe windows", "compensations", "pooler"):  # fmt: skip
         assert found[name]["status"] == "ok", found[name]
     assert "(head)" in found["schema"]["detail"]
     status = main(["doctor", "--database-url", worker_database_url])

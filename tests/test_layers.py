@@ -6,7 +6,8 @@ Layers, lowest first (a module may import its own layer and those below):
 
 0. pure rules and declarations: errors, keys, operation, exits, logfmt, backoff, schema,
    observe (the hooks every layer calls), leases (the lease rule, in SQL and Python),
-   generations (the rule of a key's generation, in SQL),
+   generations (the rule of a key's generation, in SQL), running (when a worker is
+   running, and what the running completers can finish, in SQL),
    _faults (the fault points the engine consults), and the request path's pure parts
    (engine._decide; engine.endings, which SQL ends a transaction)
 1. plumbing: database, outage, migrate, testing (the kit users test with, which offers
@@ -56,6 +57,7 @@ LAYERS = {
             "observe",
             "leases",
             "generations",
+            "running",
             "_faults",
         ],
         0,

@@ -27,7 +27,7 @@ UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # Every revision, oldest first; the last one is the head.
 REVISIONS = (
     "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012",
-    "0013", "0014",
+    "0013", "0014", "0015",
 )
 HEAD = REVISIONS[-1]
 TABLES = {
@@ -35,6 +35,7 @@ TABLES = {
     "staged_jobs",
     "processed_messages",
     "worker_passes",
+    "completer_operations",
     "audit_log",
     "installation_secrets",
     "recoverypoint_namespace",

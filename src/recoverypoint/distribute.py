@@ -8,8 +8,8 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   reads or records the generation, commits on one worker, without two-phase commit; so does
   a consumer's record of a job of the scope, with the consumer's writes to the scope's rows);
 - the small tables every process reads or writes by their own keys (``worker_passes``,
-  ``recoverypoint_namespace``, ``audit_log``, ``installation_secrets``) become reference
-  tables, copied to every worker;
+  ``completer_operations``, ``recoverypoint_namespace``, ``audit_log``,
+  ``installation_secrets``) become reference tables, copied to every worker;
 - each of the application's tables named in ``colocate`` is distributed by its scope
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
@@ -33,6 +33,7 @@ DISTRIBUTED = "idempotency_keys"
 CO_LOCATED = ("staged_jobs", "key_generations", "processed_messages")
 REFERENCE = (
     "worker_passes",
+    "completer_operations",
     "recoverypoint_namespace",
     "audit_log",
     "installation_secrets",

@@ -2,7 +2,8 @@
 
 =====  =========================================================================
 0      done
-1      failed: the database is unreachable, a worker crashed, an invariant broke
+1      failed: the database is unreachable, a worker crashed, an invariant broke, a
+       single worker pass (``--once``) left keys or jobs no running worker can finish
 2      usage: bad arguments, a bulk action without ``--yes``, a bad ``--app``
 3      not found: no such key or job
 4      refused: the action does not apply to the key as it is (a live lease without

@@ -42,9 +42,18 @@ class Job:
 
 class JobBackend(Protocol):
     """Where the enqueuer publishes jobs. ``publish`` returns once the job is handed over,
-    and raises if it was not; the job then stays staged and is retried with backoff."""
+    and raises if it was not; the job then stays staged and is retried with backoff. A
+    backend that knows the jobs it takes raises :class:`UnknownJob` for one it does not."""
 
     def publish(self, job: Job) -> None: ...
+
+
+class UnknownJob(LookupError):
+    """The backend has no handler for the job's name: its application does not register
+    one, or the module that does was not imported. The enqueuer logs it as an error (once
+    a batch, by name), counts it, and keeps the job staged, backed off, with this error as
+    its ``last_error`` (``UnknownJob: ...``, which ``recoverypoint doctor`` and the console
+    look for); ``recoverypoint worker --once`` then fails."""
 
 
 class InProcessBackend:
@@ -71,7 +80,7 @@ class InProcessBackend:
         try:
             handler = self._handlers[job.name]
         except KeyError:
-            raise LookupError(
+            raise UnknownJob(
                 f"no handler for job {job.name!r}; register one with @backend.handler({job.name!r})"
             ) from None
         handler(job)

@@ -175,8 +175,17 @@ class Observer:
     def job_publish_failed(self, job: str) -> None:
         """A publish raised; the job stays staged and backs off."""
 
+    def job_unknown(self, job: str) -> None:
+        """The job backend has no handler for a job named ``job``
+        (:class:`~recoverypoint.jobs.UnknownJob`); it stays staged and backs off."""
+
     def key_abandoned(self, operation: str) -> None:
         """The completer gave a key up after its last attempt."""
+
+    def keys_unfinishable(self, operation: str, keys: int) -> None:
+        """A completer's pass found ``keys`` keys of ``operation`` due (unfinished, or
+        abandoned and awaiting a compensation) at a version no running completer registers:
+        no worker can finish them. Each pass that finds them counts them again."""
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         """The completer ran an abandoned key's compensation: it committed (``ok``), or
@@ -256,9 +265,17 @@ class _Observers(Observer):
         for o in self.observers:
             o.job_publish_failed(job)
 
+    def job_unknown(self, job: str) -> None:
+        for o in self.observers:
+            o.job_unknown(job)
+
     def key_abandoned(self, operation: str) -> None:
         for o in self.observers:
             o.key_abandoned(operation)
+
+    def keys_unfinishable(self, operation: str, keys: int) -> None:
+        for o in self.observers:
+            o.keys_unfinishable(operation, keys)
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         for o in self.observers:
@@ -481,8 +498,14 @@ class _Isolated(Observer):
     def job_publish_failed(self, job: str) -> None:
         self._event("job_publish_failed", lambda: self.observer.job_publish_failed(job))
 
+    def job_unknown(self, job: str) -> None:
+        self._event("job_unknown", lambda: self.observer.job_unknown(job))
+
     def key_abandoned(self, operation: str) -> None:
         self._event("key_abandoned", lambda: self.observer.key_abandoned(operation))
+
+    def keys_unfinishable(self, operation: str, keys: int) -> None:
+        self._event("keys_unfinishable", lambda: self.observer.keys_unfinishable(operation, keys))
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         self._event("key_compensated", lambda: self.observer.key_compensated(operation, ok))

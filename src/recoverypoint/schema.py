@@ -217,6 +217,25 @@ worker_passes = Table(
     Column("interval_seconds", Double),
 )
 
+# What each running completer can finish: the operation versions its application registers,
+# written with each of its passes (one row per completer, recoverypoint.running), so that a
+# worker, `recoverypoint doctor` and the console tell the keys no running completer can
+# finish from those another one will. Rows of completers no longer running are deleted by
+# the next one that records.
+completer_operations = Table(
+    "completer_operations",
+    metadata,
+    Column("completer", UUID(as_uuid=True), primary_key=True),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("operations", ARRAY(Text), nullable=False),
+    # versions[i] is the version of operations[i] that it registers.
+    Column("versions", ARRAY(Integer), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    # Seconds until its next pass at the latest; None for a single pass (--once).
+    Column("interval_seconds", Double),
+)
+
 # One row: the namespace of this database's derived keys (recoverypoint.keys.key_seed),
 # made at random by migration 0009 and replicated with the database.
 recoverypoint_namespace = Table(

@@ -65,6 +65,7 @@ from .keys import (
 )
 from .mask import Mask
 from .overview import Hour, Overview, overview
+from .unfinishable import Unfinishable, UnfinishableKeys, UnknownJobs, unfinishable
 
 __all__ = [
     "ABANDONED",
@@ -99,6 +100,9 @@ __all__ = [
     "Refused",
     "Stats",
     "StatsRow",
+    "Unfinishable",
+    "UnfinishableKeys",
+    "UnknownJobs",
     "WorkerPass",
     "abandon",
     "audit_entries",
@@ -121,6 +125,7 @@ __all__ = [
     "retry",
     "retry_jobs",
     "stats",
+    "unfinishable",
     "worker_passes",
 ]
 

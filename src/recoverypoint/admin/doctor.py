@@ -16,8 +16,10 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..migrate import VERSION_TABLE, migrations_dir
+from ..running import late
 from .base import NEEDS_RECONCILIATION, STUCK, Admin
 from .keys import nearing_windows, stats
+from .unfinishable import UnfinishableKeys, unfinishable
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 TABLES = ("idempotency_keys", "staged_jobs")
@@ -25,13 +27,6 @@ MAX_SKEW = 2.0
 """Seconds between this host's clock and the database's before the doctor warns."""
 OLD_JOB = 300.0
 """Seconds a staged job may wait before the doctor asks whether an enqueuer runs."""
-OLD_PASS = 300.0
-"""Seconds since a kind of worker's last pass before it is late, when its interval is
-unknown (a single pass, or a worker of a release before migration 0012)."""
-LATE_AFTER_INTERVALS = 3
-LATE_GRACE = 30.0
-"""A worker is late after this many of its intervals (interval plus jitter, as it recorded
-them) and these seconds more: a long pass delays the next record, a stopped worker shows."""
 WORKERS = ("completer", "enqueuer", "reaper")
 
 _PASSES = sa.text(
@@ -188,6 +183,45 @@ def _keys(admin: Admin) -> Check:
     return Check("keys", OK, detail)
 
 
+def _unfinishable(admin: Admin) -> Check:
+    found = unfinishable(admin)
+    if not found:
+        running = f"{found.completers} completer{'' if found.completers == 1 else 's'} running"
+        return Check("unfinishable", OK, f"none ({running})")
+    jobs = [f"job {group.job}: {group.jobs} staged, no handler" for group in found.jobs]
+    detail = "; ".join([*map(_described, found.keys), *jobs])
+    if found.keys and not found.completers:
+        # Every stuck key waits for a completer: the workers check says so too.
+        detail = f"no completer is running: {detail}"
+        if not found.jobs:
+            return Check(
+                "unfinishable",
+                WARN,
+                detail,
+                "run `recoverypoint worker completer --app module:engine` (or `worker all`)",
+            )
+    return Check(
+        "unfinishable",
+        FAIL,
+        detail,
+        "no running completer registers these operation versions (each records what it "
+        "registers with its passes), or the job backend has no handler for these jobs: "
+        "import the module that registers them from the workers' --app module (under "
+        "Django, from an installed app's idempotency or operations module) and restart the "
+        "workers; `recoverypoint keys list --operation NAME` lists the keys",
+    )
+
+
+def _described(group: UnfinishableKeys) -> str:
+    counts = []
+    if group.keys:
+        counts.append(f"{group.keys} stuck key{'' if group.keys == 1 else 's'}")
+    if group.compensations:
+        many = "" if group.compensations == 1 else "s"
+        counts.append(f"{group.compensations} abandoned key{many} awaiting a compensation")
+    return f"{group.operation} v{group.version}: {', '.join(counts)}"
+
+
 def _windows(admin: Admin) -> Check:
     held = stats(admin, include_finished=False).by_state[NEEDS_RECONCILIATION]
     nearing = nearing_windows(admin)
@@ -256,10 +290,9 @@ class WorkerPass:
 
     @property
     def late(self) -> bool:
-        """Whether the next pass is overdue: the worker stopped, or hangs."""
-        if self.interval_seconds is None:
-            return self.age > OLD_PASS
-        return self.age > LATE_AFTER_INTERVALS * self.interval_seconds + LATE_GRACE
+        """Whether the next pass is overdue: the worker stopped, or hangs
+        (:func:`recoverypoint.running.late`)."""
+        return late(self.age, self.interval_seconds)
 
 
 def worker_passes(admin: Admin) -> dict[str, WorkerPass]:
@@ -323,6 +356,7 @@ _CHECKS: tuple[Callable[[Admin], Check], ...] = (
     _workers,
     _jobs,
     _keys,
+    _unfinishable,
     _windows,
     _compensations,
     _pooler,

@@ -3,7 +3,8 @@
 A table of a million keys is mostly finished keys waiting for the reaper. Everything here
 comes from the partial indexes of the unfinished and the abandoned keys, the index of
 ``finished_at`` (the last 24 hours only), the planner's estimate of the table's size, and
-the small tables of staged jobs and worker passes; never from a scan of the keys.
+the small tables of staged jobs, worker passes and what the running completers register;
+never from a scan of the keys.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sqlalchemy as sa
 from .base import Admin
 from .doctor import WorkerPass, worker_passes
 from .keys import Stats, stats
+from .unfinishable import Unfinishable, unfinishable
 
 # One row per hour of the last 24, on the database's clock, the current hour last.
 _HOURS = sa.text(
@@ -82,6 +84,8 @@ class Overview:
     hours: tuple[Hour, ...]
     """The last 24 hours, oldest first."""
     workers: dict[str, WorkerPass]
+    unfinishable: Unfinishable
+    """The keys and staged jobs no running worker can finish."""
 
 
 def overview(admin: Admin) -> Overview:
@@ -89,4 +93,4 @@ def overview(admin: Admin) -> Overview:
     with admin.db.connect() as conn:
         estimate = conn.execute(_ESTIMATE).scalar()
         hours = tuple(Hour(row.hour, row.finished, row.abandoned) for row in conn.execute(_HOURS))
-    return Overview(figures, estimate, hours, worker_passes(admin))
+    return Overview(figures, estimate, hours, worker_passes(admin), unfinishable(admin))

@@ -7,7 +7,10 @@ resumes the keys of both. The command checks
 the database and its schema first and exits with status 1, in one line, when either is
 not usable. ``all`` runs the three workers in threads of one process; should one of them
 crash, the others stop too and the command fails. SIGTERM or SIGINT stops the workers
-after their current batch, and the command exits with status 0.
+after their current batch, and the command exits with status 0. ``--once`` exits with
+status 1 when its pass found keys or jobs no running worker can finish (an operation
+version no running completer registers, a job the backend has no handler for), each
+logged as an error that says what to import.
 """
 
 from __future__ import annotations
@@ -147,12 +150,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with on_stop(stop.set):
             if args.once:
+                stranded: dict[str, int] = {}
                 for worker in workers:
                     if not worker.stopping:
                         result = worker.run_once()
                         worker.log_pass(result)
                         if isinstance(result, CompleterResult) and (why := held_back(result, args)):
                             print(f"completer: {why}", file=sys.stderr)
+                        if result.stranded:
+                            stranded[worker.name] = result.stranded
+                if stranded:
+                    return fail("worker", EXIT_FAILED, _stranded(stranded))
                 return EXIT_OK
             if len(workers) == 1:
                 workers[0].run_forever(args.interval)
@@ -189,6 +197,23 @@ def held_back(result: CompleterResult, args: argparse.Namespace) -> str:
 
 def _keys(count: int) -> str:
     return f"{count} key" if count == 1 else f"{count} keys"
+
+
+def _stranded(counts: dict[str, int]) -> str:
+    """What a single pass left that no running worker can finish, by the worker that found
+    it (the completer keys, the enqueuer jobs), in a sentence."""
+    found, events = [], []
+    for kind, count in counts.items():
+        if kind == "completer":
+            found.append(_keys(count))
+            events.append("event=unfinishable")
+        else:
+            found.append(f"{count} job{'' if count == 1 else 's'}")
+            events.append("event=unknown_job")
+    return (
+        f"the pass left {' and '.join(found)} that no running worker can finish, logged "
+        f"above ({', '.join(events)}) with what the --app module must import"
+    )
 
 
 def _run_threads(workers: list[Worker[Any]], interval: float | None, stop: threading.Event) -> int:
@@ -246,9 +271,11 @@ def _workers(
     served = engines.all  # each worker takes the application's engines, one or two
     factories: dict[str, Callable[[], Worker[Any]]] = {
         "completer": lambda: Completer(
-            served, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop
+            served, batch_size=args.batch_size, min_age=args.min_age, stop_event=stop, app=args.app
         ),
-        "enqueuer": lambda: Enqueuer(served, batch_size=args.batch_size, stop_event=stop),
+        "enqueuer": lambda: Enqueuer(
+            served, batch_size=args.batch_size, stop_event=stop, app=args.app
+        ),
         "reaper": lambda: Reaper(
             served,
             batch_size=args.batch_size,

@@ -136,7 +136,18 @@ class _Metrics:
             buckets=_LAG_BUCKETS,
             registry=registry,
         )
+        self.unknown_jobs = counter(
+            "unknown_jobs",
+            "Publishes of staged jobs the job backend has no handler for; they stay staged.",
+            "job",
+        )
         self.abandoned = counter("abandoned_keys", "Keys given up after max_attempts.", "operation")
+        self.unfinishable = counter(
+            "unfinishable_keys",
+            "Due keys a completer's pass found at an operation version no running completer "
+            "registers (each pass counts them again): no worker can finish them.",
+            "operation",
+        )
         self.compensations = counter(
             "compensations",
             "Compensations of abandoned keys run: committed, or failed (tried again later).",
@@ -188,8 +199,14 @@ class PrometheusObserver(Observer):
     def job_publish_failed(self, job: str) -> None:
         self._m.of(self._m.publish_errors, job).inc()
 
+    def job_unknown(self, job: str) -> None:
+        self._m.of(self._m.unknown_jobs, job).inc()
+
     def key_abandoned(self, operation: str) -> None:
         self._m.of(self._m.abandoned, operation).inc()
+
+    def keys_unfinishable(self, operation: str, keys: int) -> None:
+        self._m.of(self._m.unfinishable, operation).inc(keys)
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         self._m.of(self._m.compensations, operation, "committed" if ok else "failed").inc()

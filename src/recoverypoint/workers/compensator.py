@@ -48,10 +48,10 @@ _FAILED_PREFIX = "compensation failed: "
 # Due, and not run already: a key reopened after its compensation and abandoned again
 # is due (the abandonment writes the moment alone, as Citus allows no now() in a CASE)
 # but never compensated twice.
-_DUE = "k.compensation_due_at <= now() AND k.compensated_at IS NULL"
+DUE = "k.compensation_due_at <= now() AND k.compensated_at IS NULL"
 
 # The scopes with abandoned keys due for a compensation, longest due first.
-_DUE_SCOPES = registered_scopes(_DUE, "k.compensation_due_at")
+_DUE_SCOPES = registered_scopes(DUE, "k.compensation_due_at")
 
 # Take the leases of a batch of one scope's keys due for a compensation, under one token.
 _CLAIM = text(
@@ -61,7 +61,7 @@ _CLAIM = text(
         SELECT k.id, r.lock_timeout
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-        WHERE k.scope = :scope AND {_DUE} AND {free("r.lock_timeout")}
+        WHERE k.scope = :scope AND {DUE} AND {free("r.lock_timeout")}
         ORDER BY k.compensation_due_at
         LIMIT :batch_size
         FOR UPDATE OF k SKIP LOCKED

@@ -19,7 +19,9 @@ its operation declares one, runs at the end of a pass
 (:mod:`recoverypoint.workers.compensator`), whoever abandoned the key.
 
 Only keys of operations registered with the engine, at the stored version, are claimed;
-others are counted and reported, never locked or written.
+others are never locked or written, but counted and reported: as another running
+completer's to finish, or as keys no worker can finish, an error
+(:mod:`recoverypoint.workers.unregistered`).
 
 One operation, or one key, that fails in a way nobody planned for never stalls the
 others: when the claim fails, each operation claims on its own and only those whose claim
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 
 from ..admin.key_actions import abandon_exhausted
 from ..engine import ABANDONED_RESPONSE, AsyncEngine, Engine
@@ -45,9 +47,11 @@ from ..leases import REGISTERED, free, from_now, registered
 from ..observe import Observer
 from ..operation import Operation, Outcome
 from ..outage import is_outage
+from . import compensator
 from .compensator import Compensator, run_on
 from .engines import AnyEngine
 from .loop import Result, Worker, registered_scopes
+from .unregistered import Unregistered, listing
 
 # An unfinished key whose next attempt is due and whose client has had :min_age seconds
 # since its last run to come back on its own. Never one held for an operator's
@@ -99,19 +103,9 @@ _CLAIM_DUE = text(
     """
 )
 
-# Due keys no registered operation can resume, per operation and version: read only.
-_UNREGISTERED = text(
-    f"""
-    WITH {REGISTERED}
-    SELECT k.operation, k.operation_version, count(*) AS keys
-    FROM idempotency_keys AS k
-    WHERE {_DUE}
-      AND NOT EXISTS (SELECT 1 FROM registered AS r
-                      WHERE r.operation = k.operation AND r.version = k.operation_version)
-    GROUP BY k.operation, k.operation_version
-    ORDER BY k.operation, k.operation_version
-    """
-)
+# Due keys, and abandoned ones awaiting a compensation, that no registered operation can
+# resume, per operation and version: read only.
+_UNREGISTERED = listing(_DUE, compensator.DUE)
 
 # Unfinished keys of registered operations a pass left alone, by why (as _DUE and the
 # claim's lease rule decide): read only, after the pass, so that what it took is not counted.
@@ -155,7 +149,11 @@ class CompleterResult(Result):
     """Keys found past a foreign step's dedupe window with no reconcile hook: held for an
     operator's reconciliation, never resumed again until then."""
     unregistered: int = 0
-    """Due keys of operations (or versions) this engine does not have; left alone."""
+    """Due keys, and abandoned keys awaiting a compensation, of operations (or versions)
+    this engine does not have; left alone."""
+    unfinishable: int = 0
+    """Those of :attr:`unregistered` whose version no running completer registers: no
+    worker can finish them (an error; ``--once`` fails)."""
     errors: int = 0
     """Keys, and operations' claims, that failed in an unexpected way; each is logged."""
     too_recent: int = 0
@@ -171,6 +169,10 @@ class CompleterResult(Result):
     """Compensations that raised; each is logged and tried again on a later pass."""
 
     _not_work: ClassVar[tuple[str, ...]] = ("batches", "too_recent", "backing_off", "leased")
+
+    @property
+    def stranded(self) -> int:
+        return self.unfinishable
 
 
 @dataclass(frozen=True)
@@ -217,20 +219,23 @@ class Completer(Worker[CompleterResult]):
         batch_size: int | None = None,
         min_age: float = 60.0,
         stop_event: threading.Event | None = None,
+        app: Sequence[str] = (),
     ) -> None:
-        super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
+        super().__init__(engine, batch_size=batch_size, stop_event=stop_event, app=app)
         if min_age < 0:
             raise ValueError(f"completer: min_age must be >= 0, got {min_age}")
         self.min_age = min_age
-        self._reported: dict[tuple[str, int], int] = {}
+        self._unregistered = Unregistered(self, _UNREGISTERED)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._compensator = Compensator(self, run_on(self._event_loop))
 
     def run_once(self) -> CompleterResult:
         result = CompleterResult()
         operations = list(self.engines.operations)
-        with self.db.connect() as conn:
-            result.unregistered = self._report_unregistered(conn, self._registered(operations))
+        registered = self._registered(operations)
+        with self.db.begin() as conn:
+            self._unregistered.record(conn, registered)
+            result.unregistered, result.unfinishable = self._unregistered.report(conn, registered)
         while not self.stopping:
             token = uuid.uuid4()
             batch, operations = self._claim(operations, token, result)
@@ -504,22 +509,3 @@ class Completer(Worker[CompleterResult]):
         with self.db.begin() as conn:
             for scope, ids in by_scope.items():
                 conn.execute(_RELEASE_UNSTARTED, {"scope": scope, "ids": ids, "token": token})
-
-    def _report_unregistered(self, conn: Connection, registered: dict[str, Any]) -> int:
-        """Count due keys no registered operation can resume; log when the picture changes."""
-        found = {
-            (row.operation, row.operation_version): row.keys
-            for row in conn.execute(_UNREGISTERED, registered)
-        }
-        if found != self._reported:
-            for (name, version), keys in found.items():
-                self.log(
-                    logging.WARNING,
-                    "unregistered",
-                    operation=name,
-                    version=version,
-                    keys=keys,
-                    hint="register this operation version with the engine to complete them",
-                )
-            self._reported = found
-        return sum(found.values())

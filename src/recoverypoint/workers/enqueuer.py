@@ -27,7 +27,7 @@ from sqlalchemy import text
 
 from .._faults import faults
 from ..backoff import backoff_delay
-from ..jobs import Job, JobBackend
+from ..jobs import Job, JobBackend, UnknownJob
 from .engines import AnyEngine
 from .loop import Result, Worker, describe
 
@@ -75,6 +75,13 @@ class EnqueuerResult(Result):
     """Jobs handed to the backend and removed from ``staged_jobs``."""
     failed: int = 0
     """Publishes that failed; those jobs stay staged and back off."""
+    unknown: int = 0
+    """Jobs the backend has no handler for (:class:`~recoverypoint.jobs.UnknownJob`): an
+    error; they stay staged and back off, and ``--once`` fails."""
+
+    @property
+    def stranded(self) -> int:
+        return self.unknown
 
 
 class Enqueuer(Worker[EnqueuerResult]):
@@ -100,8 +107,9 @@ class Enqueuer(Worker[EnqueuerResult]):
         retry_base: float = 1.0,
         retry_cap: float = 600.0,
         stop_event: threading.Event | None = None,
+        app: Sequence[str] = (),
     ) -> None:
-        super().__init__(engine, batch_size=batch_size, stop_event=stop_event)
+        super().__init__(engine, batch_size=batch_size, stop_event=stop_event, app=app)
         backend = self.engines.jobs
         if backend is None:
             raise ValueError(
@@ -129,18 +137,23 @@ class Enqueuer(Worker[EnqueuerResult]):
             published: list[int] = []
             failures: list[dict[str, object]] = []
             first_failure: dict[str, object] = {}
+            unknown: dict[str, int] = {}  # jobs of each name the backend has no handler for
             for row in rows:
                 job = Job(row.job_name, row.job_args, row.job_key, row.trace_context, scope)
                 try:
                     with observer.publishing(job.name, job.job_key, job.trace_context):
                         self.backend.publish(job)
                 except Exception as exc:
-                    observer.job_publish_failed(job.name)
                     error = describe(exc)
                     delay = backoff_delay(row.attempts, base=self.retry_base, cap=self.retry_cap)
                     failures.append(
                         {"scope": scope, "id": row.id, "error": error[:2000], "retry_in": delay}
                     )
+                    if isinstance(exc, UnknownJob):
+                        observer.job_unknown(job.name)
+                        unknown[job.name] = unknown.get(job.name, 0) + 1
+                        continue
+                    observer.job_publish_failed(job.name)
                     first_failure = first_failure or {
                         "job_id": row.id,
                         "job_name": row.job_name,
@@ -159,10 +172,28 @@ class Enqueuer(Worker[EnqueuerResult]):
                 conn.execute(_DELETE_PUBLISHED, {"scope": scope, "ids": published})
             if failures:
                 conn.execute(_POSTPONE, failures)
+            failed = len(failures) - sum(unknown.values())
+            if failed:
                 # One line per batch, not per job: a broker outage fails them all alike.
                 # Each job's own error is in staged_jobs.last_error.
-                self.log(logging.WARNING, "publish_failed", failed=len(failures), **first_failure)
+                self.log(logging.WARNING, "publish_failed", failed=failed, **first_failure)
+            for name, jobs in unknown.items():
+                self._unknown(name, jobs)
         result.batches += 1
         result.published += len(published)
-        result.failed += len(failures)
+        result.failed += failed
+        result.unknown += sum(unknown.values())
         return len(rows)
+
+    def _unknown(self, name: str, jobs: int) -> None:
+        """One error line per batch and name of jobs the backend has no handler for."""
+        self.log(
+            logging.ERROR,
+            "unknown_job",
+            job_name=name,
+            jobs=jobs,
+            app=" ".join(self.app) or "-",
+            hint=f"the job backend has no handler for {name!r}: "
+            f"{self.how_to_register('its handler (@backend.handler)')}; the jobs stay "
+            "staged and are tried again, backed off",
+        )

@@ -81,6 +81,12 @@ class Result:
     def __bool__(self) -> bool:
         return any(value for name, value in self.counts().items() if name not in self._not_work)
 
+    @property
+    def stranded(self) -> int:
+        """The keys or jobs the pass found that no running worker can finish (their
+        operation registered with none, no handler for them): ``--once`` then fails."""
+        return 0
+
     def counts(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
@@ -120,6 +126,9 @@ class Worker(ABC, Generic[R]):
         instances share the work.
     stop_event:
         Share one event between workers to stop them together (``worker all``).
+    app:
+        How the application was named to the command (its ``--app`` options), which the
+        errors about what it lacks (an operation, a job's handler) name.
     """
 
     name: ClassVar[str]
@@ -133,8 +142,10 @@ class Worker(ABC, Generic[R]):
         *,
         batch_size: int | None = None,
         stop_event: threading.Event | None = None,
+        app: Sequence[str] = (),
     ) -> None:
         self.engines = Engines(engine, self.name)
+        self.app = tuple(app)
         self.batch_size = self.default_batch_size if batch_size is None else batch_size
         if self.batch_size < 1:
             raise ValueError(f"{self.name}: batch_size must be >= 1, got {self.batch_size}")
@@ -143,6 +154,8 @@ class Worker(ABC, Generic[R]):
         # whatever isolation the application's engine defaults to.
         self.db: sa.Engine = self.engines.db.execution_options(isolation_level="READ COMMITTED")
         self._down_since: float | None = None  # when the database went away, if it has
+        self.longest_wait: float | None = None
+        """Seconds between two passes at most, while :meth:`run_forever` runs them."""
 
     @abstractmethod
     def run_once(self) -> R:
@@ -180,6 +193,7 @@ class Worker(ABC, Generic[R]):
         jitter = interval / 10 if jitter is None else jitter
         if interval < 0 or jitter < 0:
             raise ValueError(f"{self.name}: interval and jitter must be >= 0")
+        self.longest_wait = interval + jitter
         self.log(logging.INFO, "started", interval=interval, batch_size=self.batch_size)
         while not self.stopping:
             began = time.monotonic()
@@ -235,6 +249,18 @@ class Worker(ABC, Generic[R]):
 
     def log(self, level: int, event: str, **fields: object) -> None:
         log_event(level, event, {"worker": self.name, **fields})
+
+    def how_to_register(self, what: str) -> str:
+        """What to do so that the application this worker loads registers ``what`` (an
+        operation version, a job's handler) it lacks."""
+        if not self.app:
+            return f"register {what} with the engine the workers are given, then restart them"
+        modules = ", ".join(dict.fromkeys(spec.partition(":")[0] for spec in self.app))
+        return (
+            f"import the module that registers {what} from the --app module ({modules}); "
+            "under Django, from an installed app's idempotency or operations module; then "
+            "restart the workers"
+        )
 
     def log_error(self, event: str, exc: BaseException, **fields: object) -> None:
         """Log ``exc`` as an error event, in one line, its traceback as the ``exc`` field."""

@@ -2,8 +2,11 @@
 
 The same subcommands and options (``worker``, ``migrate``, ``keys``, ``jobs``, ``doctor``...),
 so that the workers resume phases that use the ORM and import the project's models.
-Without ``--database-url`` (or ``$RECOVERYPOINT_DATABASE_URL``) the database is Django's
-``DATABASES["default"]``; ``--using ALIAS``, first, names another::
+The operations they know are every installed app's (registered in its ``idempotency`` or
+``operations`` module, which the app imports once Django is ready: :mod:`..apps`) and
+those of the single-step views the URLconf imports. Without ``--database-url`` (or
+``$RECOVERYPOINT_DATABASE_URL``) the database is Django's ``DATABASES["default"]``;
+``--using ALIAS``, first, names another::
 
     python manage.py recoverypoint migrate
     python manage.py recoverypoint worker --app myproject.idempotency:engine
@@ -16,8 +19,10 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from django.conf import settings  # type: ignore[import-untyped]
 from django.core.management.base import BaseCommand  # type: ignore[import-untyped]
 from django.db import connections  # type: ignore[import-untyped]
+from django.urls import get_resolver  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL
 
 from ..... import cli
@@ -45,6 +50,10 @@ def run(argv: list[str]) -> int:
     using = "default"
     if argv[:1] == ["--using"] and len(argv) > 1:
         using, argv = argv[1], argv[2:]
+    if getattr(settings, "ROOT_URLCONF", None):
+        # A single-step view's operation is registered as its module is imported: the
+        # URLconf imports them, as a request would.
+        get_resolver().url_patterns  # noqa: B018
     before = os.environ.get(DATABASE_URL_ENV)
     if before is None:
         os.environ[DATABASE_URL_ENV] = database_url(using)
@@ -57,13 +66,13 @@ def run(argv: list[str]) -> int:
 
 def database_url(using: str = "default") -> str:
     """Django's database ``using`` as a URL, password included."""
-    settings = connections[using].settings_dict
-    port = settings.get("PORT")
+    database = connections[using].settings_dict
+    port = database.get("PORT")
     return URL.create(
         "postgresql+psycopg",
-        username=settings.get("USER") or None,
-        password=settings.get("PASSWORD") or None,
-        host=settings.get("HOST") or None,
+        username=database.get("USER") or None,
+        password=database.get("PASSWORD") or None,
+        host=database.get("HOST") or None,
         port=int(port) if port else None,
-        database=settings.get("NAME") or None,
+        database=database.get("NAME") or None,
     ).render_as_string(hide_password=False)
