@@ -123,7 +123,13 @@ _OPEN_TRANSACTIONS = sa.text(
 )
 _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
-_CRASH = re.compile(r"attempt ([1-9]\d*) (raises|dies) at (\S+?)(?: \(hit ([1-9]\d*)\))?")
+_CRASH = re.compile(
+    r"attempt ([1-9]\d*) (raises|dies|meets ([1-9]\d*) serialization failures?)"
+    r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
+)
+# A storm: serialization failures in a row at a phase, each rolling it back, the engine
+# running it again each time (within its serialization_retries, 10 unless configured).
+_STORM = 3
 _PAST_WINDOW = re.compile(r"past the window of (\S+)")
 # How far past a step's dedupe window a window schedule's recovery comes.
 _PAST = timedelta(seconds=1)
@@ -134,17 +140,26 @@ _HELD = "needs reconciliation"
 
 @dataclass(frozen=True)
 class Crash:
-    """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies."""
+    """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies, or
+    (``conflict``, at a ``before_commit`` point) meets a serialization failure there, that
+    time and the ``times - 1`` times after it that the engine runs the phase again."""
 
     attempt: int
     point: str
     nth: int = 1
     effect: Effect = "raise"
+    times: int = 1
 
     def __str__(self) -> str:
-        verb = "raises" if self.effect == "raise" else "dies"
+        verb = {"raise": "raises", "exit": "dies"}.get(self.effect)
+        if verb is None:
+            verb = f"meets {self.times} serialization failure{'s' * (self.times > 1)}"
         hit = f" (hit {self.nth})" if self.nth > 1 else ""
         return f"attempt {self.attempt} {verb} at {self.point}{hit}"
+
+    def fires(self, point: str, nth: int) -> bool:
+        """Whether it fires at the ``nth`` hit of ``point``."""
+        return point == self.point and self.nth <= nth < self.nth + self.times
 
 
 @dataclass(frozen=True)
@@ -191,8 +206,10 @@ class Schedule:
             match = _CRASH.fullmatch(part)
             if match is None:
                 raise ValueError(f"not a crash: {part!r} (e.g. 'attempt 1 raises at X:y')")
-            effect: Effect = "raise" if match[2] == "raises" else "exit"
-            crashes.append(Crash(int(match[1]), match[3], int(match[4] or 1), effect))
+            verbs: dict[str, Effect] = {"raises": "raise", "dies": "exit"}
+            effect = verbs.get(match[2], "conflict")
+            times = int(match[3] or 1)
+            crashes.append(Crash(int(match[1]), match[4], int(match[5] or 1), effect, times))
         way: Recovery = "client" if recovery.strip() == "client" else "completer"
         return cls(way, tuple(crashes), past_window)
 
@@ -339,8 +356,13 @@ class _Run:
         nth = self.hits[point]
         self.trace.append(Crash(self.attempt, point, nth))
         crash = self.schedule.crash_in(self.attempt)
-        if crash is None or (crash.point, crash.nth) != (point, nth):
+        if crash is None or not crash.fires(point, nth):
             return None
+        if crash.effect == "conflict":
+            self.story.append(
+                f"{self.attempt}.           serialization failure at {point}: rolled back, "
+                "the phase runs again"
+            )
         if crash.effect == "exit":
             self.send(dies=True)  # its last word: the process dies next
         return crash.effect
@@ -439,7 +461,7 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Effect] = ("raise", "exit"),
+    effects: Sequence[Effect] = ("raise", "exit", "conflict"),
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -633,7 +655,7 @@ class _Explorer:
                 run.attempt += 1
                 run.hits.clear()
                 crash = planned.crash_in(run.attempt)
-                if self.one_process and (crash is None or crash.effect == "raise"):
+                if self.one_process and (crash is None or crash.effect != "exit"):
                     self._attempt(actor, run)
                 else:
                     self._apart(actor, run)
@@ -925,6 +947,16 @@ class _Explorer:
                     "guarantee ends: it does not dedupe on that key (see its idempotency "
                     "documentation), or the key does not reach it."
                 )
+        for crash in run.schedule.crashes:
+            if crash.effect == "conflict":
+                point = crash.point.partition(":")[2]
+                hints.append(
+                    f"attempt {crash.attempt} ran phase {point!r} {crash.times + 1} times: "
+                    f"{crash.times} serialization failure(s) rolled its transaction back, and "
+                    "the engine ran it again each time, with the same params. Only what it "
+                    "does in its transaction is rolled back: it must not change its params "
+                    "or anything kept between runs, nor call anything outside the database."
+                )
         for job_key, times in run.deliveries.items():
             if times > 1:
                 hints.append(
@@ -1085,9 +1117,12 @@ def _extensions(
             if boundary in _AROUND_STEP and step in windows
         ]
     return [
-        Schedule(way, (*planned.crashes, replace(hit, effect=effect)), window)
+        Schedule(way, (*planned.crashes, replace(hit, effect=effect, times=times)), window)
         for hit, window in [*((hit, planned.past_window) for hit in hits), *late]
         for effect in effects
+        # A serialization failure happens inside a phase's transaction: before its COMMIT.
+        if effect != "conflict" or hit.point.startswith("before_commit:")
+        for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
 

@@ -86,7 +86,7 @@ def _explore(args: argparse.Namespace) -> int:
             found = subject.explore(
                 depth=args.depth,
                 schedule=args.schedule,
-                effects=("raise",) if args.no_exit else ("raise", "exit"),
+                effects=("raise", "conflict") if args.no_exit else ("raise", "exit", "conflict"),
                 progress=progress,
             )
         except ValueError as exc:
