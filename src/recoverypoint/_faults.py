@@ -17,9 +17,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BOUNDARIES", "FAULT_EXIT_STATUS", "Effect", "Faults", "InjectedFault", "faults"]
+import psycopg
 
-Effect = Literal["raise", "exit"]
+__all__ = [
+    "BOUNDARIES",
+    "FAULT_EXIT_STATUS",
+    "Effect",
+    "Faults",
+    "InjectedConflict",
+    "InjectedFault",
+    "faults",
+]
+
+Effect = Literal["raise", "exit", "conflict"]
+_EFFECTS: dict[str, Effect] = {"raise": "raise", "exit": "exit", "conflict": "conflict"}
 BOUNDARIES = ("before_commit", "after_commit", "before_foreign", "after_foreign", "after_publish")
 # The exit status of a process killed by an injected fault, so a supervisor can tell it apart.
 FAULT_EXIT_STATUS = 75
@@ -27,6 +38,12 @@ FAULT_EXIT_STATUS = 75
 
 class InjectedFault(Exception):
     """Raised at an armed fault point whose effect is ``raise``."""
+
+
+class InjectedConflict(psycopg.errors.SerializationFailure):
+    """Raised at an armed ``before_commit`` point whose effect is ``conflict``: a
+    serialization failure (SQLSTATE 40001), which the engine meets as it meets
+    PostgreSQL's: it rolls the phase's transaction back and runs the phase again."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,13 @@ class Faults:
             )
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"fault probability must be within 0..1, got {probability}")
-        if effect not in ("raise", "exit"):
-            raise ValueError(f"fault effect must be 'raise' or 'exit', got {effect!r}")
+        if effect not in _EFFECTS:
+            raise ValueError(f"fault effect must be 'raise', 'exit' or 'conflict', got {effect!r}")
+        if effect == "conflict" and boundary != "before_commit":
+            raise ValueError(
+                f"bad fault point {point!r} for a conflict: a serialization failure happens "
+                "inside a phase's transaction, at before_commit:<point>"
+            )
         with self._lock:
             self._armed[point] = _Armed(probability, effect)
             self.active = True
@@ -98,6 +120,8 @@ class Faults:
             sys.stderr.write(f"recoverypoint: injected fault {boundary}:{name}, exiting\n")
             sys.stderr.flush()
             os._exit(FAULT_EXIT_STATUS)
+        if effect == "conflict":
+            raise InjectedConflict(f"could not serialize access (injected at {point})")
         raise InjectedFault(f"{boundary}:{name}")
 
     @contextmanager
@@ -133,11 +157,12 @@ def _from_environment() -> Faults:
     spec = os.environ.get("RECOVERYPOINT_FAULTS", "")
     if spec:
         name = os.environ.get("RECOVERYPOINT_FAULT_EFFECT", "raise")
-        effects: dict[str, Effect] = {"raise": "raise", "exit": "exit"}
-        if name not in effects:
-            raise ValueError(f"RECOVERYPOINT_FAULT_EFFECT must be raise or exit, got {name!r}")
+        if name not in _EFFECTS:
+            raise ValueError(
+                f"RECOVERYPOINT_FAULT_EFFECT must be raise, exit or conflict, got {name!r}"
+            )
         seed = os.environ.get("RECOVERYPOINT_FAULT_SEED")
-        registry.configure(spec, effects[name], int(seed) if seed else None)
+        registry.configure(spec, _EFFECTS[name], int(seed) if seed else None)
     return registry
 
 

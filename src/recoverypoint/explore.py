@@ -5,11 +5,19 @@ on your code: a foreign step that forgets ``step.downstream_key()``, a provider 
 not dedupe on it, a phase that writes outside its transaction, a consumer that does not
 call :func:`~recoverypoint.jobs.consume_once`. :func:`explore` finds those before
 production. It runs the operation with a crash at every boundary the engine has
-(:data:`recoverypoint.testing.BOUNDARIES`), as an exception and as the death of a forked
+(:data:`recoverypoint.testing.BOUNDARIES`), as an exception and as the death of its
 process (``os._exit``: no rollback, the lease left held), then lets it recover as it
 would in production (the client retries, or the completer finishes the key; the enqueuer
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
 crashes per schedule. Between schedules it truncates recoverypoint's tables and yours.
+
+Attempts run in processes forked from explore's, which never runs the operation: a new
+one for a schedule's first attempt and another after each crash, so that, as in
+production (the client's retry reaches another server, the completer is a process
+apart), what a crashed attempt kept in memory never reaches its recovery. An operation
+that hands a value from one phase to the next in process memory (a module-level dict, a
+cache) instead of ``tx.state`` fails there; when the same schedule holds with the crashed
+attempt's process recovering the key, the report says so.
 
 A foreign step that declares its provider's ``dedupe_window`` is also crashed around
 (``before_foreign``, ``after_foreign``) in schedules where recovery comes only after the
@@ -28,6 +36,8 @@ failing schedule is reported with what each attempt did, the broken invariant, w
 database held, a hint where the guarantee ended, and the schedule in one line to paste
 into ``explore(..., schedule=...)``. Schedules are enumerated in a fixed order, so the
 same operation gives the same report; ``seed`` only orders a sample (``max_schedules``).
+The search is breadth first and ends with the depth that found a failure: the summary
+names the depth it reached.
 """
 
 from __future__ import annotations
@@ -43,13 +53,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
 
-from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
+from ._faults import Effect, InjectedFault, faults
 from .engine import Engine, heartbeat
 from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
@@ -112,7 +123,13 @@ _OPEN_TRANSACTIONS = sa.text(
 )
 _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
-_CRASH = re.compile(r"attempt ([1-9]\d*) (raises|dies) at (\S+?)(?: \(hit ([1-9]\d*)\))?")
+_CRASH = re.compile(
+    r"attempt ([1-9]\d*) (raises|dies|meets ([1-9]\d*) serialization failures?)"
+    r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
+)
+# A storm: serialization failures in a row at a phase, each rolling it back, the engine
+# running it again each time (within its serialization_retries, 10 unless configured).
+_STORM = 3
 _PAST_WINDOW = re.compile(r"past the window of (\S+)")
 # How far past a step's dedupe window a window schedule's recovery comes.
 _PAST = timedelta(seconds=1)
@@ -123,17 +140,26 @@ _HELD = "needs reconciliation"
 
 @dataclass(frozen=True)
 class Crash:
-    """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies."""
+    """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies, or
+    (``conflict``, at a ``before_commit`` point) meets a serialization failure there, that
+    time and the ``times - 1`` times after it that the engine runs the phase again."""
 
     attempt: int
     point: str
     nth: int = 1
     effect: Effect = "raise"
+    times: int = 1
 
     def __str__(self) -> str:
-        verb = "raises" if self.effect == "raise" else "dies"
+        verb = {"raise": "raises", "exit": "dies"}.get(self.effect)
+        if verb is None:
+            verb = f"meets {self.times} serialization failure{'s' * (self.times > 1)}"
         hit = f" (hit {self.nth})" if self.nth > 1 else ""
         return f"attempt {self.attempt} {verb} at {self.point}{hit}"
+
+    def fires(self, point: str, nth: int) -> bool:
+        """Whether it fires at the ``nth`` hit of ``point``."""
+        return point == self.point and self.nth <= nth < self.nth + self.times
 
 
 @dataclass(frozen=True)
@@ -180,8 +206,10 @@ class Schedule:
             match = _CRASH.fullmatch(part)
             if match is None:
                 raise ValueError(f"not a crash: {part!r} (e.g. 'attempt 1 raises at X:y')")
-            effect: Effect = "raise" if match[2] == "raises" else "exit"
-            crashes.append(Crash(int(match[1]), match[3], int(match[4] or 1), effect))
+            verbs: dict[str, Effect] = {"raises": "raise", "dies": "exit"}
+            effect = verbs.get(match[2], "conflict")
+            times = int(match[3] or 1)
+            crashes.append(Crash(int(match[1]), match[4], int(match[5] or 1), effect, times))
         way: Recovery = "client" if recovery.strip() == "client" else "completer"
         return cls(way, tuple(crashes), past_window)
 
@@ -230,6 +258,12 @@ class Exploration:
         return not self.failures
 
     @property
+    def reached(self) -> int:
+        """The most crashes in a schedule run: ``depth``, unless the search ended with the
+        depth that found a failure (or ran one schedule)."""
+        return max(self.by_depth, default=0)
+
+    @property
     def held(self) -> int:
         """Schedules that left their key waiting for an operator's reconciliation."""
         return sum(outcome == _HELD for outcome in self.past_window.values())
@@ -255,11 +289,11 @@ class Exploration:
         if self.ok:
             return (
                 f"{self.operation}: every invariant held in {self.schedules} schedules "
-                f"(depth {self.depth}) in {self.seconds:.1f}s"
+                f"(depth {self.reached}) in {self.seconds:.1f}s"
             )
         return (
             f"{self.operation}: {len(self.failures)} of {self.schedules} schedules broke an "
-            f"invariant (depth {self.depth}, {self.seconds:.1f}s)"
+            f"invariant (depth {self.reached}, {self.seconds:.1f}s)"
         )
 
     def report(self) -> str:
@@ -290,7 +324,31 @@ class _Run:
     reconciled: Counter[str] = field(default_factory=Counter)  # step → hook calls past it
     renewed: set[str] = field(default_factory=set)  # steps whose hook found nothing past it
     blind: Counter[str] = field(default_factory=Counter)  # step → calls past it, not renewed
-    pipe: int | None = None  # in a forked attempt: where its record goes before it dies
+    raised: list[tuple[int, str, str]] = field(default_factory=list)  # attempt, phase, error
+    pipe: int | None = None  # in an attempt's process: where what it saw goes before it ends
+
+    def send(self, dies: bool) -> None:
+        """What this attempt's process saw, a line to explore's process, once it ends."""
+        if self.pipe is not None:
+            seen = {name: getattr(self, name) for name in _SEEN}
+            line = json.dumps({**seen, "dies": dies}, default=_plain).encode() + b"\n"
+            while line:
+                line = line[os.write(self.pipe, line) :]
+            self.pipe = None
+
+    def absorb(self, record: bytes) -> bool:
+        """Add what an attempt's process saw (its :meth:`send`); whether it died."""
+        seen = json.loads(record)
+        for name in ("calls", "returned", "reconciled", "blind", "deliveries"):
+            getattr(self, name).update(seen[name])
+        for step, keys in seen["downstream"].items():
+            self.downstream.setdefault(step, []).extend(keys)
+        self.renewed.update(seen["renewed"])
+        self.trace += [Crash(a, p, n) for a, p, n in seen["trace"]]
+        self.story += seen["story"]
+        self.answers += seen["answers"]
+        self.raised += [(a, p, e) for a, p, e in seen["raised"]]
+        return bool(seen["dies"])
 
     def decide(self, point: str) -> Effect | None:
         """The fault registry's watcher: record the boundary, crash where scheduled."""
@@ -298,26 +356,51 @@ class _Run:
         nth = self.hits[point]
         self.trace.append(Crash(self.attempt, point, nth))
         crash = self.schedule.crash_in(self.attempt)
-        if crash is None or (crash.point, crash.nth) != (point, nth):
+        if crash is None or not crash.fires(point, nth):
             return None
-        if self.pipe is not None:
-            record = {
-                "calls": self.calls,
-                "returned": self.returned,
-                "downstream": self.downstream,
-                "trace": self.trace,
-                "reconciled": self.reconciled,
-                "renewed": sorted(self.renewed),
-                "blind": self.blind,
-            }
-            os.write(self.pipe, json.dumps(record, default=_plain).encode())
+        if crash.effect == "conflict":
+            self.story.append(
+                f"{self.attempt}.           serialization failure at {point}: rolled back, "
+                "the phase runs again"
+            )
+        if crash.effect == "exit":
+            self.send(dies=True)  # its last word: the process dies next
         return crash.effect
+
+
+# What an attempt's process sees that explore's needs: sent back when the attempt ends.
+_SEEN = (
+    "trace",
+    "story",
+    "answers",
+    "calls",
+    "returned",
+    "downstream",
+    "deliveries",
+    "reconciled",
+    "renewed",
+    "blind",
+    "raised",
+)
 
 
 def _plain(value: object) -> object:
     if isinstance(value, Crash):
         return [value.attempt, value.point, value.nth]
+    if isinstance(value, set):
+        return sorted(value)
     raise TypeError(type(value).__name__)
+
+
+@dataclass(frozen=True)
+class _Process:
+    """A process that runs attempts on explore's orders, forked from explore's before it
+    ran any: explore writes each attempt's orders, a line, to the pipe ``orders`` and reads
+    what the attempt saw, a line, from ``seen``; closing ``orders`` ends the process."""
+
+    pid: int
+    orders: int
+    seen: BinaryIO
 
 
 class _Recorder:
@@ -378,7 +461,7 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Effect] = ("raise", "exit"),
+    effects: Sequence[Effect] = ("raise", "exit", "conflict"),
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -403,8 +486,8 @@ def explore(
     and staged job in ``engine``'s database: give it a database of its own
     (:func:`recoverypoint.testing.temporary_database`).
 
-    A crash with ``effect="exit"`` runs its attempt in a forked process; list in
-    ``dispose`` your own SQLAlchemy engines so that no pooled connection crosses the fork.
+    Attempts run in forked processes (a crash with ``effect="exit"`` kills one); list in
+    ``dispose`` your own SQLAlchemy engines so that no pooled connection crosses a fork.
     ``schedule`` runs one schedule only (a report's ``reproduce`` line). ``progress(done,
     known)`` is called after each schedule; ``known`` grows as deeper schedules appear.
     """
@@ -489,9 +572,16 @@ class _Explorer:
         self.tables = [*tables, *_OWN_TABLES]  # yours first: they may refer to the keys
         self.reset: str | None = None
         self.conn: sa.Connection
+        self.parents: sa.Connection | None = None  # in a forked process: explore's connection
+        self.spare: _Process | None = None  # the next process, forked ahead, ready
+        self.running: _Process | None = None  # the last attempt's, if it did not crash
+        self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
         self.dispose = [engine.db, *dispose]
         self.current = _Run(Schedule())
+        # Only while a failing schedule is run again to tell what process memory did: an
+        # attempt that does not die runs in the process of the attempts before it.
+        self.one_process = False
 
     # -- the search ----------------------------------------------------------------------
 
@@ -532,28 +622,17 @@ class _Explorer:
                 f"{step!r} is not a foreign step of {self.operation.name!r} that declares a "
                 f"dedupe_window (those that do: {', '.join(self.windows) or 'none'})"
             )
-        run = self.current = _Run(planned)
-        self._reset()
-        with faults.watching(run.decide):
-            while (actor := self._next_actor(run)) is not None:
-                run.attempt += 1
-                run.hits.clear()
-                crash = planned.crash_in(run.attempt)
-                if crash is not None and crash.effect == "exit":
-                    self._in_child(actor, run)
-                else:
-                    self._attempt(actor, run)
-                if step is not None and run.attempt == 1:
-                    self._pass_window(step, run)
+        run = self._play(planned)
         found.schedules += 1
         found.by_depth[planned.depth] += 1
         broken = self._broken(run)
         if broken is not None:
             invariant, detail = broken
+            held = self._held()  # before the schedule is run again, in one process
+            hints = self._hints(run, invariant)
+            memory = self._memory(run)
             found.failures.append(
-                Failure(
-                    planned, invariant, detail, run.story, self._held(), self._hints(run, invariant)
-                )
+                Failure(planned, invariant, detail, run.story, held, [*memory, *hints])
             )
         elif step is not None:
             found.past_window[str(planned)] = (
@@ -565,6 +644,24 @@ class _Explorer:
                 if run.reconciled[step]
                 else "finished"
             )
+        return run
+
+    def _play(self, planned: Schedule) -> _Run:
+        """Run ``planned`` from empty tables: each attempt, until the key needs none."""
+        run = self.current = _Run(planned)
+        self._reset()
+        with faults.watching(run.decide):
+            while (actor := self._next_actor(run)) is not None:
+                run.attempt += 1
+                run.hits.clear()
+                crash = planned.crash_in(run.attempt)
+                if self.one_process and (crash is None or crash.effect != "exit"):
+                    self._attempt(actor, run)
+                else:
+                    self._apart(actor, run)
+                if planned.past_window is not None and run.attempt == 1:
+                    self._pass_window(planned.past_window, run)
+        self._end()  # it ran this schedule's operation: not the next one's
         return run
 
     def _pass_window(self, step: str, run: _Run) -> None:
@@ -612,44 +709,157 @@ class _Explorer:
         except Exception as exc:  # the operation's own failure: the next attempt retries
             run.story.append(f"{label} failed: {type(exc).__name__}: {exc}"[:300])
 
-    def _in_child(self, actor: str, run: _Run) -> None:
-        """Run the attempt in a forked process that dies at the scheduled crash, as a
-        SIGKILL would leave it: no rollback sent, no lease released, its memory gone."""
-        read, write = os.pipe()
-        heartbeat.quiesce()  # the last attempt's renewer thread, still idling: not forked
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child never returns to report coverage
-            os.close(read)
-            for db in self.dispose:
-                db.dispose(close=False)  # the parent's connections stay the parent's
-            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - its "exiting" line is ours to tell
-            run.pipe = write
-            # It sends back what it adds alone: the parent keeps what came before.
-            run.calls, run.returned, run.downstream, run.trace = Counter(), Counter(), {}, []
-            run.reconciled, run.blind = Counter(), Counter()
-            try:
-                self._attempt(actor, run)
-            finally:
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            record = pipe.read()
-        _, status = os.waitpid(pid, 0)
+    def _apart(self, actor: str, run: _Run) -> None:
+        """Run the attempt in a process forked from explore's (which never runs the
+        operation): the one that ran the attempt before, unless that one crashed, else a
+        new one, so that a recovery finds nothing a crashed attempt kept in memory. At a
+        scheduled ``exit`` crash the process dies as a SIGKILL would leave it (no rollback
+        sent, no lease released), having sent what it saw first."""
+        process = self.running = self.running or self.spare or self._fork()
+        self.spare = None if self.spare is process else self.spare
+        orders = {
+            "actor": actor,
+            "schedule": asdict(run.schedule),
+            "attempt": run.attempt,
+            "window_passed": run.window_passed,
+            "renewed": sorted(run.renewed),
+        }
+        os.write(process.orders, json.dumps(orders).encode() + b"\n")
+        self.spare = self.spare or self._fork()  # made ready while the attempt runs
+        line = process.seen.readline()
+        if line and not run.absorb(line):
+            if run.schedule.crash_in(run.attempt) is not None:
+                self._end()  # it raised at its crash: the recovery runs in another process
+            return
+        self.running = None
+        os.close(process.orders)
+        process.seen.close()
+        code = os.waitstatus_to_exitcode(os.waitpid(process.pid, 0)[1])
         self._await_rollback()
         crash = run.schedule.crash_in(run.attempt)
-        if os.waitstatus_to_exitcode(status) == FAULT_EXIT_STATUS and record:
-            child = json.loads(record)
-            run.calls.update(child["calls"])
-            run.returned.update(child["returned"])
-            for step, keys in child["downstream"].items():
-                run.downstream.setdefault(step, []).extend(keys)
-            run.trace += [Crash(a, p, n) for a, p, n in child["trace"]]
-            run.reconciled.update(child["reconciled"])
-            run.renewed.update(child["renewed"])
-            run.blind.update(child["blind"])
-            run.story.append(f"{run.attempt}. {actor:<9} died at {crash and crash.point}")
+        if line and crash is not None:
+            run.story.append(f"{run.attempt}. {actor:<9} died at {crash.point}")
         else:
-            run.story.append(f"{run.attempt}. {actor:<9} ended without reaching its crash")
+            run.story.append(f"{run.attempt}. {actor:<9} ended its process (exit status {code})")
+
+    def _fork(self) -> _Process:
+        """A process for the attempts to come, its connections opened ahead (a connection
+        costs more than a fork), running each attempt it is told to until told to end."""
+        self._reap()
+        orders, orders_w = os.pipe()
+        seen_r, seen = os.pipe()
+        heartbeat.quiesce()  # a renewer thread, still idling: not forked
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns to report coverage
+            try:
+                os.close(orders_w)
+                os.close(seen_r)
+                self._detach()
+                for db in self.dispose:
+                    if not isinstance(db.pool, NullPool):
+                        db.connect().close()  # into its pool, for the attempt
+                with os.fdopen(orders, "rb") as pipe:
+                    for line in pipe:
+                        self._ordered(json.loads(line), seen)
+            finally:
+                os._exit(0)
+        os.close(orders)
+        os.close(seen)
+        return _Process(pid, orders_w, os.fdopen(seen_r, "rb"))
+
+    def _ordered(self, orders: dict[str, Any], seen: int) -> None:
+        """In an attempts' process: the attempt its orders name, what it saw sent back."""
+        planned = orders["schedule"]
+        crashes = tuple(Crash(**crash) for crash in planned["crashes"])
+        schedule = Schedule(planned["recovery"], crashes, planned["past_window"])
+        run = self.current = _Run(schedule, orders["attempt"], pipe=seen)
+        run.window_passed = orders["window_passed"]
+        run.renewed = set(orders["renewed"])
+        with faults.watching(run.decide):
+            self._attempt(orders["actor"], run)
+        run.send(dies=False)
+
+    def _end(self, *processes: _Process | None) -> None:
+        """Tell the running process (or ``processes``) to end; it is reaped later (an exit
+        takes a while)."""
+        for process in processes or (self.running,):
+            if process is not None:
+                os.close(process.orders)
+                process.seen.close()
+                self.ending.append(process.pid)
+        self.running = None
+
+    def _reap(self) -> None:
+        for pid in self.ending:
+            os.waitpid(pid, 0)
+        self.ending.clear()
+
+    def _detach(self) -> None:
+        """In a forked process: connections of its own, once it needs them. The parent's
+        stay open, untouched (closing one would end the parent's session too); the other
+        processes' pipes are closed, so that each ends when explore closes its own."""
+        for process in (self.spare, self.running):
+            if process is not None:
+                os.close(process.orders)
+                process.seen.close()
+        self.spare = self.running = None
+        self.ending.clear()  # explore's to reap
+        for db in self.dispose:
+            db.dispose(close=False)
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - a fault's "exiting" line is ours to tell
+        self.parents = self.conn  # kept from the collector, which would roll it back
+
+    # -- process memory --------------------------------------------------------------------
+
+    def _memory(self, run: _Run) -> list[str]:
+        """The hint, when ``run`` recovered from a crash and broke, that the same schedule
+        holds when the process of the crashed attempt recovers the key (as explore did
+        before each attempt had a process of its own): what broke was kept in memory."""
+        raised = [c for c in run.schedule.crashes if c.effect == "raise"]
+        if not raised or run.attempt <= raised[0].attempt or not self._held_in_one_process(run):
+            return []
+        failed = next((r for r in run.raised if r[0] > raised[0].attempt), None)
+        before = [c for c in raised if failed is None or c.attempt < failed[0]]
+        crash = f"attempt {before[-1].attempt} raised at {before[-1].point}"
+        lost = (
+            "Process memory (a module-level variable, a cache, an object's attribute) is not "
+            "kept across a crash, and in production another process recovers the key (the "
+            "client's retry reaches another server, the completer is a process apart): use "
+            "tx.state to hand a value from one phase or step to the next (a foreign step "
+            "returns it), which is stored with the recovery point."
+        )
+        if failed is None:
+            return [
+                f"after {crash}, the schedule broke when another process recovered the key, "
+                "and held when the crashed attempt's own process did: the operation kept "
+                f"something in process memory between attempts. {lost}"
+            ]
+        attempt, point, error = failed
+        return [
+            f"a value read by `{point}` was not in `tx.state` after {crash}: recovered by "
+            f"another process (attempt {attempt}), `{point}` raised {error}; recovered by the "
+            f"crashed attempt's own process, the schedule held. {lost}"
+        ]
+
+    def _held_in_one_process(self, run: _Run) -> bool:
+        """Whether ``run``'s schedule holds when an attempt that does not die runs in the
+        process of the attempts before it: played in a process of its own, forked, so that
+        explore's process never runs the operation."""
+        heartbeat.quiesce()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns to report coverage
+            broken = True
+            try:
+                self._detach()
+                self.conn = self.engine.db.connect().execution_options(isolation_level="AUTOCOMMIT")
+                self.one_process = True
+                broken = self._broken(self._play(run.schedule)) is not None
+            finally:
+                os._exit(1 if broken else 0)
+        _, status = os.waitpid(pid, 0)
+        self._await_rollback()
+        self.current = run
+        return os.waitstatus_to_exitcode(status) == 0
 
     # -- the invariants --------------------------------------------------------------------
 
@@ -737,6 +947,16 @@ class _Explorer:
                     "guarantee ends: it does not dedupe on that key (see its idempotency "
                     "documentation), or the key does not reach it."
                 )
+        for crash in run.schedule.crashes:
+            if crash.effect == "conflict":
+                point = crash.point.partition(":")[2]
+                hints.append(
+                    f"attempt {crash.attempt} ran phase {point!r} {crash.times + 1} times: "
+                    f"{crash.times} serialization failure(s) rolled its transaction back, and "
+                    "the engine ran it again each time, with the same params. Only what it "
+                    "does in its transaction is rolled back: it must not change its params "
+                    "or anything kept between runs, nor call anything outside the database."
+                )
         for job_key, times in run.deliveries.items():
             if times > 1:
                 hints.append(
@@ -801,11 +1021,11 @@ class _Explorer:
         job deliveries counted, recoverypoint's failure logs quiet."""
         phases = list(self.operation.phases)
         self.operation.phases[:] = [
-            p
+            replace(p, fn=self._failing(p.point, p.fn))
             if p.atomic
             else replace(
                 p,
-                fn=self._watched(p.point, p.fn),
+                fn=self._failing(p.point, self._watched(p.point, p.fn)),
                 reconcile=p.reconcile and self._reconciling(p.point, p.reconcile),
             )
             for p in phases
@@ -821,6 +1041,8 @@ class _Explorer:
         try:
             yield
         finally:
+            self._end(self.running, self.spare)
+            self._reap()
             self.conn.close()
             self.operation.phases[:] = phases
             self.engine.jobs = backend
@@ -846,6 +1068,19 @@ class _Explorer:
             return returned
 
         return step
+
+    def _failing(self, point: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, each exception it raises noted with its phase and attempt."""
+
+        def phase(context: Any, params: Any) -> Any:
+            try:
+                return fn(context, params)
+            except Exception as exc:
+                run = self.current
+                run.raised.append((run.attempt, point, f"{type(exc).__name__}: {exc}"[:300]))
+                raise
+
+        return phase
 
     def _reconciling(self, point: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         def reconcile(context: Any, params: Any) -> Any:
@@ -882,9 +1117,12 @@ def _extensions(
             if boundary in _AROUND_STEP and step in windows
         ]
     return [
-        Schedule(way, (*planned.crashes, replace(hit, effect=effect)), window)
+        Schedule(way, (*planned.crashes, replace(hit, effect=effect, times=times)), window)
         for hit, window in [*((hit, planned.past_window) for hit in hits), *late]
         for effect in effects
+        # A serialization failure happens inside a phase's transaction: before its COMMIT.
+        if effect != "conflict" or hit.point.startswith("before_commit:")
+        for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
 

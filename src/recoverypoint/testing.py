@@ -11,9 +11,11 @@ A fault point is named ``<boundary>:<name>``:
 ==========================  ===========================================================
 
 ``<name>`` may be ``*`` for every point of that boundary. Each armed point fires with a
-probability, and its effect is an exception (:class:`InjectedFault`) or an abrupt process
+probability, and its effect is an exception (:class:`InjectedFault`), an abrupt process
 exit (``os._exit``, what SIGKILL or a power cut leaves behind: no ``finally``, no rollback
-sent, the database sees the connection drop).
+sent, the database sees the connection drop), or, at a ``before_commit`` point, a
+serialization failure (``conflict``: :class:`InjectedConflict`, SQLSTATE 40001), which the
+engine rolls back and runs the phase again for, as for PostgreSQL's own.
 
 Switch faults on in code::
 
@@ -23,7 +25,7 @@ Switch faults on in code::
 or for a whole process through the environment::
 
     RECOVERYPOINT_FAULTS="after_commit:ride_created=0.2,before_foreign:charge_created=0.1"
-    RECOVERYPOINT_FAULT_EFFECT=exit      # or raise (the default)
+    RECOVERYPOINT_FAULT_EFFECT=exit      # or raise (the default), or conflict (before_commit)
     RECOVERYPOINT_FAULT_SEED=42          # repeatable runs
 
 Faults are off by default; when off, each boundary costs one attribute read. Under pytest,
@@ -67,7 +69,15 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 # The fault points live beside the engine that consults them; they are the kit's to offer.
-from ._faults import BOUNDARIES, FAULT_EXIT_STATUS, Effect, Faults, InjectedFault, faults
+from ._faults import (
+    BOUNDARIES,
+    FAULT_EXIT_STATUS,
+    Effect,
+    Faults,
+    InjectedConflict,
+    InjectedFault,
+    faults,
+)
 from .database import create_engine, normalize_url
 from .schema import metadata
 
@@ -77,6 +87,7 @@ __all__ = [
     "Clock",
     "Effect",
     "Faults",
+    "InjectedConflict",
     "InjectedFault",
     "faults",
     "temporary_database",

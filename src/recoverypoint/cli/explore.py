@@ -28,8 +28,9 @@ def add_explore(subparsers: Subparsers) -> None:
             "recoverypoint.explore.Subject, on a database created for the run and dropped "
             "after it; run it once per crash schedule (a crash at every boundary, then the "
             "client's retry or the completer, and the enqueuer, with crashes during that "
-            "too, up to --depth crashes) and check recoverypoint's invariants and the "
-            "subject's after each. Exits 1 with the smallest failing schedule."
+            "too, up to --depth crashes; a new process after each crash) and check "
+            "recoverypoint's invariants and the subject's after each. Exits 1 with the "
+            "smallest failing schedule, at the first depth that has one."
         ),
     )
     parser.add_argument("subject", metavar="MODULE:NAME", help="e.g. myapp.checkout:explore")
@@ -42,7 +43,7 @@ def add_explore(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--no-exit",
         action="store_true",
-        help="crash by exceptions only, without forked processes that die",
+        help="crash by exceptions only, never killing an attempt's process",
     )
     parser.add_argument(
         "--database-url",
@@ -85,7 +86,7 @@ def _explore(args: argparse.Namespace) -> int:
             found = subject.explore(
                 depth=args.depth,
                 schedule=args.schedule,
-                effects=("raise",) if args.no_exit else ("raise", "exit"),
+                effects=("raise", "conflict") if args.no_exit else ("raise", "exit", "conflict"),
                 progress=progress,
             )
         except ValueError as exc:
@@ -107,6 +108,7 @@ def _print(found: Exploration, as_json: bool) -> None:
             {
                 "operation": found.operation,
                 "ok": found.ok,
+                "depth": found.reached,
                 "schedules": found.schedules,
                 "seconds": round(found.seconds, 3),
                 "by_depth": dict(found.by_depth),
