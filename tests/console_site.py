@@ -9,7 +9,6 @@ nobody, and the authorizer refuses them everything.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,19 +16,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from fastapi import FastAPI
-from starlette.exceptions import StarletteDeprecationWarning
 from starlette.requests import Request
+from testclient import TestClient
 from workload import SCHEMA, Recorder, steps_operation
 
 import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.console import ACTIONS, REVEAL, VIEW, console
 from recoverypoint.database import create_engine
-
-with warnings.catch_warnings():
-    # Starlette would rather have httpx2 under its TestClient; httpx is what is installed.
-    warnings.simplefilter("ignore", StarletteDeprecationWarning)
-    from starlette.testclient import TestClient
 
 MOUNT = "/recoverypoint"
 ROLES = {

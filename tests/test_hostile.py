@@ -24,7 +24,6 @@ import re
 import string
 import sys
 import uuid
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +41,9 @@ from hostile_apps import (
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from starlette.exceptions import StarletteDeprecationWarning
+from testclient import TestClient
 
 import recoverypoint as rp
-
-with warnings.catch_warnings():
-    # Starlette would rather have httpx2 under its TestClient; httpx is what is installed.
-    warnings.simplefilter("ignore", StarletteDeprecationWarning)
-    from starlette.testclient import TestClient
 
 # -- settings --------------------------------------------------------------------------------
 

@@ -106,18 +106,21 @@ async def test_a_statement_is_prepared_once_per_connection(
     assert (await engine.run(op, key="a", params={}, scope=scope)).status == 201
     async with engine.async_db.connect() as conn:
         pooled = await conn.get_raw_connection()
-        names = set(pooled.info[_libpq.PREPARED])
+        names = set(pooled.info.get(_libpq.PREPARED, ()))
         held = await conn.exec_driver_sql(
             "SELECT name FROM pg_prepared_statements WHERE starts_with(name, 'recoverypoint_')"
         )
         on_server = {row[0].encode() for row in held}
         await conn.rollback()
-    assert names and names <= on_server
+    if _libpq.CLOSES:
+        assert names and names <= on_server
+    else:  # a libpq before 17 cannot send a Close: the statements go unnamed
+        assert not names and not on_server
     # A second request prepares nothing more and sends what is prepared.
     assert (await engine.run(op, key="b", params={}, scope=scope)).status == 201
     async with engine.async_db.connect() as conn:
         pooled = await conn.get_raw_connection()
-        assert set(pooled.info[_libpq.PREPARED]) == names
+        assert set(pooled.info.get(_libpq.PREPARED, ())) == names
         await conn.rollback()
 
 

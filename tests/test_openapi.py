@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from fastapi import FastAPI, Request, Response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
-from starlette.exceptions import StarletteDeprecationWarning
+from testclient import TestClient
 
 import recoverypoint as rp
 from recoverypoint.database import create_engine
@@ -42,11 +41,6 @@ from recoverypoint.integrations.fastapi import (
     declare_openapi,
 )
 from recoverypoint.migrate import upgrade
-
-with warnings.catch_warnings():
-    # Starlette would rather have httpx2 under its TestClient; httpx is what is installed.
-    warnings.simplefilter("ignore", StarletteDeprecationWarning)
-    from starlette.testclient import TestClient
 
 # schemathesis calls an ASGI app through Starlette's TestClient too.
 pytestmark = pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning")

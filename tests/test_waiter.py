@@ -273,3 +273,69 @@ async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(
         k=f"{RUN}-{loop_name}-cut-%",
     )
     assert made == len(turns)
+
+
+class _Psycopg31:
+    async def wait(self, gen: Any, timeout: float | None = 0.1) -> Any: ...
+
+
+class _Psycopg32:
+    async def wait(self, gen: Any, interval: float | None = 0.1) -> Any: ...
+
+
+class _Psycopg33:
+    async def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any: ...
+
+
+class _WaitsWithMore:  # a psycopg whose own code would pass what the waiter does not take
+    async def wait(self, gen: Any, interval: float = 0.1, *, deadline: float = 0.0) -> Any: ...
+
+
+class _WaitsBlocking:
+    def wait(self, gen: Any) -> Any: ...
+
+
+class _WaitsNot:
+    pass
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    ("connection_class", "fits"),
+    [
+        (_Psycopg31, True),
+        (_Psycopg32, True),
+        (_Psycopg33, True),
+        (_WaitsWithMore, False),
+        (_WaitsBlocking, False),
+        (_WaitsNot, False),
+    ],
+)
+async def test_the_waiter_stands_in_only_for_a_wait_it_knows(
+    connection_class: type, fits: bool
+) -> None:
+    assert _waiter.fits(connection_class) is fits
+
+
+async def test_a_psycopg_whose_wait_the_waiter_does_not_know_keeps_its_own(
+    engine: rp.AsyncEngine,
+    waiters: list[_waiter.Waiter],
+    phase: Phase,
+    monkeypatch: pytest.MonkeyPatch,
+    database_url: str,
+) -> None:
+    monkeypatch.setattr(_waiter, "FITS", False)
+    phase.sql = "SELECT %s::int * 2"
+    phase.value = 21
+    key = uuid.uuid4().hex
+    first = await request(engine, key)
+    again = await request(engine, key)
+    assert (first.status, first.body) == (201, {"answer": "42"})
+    assert (again.status, again.body, again.replayed) == (201, {"answer": "42"}, True)
+    assert waiters == []  # psycopg's own wait served every round trip
+    db = sa.create_engine(normalize_url(database_url))
+    try:
+        query = "SELECT count(*) FROM idempotency_keys WHERE idempotency_key LIKE :k"
+        assert count(db, query, k=f"%{key}") == 1
+    finally:
+        db.dispose()

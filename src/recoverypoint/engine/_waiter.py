@@ -20,6 +20,11 @@ time, and that call may come while no wait is pending. So, as psycopg's wait loo
 on its timer, while waits are pending the waiter looks at the socket itself every
 :data:`LOOK` seconds, and registers it again when it finds it readable.
 
+The waiter stands in for a method below psycopg's documented surface, so it does only where
+the psycopg it runs on has the ``wait`` it knows (:func:`fits`: a coroutine taking the
+exchange, and ``interval`` or ``timeout`` at most, as psycopg 3.1 to 3.3 have it); on any
+other, psycopg's own wait serves, slower but right.
+
 What psycopg's wait does beyond waiting stays psycopg's: an interrupted wait (a cancelled
 task) lets the socket go and hands the rest of the conversation to psycopg's own wait,
 which cancels the statement on the server; so does a wait with a timeout.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import select
 from typing import Any, TypeVar, cast
 
@@ -219,10 +225,28 @@ def _lost(pgconn: Any) -> str:
     return message.decode(errors="replace").strip() or "the connection to the server was lost"
 
 
+def fits(connection_class: type) -> bool:
+    """Whether :meth:`Waiter.wait` can stand in for ``connection_class``'s ``wait``: a
+    coroutine whose parameters it takes all of. A psycopg that waits otherwise (a new
+    parameter its own code would pass) keeps its own wait."""
+    wait = getattr(connection_class, "wait", None)
+    if not inspect.iscoroutinefunction(wait):
+        return False
+    try:
+        parameters = list(inspect.signature(wait).parameters)
+    except (TypeError, ValueError):  # a signature Python cannot read
+        return False
+    return parameters[:2] == ["self", "gen"] and set(parameters[2:]) <= {"interval", "timeout"}
+
+
+FITS = fits(psycopg.AsyncConnection)
+
+
 def attach(connection: psycopg.AsyncConnection[Any]) -> None:
     """A :class:`Waiter` for ``connection`` until :func:`let_go`, on any loop that watches
-    sockets (asyncio's own, uvloop); psycopg's own wait elsewhere."""
-    if not connection.closed:
+    sockets (asyncio's own, uvloop) and a psycopg whose wait it :func:`fits`; psycopg's own
+    wait elsewhere."""
+    if FITS and not connection.closed:
         # A socket already lost: psycopg's own wait says so at the first statement. A loop
         # that cannot watch a socket (asyncio's proactor) raises NotImplementedError.
         with contextlib.suppress(psycopg.OperationalError, NotImplementedError):
