@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
+from recoverypoint.distribute import SCOPED_KEY
 from recoverypoint.jobs import consume_once
 from recoverypoint.schema import metadata
 
@@ -383,5 +384,35 @@ def test_the_previous_releases_consumers_keep_working_after_0014(
             empty_database_url,
             "SELECT message_id || '/' || scope FROM processed_messages ORDER BY 1",
         ) == ["after/", "before/", "new/"]
+    finally:
+        db.dispose()
+
+
+def test_0014s_downgrade_keeps_one_record_per_consumer_and_message(
+    empty_database_url: str,
+) -> None:
+    _alembic(empty_database_url, "upgrade", "head")
+    db = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with db.begin() as conn:
+            # The key migrate --citus gives the table, under which a message has twins.
+            conn.exec_driver_sql(SCOPED_KEY["processed_messages"])
+            for scope in ("", "a", "b"):
+                assert consume_once(conn, "c", "m", scope=scope)
+            assert consume_once(conn, "c", "other", scope="b")
+
+        _alembic(empty_database_url, "downgrade", "0013")
+
+        assert query(
+            empty_database_url, "SELECT message_id FROM processed_messages ORDER BY 1"
+        ) == ["m", "other"]
+        with db.begin() as conn:
+            key = conn.exec_driver_sql(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conname = 'processed_messages_pkey'"
+            ).scalar_one()
+            assert key == "PRIMARY KEY (consumer, message_id)"
+            previous = sa.text(_PREVIOUS_MARK_PROCESSED)
+            assert not conn.execute(previous, {"consumer": "c", "message_id": "m"}).first()
     finally:
         db.dispose()
