@@ -13,6 +13,8 @@ import re
 
 import sqlalchemy as sa
 
+from recoverypoint.distribute import SCOPED_KEY
+
 PARTITIONED = ("idempotency_keys", "staged_jobs", "key_generations", "processed_messages")
 PARTITIONS = 4
 
@@ -25,6 +27,8 @@ def partition_by_scope(db: sa.Engine) -> None:
     the same columns, defaults, identities, constraints and indexes."""
     with db.begin() as conn:
         for table in PARTITIONED:
+            if table in SCOPED_KEY:  # as recoverypoint migrate --citus does
+                conn.exec_driver_sql(SCOPED_KEY[table])
             conn.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_single")
             conn.exec_driver_sql(
                 f"CREATE TABLE {table} (LIKE {table}_single INCLUDING ALL) "

@@ -34,6 +34,9 @@ def test_sql_names_every_table_and_colocates_the_applications() -> None:
     tail = result.stdout.split("-- Citus: distribute by scope (run on the coordinator)\n")[1]
     assert tail.splitlines() == statements(["rides", "bill.charges:tenant"])
     assert "SELECT create_distributed_table('idempotency_keys', 'scope');" in tail
+    # Citus needs the scope in processed_messages' key before it distributes the table.
+    rekeyed = tail.index("PRIMARY KEY (consumer, message_id, scope);")
+    assert rekeyed < tail.index("create_distributed_table('processed_messages'")
     assert (
         "SELECT create_distributed_table('bill.charges', 'tenant', "
         "colocate_with => 'idempotency_keys');" in tail

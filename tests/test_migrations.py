@@ -20,6 +20,8 @@ from sqlalchemy.pool import NullPool
 
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
+from recoverypoint.distribute import SCOPED_KEY
+from recoverypoint.jobs import consume_once
 from recoverypoint.schema import metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -341,5 +343,76 @@ def test_scope_in_keys_keeps_keys_in_flight_and_the_applications_foreign_keys(
             conn.exec_driver_sql(f"DELETE FROM idempotency_keys WHERE id = {key_id}")
             ride = conn.exec_driver_sql("SELECT idempotency_key_id FROM rides").scalar_one()
         assert ride is None
+    finally:
+        db.dispose()
+
+
+# The previous release's consume_once statement, as it shipped (before migration 0014).
+_PREVIOUS_MARK_PROCESSED = """
+    INSERT INTO processed_messages (consumer, message_id) VALUES (:consumer, :message_id)
+    ON CONFLICT (consumer, message_id) DO NOTHING
+    RETURNING true
+    """
+
+
+def test_the_previous_releases_consumers_keep_working_after_0014(
+    empty_database_url: str,
+) -> None:
+    # Migrate before you deploy: consumers of the previous release still run on the new
+    # schema, side by side with the new release's.
+    _alembic(empty_database_url, "upgrade", "0013")
+    db = create_engine(empty_database_url, poolclass=NullPool)
+    previous = sa.text(_PREVIOUS_MARK_PROCESSED)
+    try:
+        with db.begin() as conn:
+            assert conn.execute(previous, {"consumer": "c", "message_id": "before"}).first()
+
+        _alembic(empty_database_url, "upgrade", "head")
+
+        def mark(message_id: str) -> bool:
+            with db.begin() as conn:
+                row = conn.execute(previous, {"consumer": "c", "message_id": message_id})
+                return row.first() is not None
+
+        assert mark("after") and not mark("after") and not mark("before")
+        with db.begin() as conn:
+            assert consume_once(conn, "c", "new")
+            assert not consume_once(conn, "c", "after")  # the previous release's record
+            assert not consume_once(conn, "c", "before")
+        assert not mark("new")
+        assert query(
+            empty_database_url,
+            "SELECT message_id || '/' || scope FROM processed_messages ORDER BY 1",
+        ) == ["after/", "before/", "new/"]
+    finally:
+        db.dispose()
+
+
+def test_0014s_downgrade_keeps_one_record_per_consumer_and_message(
+    empty_database_url: str,
+) -> None:
+    _alembic(empty_database_url, "upgrade", "head")
+    db = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with db.begin() as conn:
+            # The key migrate --citus gives the table, under which a message has twins.
+            conn.exec_driver_sql(SCOPED_KEY["processed_messages"])
+            for scope in ("", "a", "b"):
+                assert consume_once(conn, "c", "m", scope=scope)
+            assert consume_once(conn, "c", "other", scope="b")
+
+        _alembic(empty_database_url, "downgrade", "0013")
+
+        assert query(
+            empty_database_url, "SELECT message_id FROM processed_messages ORDER BY 1"
+        ) == ["m", "other"]
+        with db.begin() as conn:
+            key = conn.exec_driver_sql(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conname = 'processed_messages_pkey'"
+            ).scalar_one()
+            assert key == "PRIMARY KEY (consumer, message_id)"
+            previous = sa.text(_PREVIOUS_MARK_PROCESSED)
+            assert not conn.execute(previous, {"consumer": "c", "message_id": "m"}).first()
     finally:
         db.dispose()

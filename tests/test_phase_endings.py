@@ -64,6 +64,7 @@ ESCAPES: dict[str, Escape] = {
     "cursor executemany": lambda tx: tx.cursor().executemany("COMMIT", [()]),
     "cursor stream": lambda tx: list(tx.cursor().stream("COMMIT")),
     "cursor copy": _copy,
+    "cursor copy(statement=)": lambda tx: tx.cursor().copy(statement="COMMIT").__enter__(),
 }
 
 
@@ -344,5 +345,57 @@ def test_an_ending_statement_is_refused_through_sqlalchemy(
     op = debiting(f"ends_by_sqlalchemy_{uuid.uuid4().hex}", end)
     engine.register(op)
     with pytest.raises(rp.TransactionEnded):
+        engine.run(op, key="k", params={"scope": wallet}, scope=wallet)
+    assert wallet_and_debits(db, wallet) == (1000, 0)
+
+
+# -- what does not end the transaction goes through -------------------------------------------
+
+
+def _pipelined(tx: rp.AtomicContext, params: Any) -> None:
+    # psycopg's pipeline mode: the transaction is ACTIVE, not idle in it, between statements.
+    with _driver(tx).pipeline(), tx.cursor() as cursor:
+        cursor.execute(DEBIT, {"scope": params["scope"]})
+        cursor.execute(RECORD, {"scope": params["scope"], "key": tx.key_id})
+
+
+def _after_a_caught_error(tx: rp.AtomicContext, params: Any) -> None:
+    # An error caught without a savepoint: the transaction is aborted, not ended; the next
+    # statement gets the server's own answer.
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        tx.execute("SELECT 1 / 0")
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+        tx.execute("SELECT 1")
+    raise rp.Retryable("aborted by a caught error")
+
+
+def test_a_pipeline_of_the_phase_goes_through(
+    engine: rp.Engine, db: sa.Engine, wallet: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("pipelined")
+
+    @op.atomic_phase("finished")
+    def debit(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        _pipelined(tx, params)
+        return rp.Response(201)
+
+    engine.register(op)
+    assert engine.run(op, key="k", params={"scope": wallet}, scope=wallet).status == 201
+    assert wallet_and_debits(db, wallet) == (999, 1)
+
+
+def test_a_statement_after_a_caught_error_gets_the_servers_answer(
+    engine: rp.Engine, db: sa.Engine, wallet: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("caught_error")
+
+    @op.atomic_phase("finished")
+    def debit(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(DEBIT, {"scope": params["scope"]})
+        _after_a_caught_error(tx, params)
+        return rp.Response(201)
+
+    engine.register(op)
+    with pytest.raises(rp.Retryable, match="aborted by a caught error"):
         engine.run(op, key="k", params={"scope": wallet}, scope=wallet)
     assert wallet_and_debits(db, wallet) == (1000, 0)

@@ -1,9 +1,10 @@
 """Keys and jobs no running worker can finish: the keys of an operation version no running
 completer registers (a deploy whose ``--app`` module misses an import), and the staged jobs
 the job backend has no handler for. The pass that meets them logs an error naming them and
-the ``--app``, counts them in a metric and fails ``--once``; ``doctor`` and the console
-report them from any process, ``--app`` or not; a version another running completer
-registers is left to it."""
+the ``--app``, sets a gauge and fails ``--once``; ``doctor`` and the console report them
+from any process, ``--app`` or not; a version another running completer registers is left
+to it. Abandoned keys alone, awaiting the compensation of a version nobody registers (a
+retired one, which may declare none), are a warning that fails nothing."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_a_pass_that_meets_what_nobody_can_finish_fails_and_says_what_to_import(
     assert (job.job_name, job.attempts) == ("nobody_handles", 1)
     assert job.last_error.startswith("UnknownJob: no handler for job 'nobody_handles'")
     found = samples(metrics)
-    assert found[("recoverypoint_unfinishable_keys_total", (("operation", "ghost"),))] == 2
+    assert found[("recoverypoint_unfinishable_keys", (("operation", "ghost"),))] == 2
     assert found[("recoverypoint_unknown_jobs_total", (("job", "nobody_handles"),))] == 1
 
 
@@ -121,19 +122,33 @@ def test_a_version_another_running_completer_registers_is_left_to_it(
     registry = CollectorRegistry()
     completer = Completer(steps_engine(worker_db, registry), min_age=0)
 
+    counted = {"operation": "steps"}
+    gauge: list[float | None] = []
+
     with caplog.at_level(logging.INFO, logger="recoverypoint.workers"):
         alone = completer.run_once()
+        gauge.append(registry.get_sample_value("recoverypoint_unfinishable_keys", counted))
         another_completer_registers(worker_db, "steps", 2)
         shared = completer.run_once()
+        gauge.append(registry.get_sample_value("recoverypoint_unfinishable_keys", counted))
 
     with worker_db.begin() as conn:  # the other one stopped an hour ago
         conn.execute(sa.text("UPDATE completer_operations SET recorded_at = now() - "
                              "interval '1 hour' WHERE host = 'elsewhere'"))  # fmt: skip
     stopped = completer.run_once()
+    again = completer.run_once()  # the same keys, found again: set, not added
+    gauge.append(registry.get_sample_value("recoverypoint_unfinishable_keys", counted))
 
     assert (alone.unregistered, alone.unfinishable) == (2, 2)
     assert (shared.unregistered, shared.unfinishable) == (2, 0)
-    assert (stopped.unregistered, stopped.unfinishable) == (2, 2)
+    assert (
+        (stopped.unregistered, stopped.unfinishable)
+        == (2, 2)
+        == (
+            again.unregistered,
+            again.unfinishable,
+        )
+    )
     # Forgotten by the pass that found it stopped: the record of this completer is left.
     assert [r.host for r in rows(worker_db, "SELECT host FROM completer_operations")] == [
         socket.gethostname()
@@ -143,26 +158,43 @@ def test_a_version_another_running_completer_registers_is_left_to_it(
     assert all("operation=steps version=2 keys=2" in r.message for r in errors)
     [left] = [r for r in caplog.records if "event=unregistered" in r.getMessage()]
     assert left.levelno == logging.INFO and "another running completer" in left.message
-    counted = {"operation": "steps"}
-    assert registry.get_sample_value("recoverypoint_unfinishable_keys_total", counted) == 4
+    # The last pass of each: 2 found alone, 0 once left to the other, 2 once it stopped.
+    assert gauge == [2, 0, 2]
 
 
-def test_an_abandoned_key_whose_compensation_nobody_can_run_is_counted(
-    worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
+def test_a_retired_version_s_abandoned_keys_warn_and_fail_nothing(
+    worker_db: sa.Engine,
+    worker_database_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    [abandoned] = plant_keys(worker_db, "ghost", 1, **AWAITING_COMPENSATION)
-    registry = CollectorRegistry()
+    # A version no deploy registers any more, declaring no compensation: every abandonment
+    # made one due all the same, and nobody can tell it owes none.
+    plant_keys(worker_db, "ghost", 2, version=3, **AWAITING_COMPENSATION)
+    metrics = tmp_path / "metrics.prom"
 
-    with caplog.at_level(logging.ERROR, logger="recoverypoint.workers"):
-        result = Completer(steps_engine(worker_db, registry), min_age=0).run_once()
+    process = worker(
+        "completer", "--once", "--app", "worker_app:engine",
+        database_url=worker_database_url, RP_WORKER_TEST_METRICS=str(metrics),
+    )  # fmt: skip
+    _, stderr = process.communicate(timeout=60)
 
-    assert (result.unfinishable, result.compensated) == (1, 0)
-    [error] = [r.getMessage() for r in caplog.records if "event=unfinishable" in r.getMessage()]
-    assert "operation=ghost version=1 keys=0 compensations=1" in error
-    counted = {"operation": "ghost"}
-    assert registry.get_sample_value("recoverypoint_unfinishable_keys_total", counted) == 1
-    [row] = rows(worker_db, "SELECT compensated_at, locked_at FROM idempotency_keys")
-    assert tuple(row) == (None, None), abandoned
+    assert process.returncode == 0, stderr
+    assert " event=unfinishable " not in stderr
+    [line] = [line for line in stderr.splitlines() if " event=compensations_unregistered " in line]
+    assert "level=warning" in line and "operation=ghost version=3 keys=0 compensations=2" in line
+    assert "declares none owes nothing" in line and "app=worker_app:engine" in line
+    assert ("recoverypoint_unfinishable_keys", (("operation", "ghost"),)) not in samples(metrics)
+    left = rows(worker_db, "SELECT compensated_at, locked_at FROM idempotency_keys")
+    assert [tuple(r) for r in left] == [(None, None)] * 2
+    # The completer that ran is not late yet: doctor warns, and fails nothing either.
+    _, check = doctor(worker_database_url, capsys)
+    assert check["status"] == "warn" and "ghost v3: 2 abandoned keys awaiting" in check["detail"]
+    assert "declares none owes nothing" in check["hint"]
+
+    plant_keys(worker_db, "ghost", 1, version=3, **DUE)  # with an unfinished one: an error
+    status, check = doctor(worker_database_url, capsys)
+    assert (status, check["status"]) == (1, "fail")
 
 
 def test_doctor_reports_them_without_an_app(

@@ -17,7 +17,10 @@ On a Citus coordinator, after ``recoverypoint migrate``:
 A table already distributed is left alone, so running it again is harmless; a reference
 table that is now to be distributed (``processed_messages``, before migration 0014) is
 turned back into a local table first (``undistribute_table``), then distributed, its rows
-with it. The SQL is :func:`statements`: a team that runs DDL itself applies that instead.
+with it. ``processed_messages`` first gets the scope into its primary key
+(:data:`SCOPED_KEY`): Citus wants the distribution column in it, and the previous
+release's consumers, whose insert names the key without it, must be gone by then. The SQL
+is :func:`statements`: a team that runs DDL itself applies that instead.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from .errors import ConfigurationError
 
 DISTRIBUTED = "idempotency_keys"
 CO_LOCATED = ("staged_jobs", "key_generations", "processed_messages")
+# One server keeps (consumer, message_id), the key the previous release's consumers insert
+# under (migration 0014); a table distributed by scope needs the scope in its key.
+SCOPED_KEY = {
+    "processed_messages": "ALTER TABLE processed_messages "
+    "DROP CONSTRAINT processed_messages_pkey, "
+    "ADD CONSTRAINT processed_messages_pkey PRIMARY KEY (consumer, message_id, scope)"
+}
 REFERENCE = (
     "worker_passes",
     "completer_operations",
@@ -60,10 +70,12 @@ def parse_colocated(spec: str) -> tuple[str, str]:
 def statements(colocate: Sequence[str] = ()) -> list[str]:
     """The SQL that distributes recoverypoint's tables and ``colocate``, in order."""
     out = [f"SELECT create_distributed_table('{DISTRIBUTED}', 'scope');"]
-    out += [
-        f"SELECT create_distributed_table('{t}', 'scope', colocate_with => '{DISTRIBUTED}');"
-        for t in CO_LOCATED
-    ]
+    for t in CO_LOCATED:
+        if t in SCOPED_KEY:
+            out.append(f"{SCOPED_KEY[t]};")
+        out.append(
+            f"SELECT create_distributed_table('{t}', 'scope', colocate_with => '{DISTRIBUTED}');"
+        )
     out += [f"SELECT create_reference_table('{t}');" for t in REFERENCE]
     for spec in colocate:
         table, column = parse_colocated(spec)
@@ -116,6 +128,8 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
                 continue
             if reference:  # processed_messages before migration 0014, or one to co-locate
                 conn.execute(_UNDISTRIBUTE, {"t": table})
+            if table in SCOPED_KEY:
+                conn.exec_driver_sql(SCOPED_KEY[table])
             conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
             placed.append(table)
         for table in REFERENCE:

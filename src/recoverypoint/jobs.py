@@ -88,12 +88,14 @@ class InProcessBackend:
 
 # Inserted first in the consumer's transaction: a second delivery either finds the row
 # (committed) or waits for the first delivery's transaction to end, then finds it or not.
-# In the job's scope: one shard on Citus, co-located with the scope's rows.
+# In the job's scope: one shard on Citus, co-located with the scope's rows. No conflict
+# target: the key is (consumer, message_id) on one server, where the previous release's
+# consumers still insert without a scope, and (consumer, message_id, scope) on Citus.
 _MARK_PROCESSED = text(
     """
     INSERT INTO processed_messages (consumer, message_id, scope)
     VALUES (:consumer, :message_id, :scope)
-    ON CONFLICT (consumer, message_id, scope) DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING true
     """
 )
@@ -123,10 +125,10 @@ def consume_once(
 
     ``scope``: the job's (:attr:`Job.scope`), stored with the record. On Citus the records
     are distributed by it, so that the record commits on the scope's worker together with
-    the consumer's writes to that scope's rows (one worker, no two-phase commit). A
-    message is recognised only under the scope it was recorded with: a consumer passes its
-    jobs' scopes always or never (records written before migration 0014 have ``''``, as do
-    those of a consumer that passes none).
+    the consumer's writes to that scope's rows (one worker, no two-phase commit). There a
+    message is recognised only under the scope it was recorded with (on one server, under
+    any): a consumer passes its jobs' scopes always or never (records written before
+    migration 0014 have ``''``, as do those of a consumer that passes none).
 
     ``observer`` (e.g. ``engine.observer``) counts processed and duplicate messages and
     traces the call, linked to the request that staged the job by ``trace_context``

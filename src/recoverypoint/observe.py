@@ -183,9 +183,9 @@ class Observer:
         """The completer gave a key up after its last attempt."""
 
     def keys_unfinishable(self, operation: str, keys: int) -> None:
-        """A completer's pass found ``keys`` keys of ``operation`` due (unfinished, or
-        abandoned and awaiting a compensation) at a version no running completer registers:
-        no worker can finish them. Each pass that finds them counts them again."""
+        """A completer's pass found ``keys`` unfinished keys of ``operation`` due at versions
+        no running completer registers: no worker can finish them. Told on every pass that
+        finds some, and with 0 on the first pass that finds none after one that did."""
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         """The completer ran an abandoned key's compensation: it committed (``ok``), or

@@ -183,8 +183,11 @@ processed_messages = Table(
     # passes none. The column the table is distributed by on Citus, co-located with the
     # keys, so that a consumer's record commits on its scope's worker.
     Column("scope", Text, nullable=False, server_default=text("''")),
-    PrimaryKeyConstraint("consumer", "message_id", "scope", name="processed_messages_pkey"),
+    # On one server; recoverypoint.distribute puts the scope into it on Citus.
+    PrimaryKeyConstraint("consumer", "message_id", name="processed_messages_pkey"),
     Index("processed_messages_processed_at", "processed_at"),
+    # The reaper's batches, one scope at a time.
+    Index("processed_messages_scope_processed_at", "scope", "processed_at"),
 )
 
 # The next generation of each key whose finished row was deleted (by the reaper, or by the

@@ -77,7 +77,7 @@ BOOK = """
 from django.contrib.auth.models import User
 
 from myproject.idempotency import engine
-from rides.operations import rides
+from rides.idempotency import rides
 
 user = User.objects.create_user("rider", email="rider@example.com")
 params = {"user_id": user.pk, "origin": "Montreal", "target": "Quebec"}
@@ -172,3 +172,34 @@ def test_the_page_s_worker_command_finishes_a_key_from_a_shell(
     assert len(charges) == 1 and ride.charge_id == f"ch_{charges[0][-8:]}"
     # The enqueuer published the receipt the last phase staged: Django's console mailer.
     assert "Subject: Your ride" in done.stdout and "To: rider@example.com" in done.stdout
+
+
+def test_migrate_runs_while_the_urlconf_cannot_be_imported_nor_an_operations_module(
+    tmp_path: Path, server_url: str
+) -> None:
+    make_project(tmp_path)
+    (tmp_path / "myproject" / "urls.py").write_text("raise ImportError('a view not deployed')\n")
+    # An `operations` module (a name many apps use, Django's own among them) is not looked
+    # for as Django starts: only `idempotency` modules are.
+    (tmp_path / "rides" / "operations.py").write_text("raise ImportError('not ours')\n")
+    command = [sys.executable, "manage.py", "recoverypoint"]
+
+    with temporary_database(server_url, "rp_django_urlconf") as url:
+        env = {"PROJECT_DATABASE_URL": url}
+        migrated = run([*command, "migrate"], tmp_path, **env)
+        db = create_engine(url, poolclass=NullPool)
+        try:
+            with db.connect() as conn:
+                tables = conn.execute(sa.text("SELECT to_regclass('idempotency_keys')")).scalar()
+        finally:
+            db.dispose()
+        # The worker needs the views' operations: it stops on the URLconf's error.
+        worker = run(
+            [*command, "worker", "reaper", "--once", "--app", "myproject.idempotency:engine"],
+            tmp_path,
+            **env,
+        )
+
+    assert migrated.returncode == 0, migrated.stderr
+    assert tables == "idempotency_keys"
+    assert worker.returncode != 0 and "a view not deployed" in worker.stderr

@@ -77,7 +77,7 @@ def readme(monkeypatch: pytest.MonkeyPatch, settings: Any) -> dict[str, Any]:
     assert list(modules) == [
         "myproject.idempotency",
         "orders.views",
-        "rides.operations",
+        "rides.idempotency",
         "myproject.urls",
         "rides.refunds",
     ]

@@ -190,6 +190,7 @@ def _unfinishable(admin: Admin) -> Check:
         return Check("unfinishable", OK, f"none ({running})")
     jobs = [f"job {group.job}: {group.jobs} staged, no handler" for group in found.jobs]
     detail = "; ".join([*map(_described, found.keys), *jobs])
+    stuck = any(group.keys for group in found.keys)
     if found.keys and not found.completers:
         # Every stuck key waits for a completer: the workers check says so too.
         detail = f"no completer is running: {detail}"
@@ -200,6 +201,19 @@ def _unfinishable(admin: Admin) -> Check:
                 detail,
                 "run `recoverypoint worker completer --app module:engine` (or `worker all`)",
             )
+    if not stuck and not found.jobs:
+        # Abandoned keys alone: every abandonment makes a compensation due, so a retired
+        # version that declares none leaves these until the reaper deletes them.
+        return Check(
+            "unfinishable",
+            WARN,
+            detail,
+            "no running completer registers these operation versions: if one declares a "
+            "compensation, import the module that registers it from the workers' --app "
+            "module (under Django, from an installed app's idempotency module) and restart "
+            "the workers; a retired version that declares none owes nothing, and the "
+            "reaper deletes its abandoned keys after their retention",
+        )
     return Check(
         "unfinishable",
         FAIL,
@@ -207,8 +221,8 @@ def _unfinishable(admin: Admin) -> Check:
         "no running completer registers these operation versions (each records what it "
         "registers with its passes), or the job backend has no handler for these jobs: "
         "import the module that registers them from the workers' --app module (under "
-        "Django, from an installed app's idempotency or operations module) and restart the "
-        "workers; `recoverypoint keys list --operation NAME` lists the keys",
+        "Django, from an installed app's idempotency module) and restart the workers; "
+        "`recoverypoint keys list --operation NAME` lists the keys",
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import psycopg
 import sqlalchemy.ext.asyncio as sa_async
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 
 from ..errors import TransactionEnded
 from .endings import ends_transaction
@@ -137,9 +138,11 @@ def _guarded(cursors: type[Any]) -> type[Any]:
 def _checking(send: Any) -> Any:
     """A cursor's method ``send``, checking the SQL it is given first."""
 
-    def checked(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+    def checked(cursor: Any, *args: Any, **kwargs: Any) -> Any:
+        # The SQL by position, or by psycopg's names for it (copy's is ``statement``).
+        query = args[0] if args else kwargs.get("query", kwargs.get("statement"))
         _check(cursor, query)
-        return send(cursor, query, *args, **kwargs)
+        return send(cursor, *args, **kwargs)
 
     return checked
 
@@ -184,11 +187,16 @@ def _check(cursor: Any, query: object) -> None:
     tx, point = phase
     statement = _text(query, cursor)
     tx.note(statement)
-    if not tx.open:
+    if cursor.connection.pgconn.transaction_status in _ENDED:
         # Ended already (by libpq's own hand): this statement would commit on its own (in
-        # autocommit) or begin a transaction nothing commits.
+        # autocommit) or begin a transaction nothing commits. Not so a transaction that a
+        # caught error aborted (the server answers the statement itself) or a pipeline's
+        # (active between its statements).
         raise TransactionEnded(_message(point))
     check_statement(statement, point)
+
+
+_ENDED = (TransactionStatus.IDLE, TransactionStatus.UNKNOWN)
 
 
 def _message(point: str) -> str:

@@ -142,11 +142,12 @@ class _Metrics:
             "job",
         )
         self.abandoned = counter("abandoned_keys", "Keys given up after max_attempts.", "operation")
-        self.unfinishable = counter(
-            "unfinishable_keys",
-            "Due keys a completer's pass found at an operation version no running completer "
-            "registers (each pass counts them again): no worker can finish them.",
-            "operation",
+        self.unfinishable = Gauge(
+            "recoverypoint_unfinishable_keys",
+            "Unfinished keys due that this process's completer found, on its last pass, at "
+            "an operation version no running completer registers: no worker can finish them.",
+            ("operation",),
+            registry=registry,
         )
         self.compensations = counter(
             "compensations",
@@ -206,7 +207,7 @@ class PrometheusObserver(Observer):
         self._m.of(self._m.abandoned, operation).inc()
 
     def keys_unfinishable(self, operation: str, keys: int) -> None:
-        self._m.of(self._m.unfinishable, operation).inc(keys)
+        self._m.of(self._m.unfinishable, operation).set(keys)
 
     def key_compensated(self, operation: str, ok: bool) -> None:
         self._m.of(self._m.compensations, operation, "committed" if ok else "failed").inc()

@@ -152,8 +152,10 @@ class CompleterResult(Result):
     """Due keys, and abandoned keys awaiting a compensation, of operations (or versions)
     this engine does not have; left alone."""
     unfinishable: int = 0
-    """Those of :attr:`unregistered` whose version no running completer registers: no
-    worker can finish them (an error; ``--once`` fails)."""
+    """Those of :attr:`unregistered` unfinished, whose version no running completer
+    registers: no worker can finish them (an error; ``--once`` fails). Abandoned keys
+    awaiting such a version's compensation are not counted: a retired version's may owe
+    none (a warning)."""
     errors: int = 0
     """Keys, and operations' claims, that failed in an unexpected way; each is logged."""
     too_recent: int = 0

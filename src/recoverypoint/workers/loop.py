@@ -258,7 +258,7 @@ class Worker(ABC, Generic[R]):
         modules = ", ".join(dict.fromkeys(spec.partition(":")[0] for spec in self.app))
         return (
             f"import the module that registers {what} from the --app module ({modules}); "
-            "under Django, from an installed app's idempotency or operations module; then "
+            "under Django, from an installed app's idempotency module; then "
             "restart the workers"
         )
 

@@ -8,13 +8,17 @@ version, with whether another running completer registers the version:
 
 - another does: they are that one's (a deploy rolling from one version to the next, two
   applications on one database), reported at INFO (``event=unregistered``);
-- none does: no worker can finish them, a deploy whose ``--app`` module misses an import,
-  say. Reported as an error naming the version and the ``--app``, and what to import
-  (``event=unfinishable``); counted by the observer (:meth:`Observer.keys_unfinishable`);
-  ``recoverypoint worker --once`` then fails.
+- none does, and some are unfinished: no worker can finish them, a deploy whose ``--app``
+  module misses an import, say. Reported as an error naming the version and the ``--app``,
+  and what to import (``event=unfinishable``); counted by the observer
+  (:meth:`Observer.keys_unfinishable`); ``recoverypoint worker --once`` then fails.
+- none does, and all are abandoned: a warning (``event=compensations_unregistered``), not
+  an error. Every abandonment makes a compensation due, declared or not, so a retired
+  version's abandoned keys wait here until the reaper deletes them: that version declaring
+  no compensation, nothing is owed, and nobody here can tell.
 
 Each is logged when what a pass finds differs from what the last one found, not on every
-pass; the observer counts every pass.
+pass; the observer is told every pass.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class Found:
     def total(self) -> int:
         return self.keys + self.compensations
 
+    @property
+    def unfinishable(self) -> int:
+        """The unfinished keys no running completer can finish."""
+        return 0 if self.elsewhere else self.keys
+
 
 class Unregistered:
     """One completer's record of what it can finish, and its reports of what it cannot."""
@@ -92,6 +101,7 @@ class Unregistered:
         self.listing = listing
         self.completer = uuid.uuid4()  # the row this completer's record is
         self._reported: dict[tuple[str, int], Found] = {}
+        self._counted: set[str] = set()  # the operations the observer was last told of
 
     def record(self, conn: sa.Connection, registered: dict[str, Any]) -> None:
         """Record what this completer can finish (``registered``: the bind parameters of
@@ -108,20 +118,24 @@ class Unregistered:
 
     def report(self, conn: sa.Connection, params: dict[str, Any]) -> tuple[int, int]:
         """List the keys this completer cannot finish (``params``: the listing's bind
-        parameters) and report them; how many there are, and how many of them no running
-        completer can finish."""
+        parameters) and report them; how many there are, and how many of them are
+        unfinished keys no running completer can finish."""
         found = {
             (row.operation, row.version): Found(row.keys, row.compensations, row.elsewhere)
             for row in conn.execute(self.listing, params)
         }
-        nobodys = {ident: what for ident, what in found.items() if not what.elsewhere}
-        for (name, _), what in nobodys.items():
-            self.worker.engines.observer.keys_unfinishable(name, what.total)
+        by_operation = dict.fromkeys(self._counted, 0)  # told 0 once none are left
+        for (name, _), what in found.items():
+            if what.unfinishable:
+                by_operation[name] = by_operation.get(name, 0) + what.unfinishable
+        for name, keys in by_operation.items():
+            self.worker.engines.observer.keys_unfinishable(name, keys)
+        self._counted = {name for name, keys in by_operation.items() if keys}
         if found != self._reported:
             for (name, version), what in found.items():
                 self._log(name, version, what)
             self._reported = found
-        return sum(w.total for w in found.values()), sum(w.total for w in nobodys.values())
+        return sum(w.total for w in found.values()), sum(w.unfinishable for w in found.values())
 
     def _log(self, name: str, version: int, what: Found) -> None:
         fields = {
@@ -133,6 +147,18 @@ class Unregistered:
         if what.elsewhere:
             hint = "another running completer registers this version: they are left to it"
             self.worker.log(logging.INFO, "unregistered", **fields, hint=hint)
+            return
+        if not what.keys:
+            self.worker.log(
+                logging.WARNING,
+                "compensations_unregistered",
+                **fields,
+                app=" ".join(self.worker.app) or "-",
+                hint=f"no running completer registers {name!r} v{version}: if it declares a "
+                f"compensation, none runs until one does ({self.worker.how_to_register('it')}); "
+                "a retired version that declares none owes nothing, and the reaper deletes "
+                "these keys after the abandoned keys' retention",
+            )
             return
         self.worker.log(
             logging.ERROR,

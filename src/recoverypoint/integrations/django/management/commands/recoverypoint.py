@@ -2,9 +2,11 @@
 
 The same subcommands and options (``worker``, ``migrate``, ``keys``, ``jobs``, ``doctor``...),
 so that the workers resume phases that use the ORM and import the project's models.
-The operations they know are every installed app's (registered in its ``idempotency`` or
-``operations`` module, which the app imports once Django is ready: :mod:`..apps`) and
-those of the single-step views the URLconf imports. Without ``--database-url`` (or
+The operations they know are every installed app's (registered in its ``idempotency``
+module, which the app imports once Django is ready: :mod:`..apps`) and those of the
+single-step views the URLconf imports. The URLconf is imported only for the subcommands
+that use the operations (``worker``, and any given ``--app``), so that ``migrate`` runs
+whether or not the project's views import. Without ``--database-url`` (or
 ``$RECOVERYPOINT_DATABASE_URL``) the database is Django's ``DATABASES["default"]``;
 ``--using ALIAS``, first, names another::
 
@@ -50,7 +52,7 @@ def run(argv: list[str]) -> int:
     using = "default"
     if argv[:1] == ["--using"] and len(argv) > 1:
         using, argv = argv[1], argv[2:]
-    if getattr(settings, "ROOT_URLCONF", None):
+    if getattr(settings, "ROOT_URLCONF", None) and _uses_operations(argv):
         # A single-step view's operation is registered as its module is imported: the
         # URLconf imports them, as a request would.
         get_resolver().url_patterns  # noqa: B018
@@ -62,6 +64,12 @@ def run(argv: list[str]) -> int:
     finally:
         if before is None:
             os.environ.pop(DATABASE_URL_ENV, None)
+
+
+def _uses_operations(argv: list[str]) -> bool:
+    """Whether the subcommand ``argv`` runs is given the project's operations: the
+    workers', and any other's told an engine with ``--app``."""
+    return argv[:1] == ["worker"] or any(arg == "--app" or arg.startswith("--app=") for arg in argv)
 
 
 def database_url(using: str = "default") -> str:
