@@ -27,6 +27,7 @@ from http_apps import (
     SCHEMA,
     SECRET,
     Gates,
+    Order,
     content_digest,
     fastapi_app,
     flask_app,
@@ -836,3 +837,21 @@ def test_a_path_escaped_once_and_twice_are_two_targets(
     assert "Idempotent-Replayed" not in again.headers
     assert assert_problem(again, 422)["type"].endswith(":params-mismatch")
     assert runs(db, item) == 1
+
+
+def test_a_single_step_endpoint_shows_fastapi_its_models_not_their_names() -> None:
+    """This module's annotations are strings (``from __future__ import annotations``); the
+    single-step wrapper hands FastAPI the endpoint's models, evaluated where they were
+    written, as FastAPI's older releases look for them in the wrapper's module."""
+    import inspect
+
+    from recoverypoint.integrations import fastapi as rp_fastapi
+
+    def endpoint(order: Order, tries: int = 1) -> dict[str, Any]:
+        return {}
+
+    async def async_endpoint(order: Order) -> None: ...
+
+    for wrapped in (rp_fastapi._guarded(endpoint), rp_fastapi._guarded(async_endpoint)):
+        assert inspect.signature(wrapped).parameters["order"].annotation is Order
+    assert inspect.signature(rp_fastapi._guarded(endpoint)).return_annotation == dict[str, Any]

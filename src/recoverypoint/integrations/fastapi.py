@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from datetime import timedelta
@@ -491,6 +492,7 @@ def _guarded(endpoint: E) -> E:
             entry.returned = True
             return result
 
+        guarded_async.__signature__ = _resolved_signature(endpoint)  # type: ignore[attr-defined]
         return guarded_async  # type: ignore[return-value]
 
     @functools.wraps(endpoint)
@@ -500,7 +502,26 @@ def _guarded(endpoint: E) -> E:
         entry.returned = True
         return result
 
+    guarded.__signature__ = _resolved_signature(endpoint)  # type: ignore[attr-defined]
     return guarded  # type: ignore[return-value]
+
+
+def _resolved_signature(endpoint: Callable[..., Any]) -> inspect.Signature:
+    """``endpoint``'s signature with its annotations evaluated where it was written: older
+    FastAPI releases (0.115 among them) evaluate a wrapper's string annotations (``from
+    __future__ import annotations``) in the wrapper's module, where the endpoint's models
+    are not."""
+    signature = inspect.signature(endpoint)
+    try:
+        hints = typing.get_type_hints(endpoint, include_extras=True)
+    except (NameError, TypeError):  # a name not defined yet: left as written
+        return signature
+    parameters = [
+        parameter.replace(annotation=hints.get(name, parameter.annotation))
+        for name, parameter in signature.parameters.items()
+    ]
+    returns = hints.get("return", signature.return_annotation)
+    return signature.replace(parameters=parameters, return_annotation=returns)
 
 
 def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any], bool] | None:
