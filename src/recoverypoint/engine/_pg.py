@@ -168,9 +168,9 @@ class Transaction:
     def literal(self, value: str) -> str:
         """``value`` as an SQL string literal, quoted by libpq for this connection."""
         encoding = self.connection.info.encoding
-        # bytes(): the first releases of psycopg 3.1 answer a memoryview.
-        escaped = Escaping(self.connection.pgconn).escape_literal(value.encode(encoding))
-        return bytes(escaped).decode(encoding)
+        return (
+            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
+        )
 
     def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no

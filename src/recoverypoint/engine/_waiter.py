@@ -22,7 +22,7 @@ on its timer, while waits are pending the waiter looks at the socket itself ever
 
 The waiter stands in for a method below psycopg's documented surface, so it does only where
 the psycopg it runs on has the ``wait`` it knows (:func:`fits`: a coroutine taking the
-exchange, and ``interval`` or ``timeout`` at most, as psycopg 3.1 to 3.3 have it); on any
+exchange, and ``interval`` or ``timeout`` at most, as psycopg 3.2 and 3.3 have it); on any
 other, psycopg's own wait serves, slower but right.
 
 What psycopg's wait does beyond waiting stays psycopg's: an interrupted wait (a cancelled
@@ -99,6 +99,8 @@ class Waiter:
         socket = self.socket
         if timeout is not None or socket is None:
             self.let_go()
+            if timeout is None:  # psycopg 3.2's own wait takes no timeout
+                return await self.connection.wait(gen)
             return await self.connection.wait(gen, timeout=timeout)
         pgconn = self.connection.pgconn
         try:
