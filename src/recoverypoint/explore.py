@@ -146,11 +146,14 @@ _VERBS: dict[Kind, str] = {
 }
 # The kinds tried as a schedule's one crash, each at the points it belongs to.
 _FIRST_ONLY: dict[Kind, str] = {"lost_answer": "after_commit:", "disconnect": "before_foreign:"}
-# Ends the backends of the engine's connections, each waited for (up to 5 s) to be gone.
+# Ends the backends of the engine's connections; then, until none is left (pg_terminate_backend's
+# own wait needs PostgreSQL 14), how many still are.
 _TERMINATE = sa.text(
-    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) "
+    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "
     "FROM unnest(CAST(:pids AS int[])) AS pid"
 )
+_LEFT = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(CAST(:pids AS int[]))")
+_GONE_WITHIN = 5.0  # seconds a terminated backend is given to go
 _PAST_WINDOW = re.compile(r"past the window of (\S+)")
 # How far past a step's dedupe window a window schedule's recovery comes.
 _PAST = timedelta(seconds=1)
@@ -862,10 +865,16 @@ class _Explorer:
         connection of another pool, as a failover or pg_terminate_backend would."""
         pids = [c.info.backend_pid for c in self.connections if not c.closed]
         self.connections.clear()
-        apart = sa.create_engine(self.engine.db.url, poolclass=NullPool)
+        # Autocommit: each look at pg_stat_activity is a transaction, with a fresh snapshot.
+        apart = sa.create_engine(
+            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+        )
         try:
             with apart.connect() as conn:
                 ended = conn.scalar(_TERMINATE, {"pids": pids})
+                deadline = time.monotonic() + _GONE_WITHIN
+                while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         finally:
             apart.dispose()
         run.story.append(
