@@ -1,13 +1,26 @@
-"""explore() meets the database's faults too, each a kind of schedule: here, a storm of
+"""explore() meets the database's faults too, each a kind of schedule: a storm of
 serialization failures at a phase (``attempt 1 meets 3 serialization failures at
 before_commit:order_priced``), which the engine meets by rolling the phase back and
-running it again in the same attempt, with the same params.
+running it again in the same attempt, with the same params; and a COMMIT whose answer is
+lost (``attempt 1 loses its commit's answer at after_commit:order_placed``): committed,
+its caller seeing the connection drop; and the engine's connections ended during a
+foreign step (``attempt 1 loses its connections at before_foreign:label_bought``).
 
 The planted mistake: a phase that takes its coupon out of its params (``params.pop``). Run
 once per attempt it is right (each attempt loads the params anew from the key's row); run
 again after a serialization failure, it finds no coupon and charges the full price. No
 crash, raised or dying, finds that: only a storm does. (A first phase runs in the claim's
 transaction, which loads the params anew on each run: the coupon is the second's.)
+
+The planted mistake of a lost answer: code around the engine's call that takes an outage
+for a failure, and tells the customer their order was not placed. Only a lost answer
+finds it: no other schedule has the engine raise DatabaseUnavailable after a COMMIT.
+
+Connections ended during a step have no planted mistake of the operation's own: code that
+keeps a connection or session state from one phase to the next is found by a crash
+already (the retry runs in another process, on other connections). What they exercise is
+the engine: the phase after the step meets a dead connection, the step's result is
+recorded on a new one, and the retry goes on after the step without calling it again.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
@@ -23,12 +37,21 @@ import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
 from recoverypoint.explore import Exploration, explore
-from recoverypoint.testing import InjectedConflict, faults, temporary_database
+from recoverypoint.outage import is_outage
+from recoverypoint.testing import InjectedConflict, InjectedLostAnswer, faults, temporary_database
 
 SCHEMA = """
 CREATE TABLE priced_orders (key_id bigint NOT NULL, amount integer NOT NULL);
+CREATE TABLE placed_orders (key_id bigint NOT NULL);
+CREATE TABLE order_notices (notice text NOT NULL);
+CREATE TABLE shipped_orders (key_id bigint PRIMARY KEY, label text);
+CREATE TABLE labels (downstream_key text PRIMARY KEY);
+CREATE TABLE label_requests (downstream_key text NOT NULL);
 """
 STORM = "client: attempt 1 meets 3 serialization failures at before_commit:order_priced"
+LOST = "client: attempt 1 loses its commit's answer at after_commit:order_placed"
+NOT_PLACED = "your order was not placed"
+DROP = "client: attempt 1 loses its connections at before_foreign:label_bought"
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +125,9 @@ def test_a_phase_that_reads_its_params_passes_every_storm(orders_url: str) -> No
 
     assert found.ok, found.report()
     # 4 boundaries (2 phases, before and after their commits), raised and died at, each
-    # recovered by the client and by the completer; and a storm before each commit, each way.
-    assert found.by_depth[1] == 4 * 2 * 2 + 2 * 2
+    # recovered by the client and by the completer; and a storm before each commit and a
+    # lost answer after it, each way.
+    assert found.by_depth[1] == 4 * 2 * 2 + 2 * 2 + 2 * 2
     assert f"every invariant held in {found.schedules} schedules (depth 1)" in found.summary()
 
 
@@ -117,5 +141,177 @@ def test_a_conflict_is_a_serialization_failure_before_a_commit() -> None:
     assert InjectedConflict("x").sqlstate == "40001"
     with pytest.raises(ValueError, match="at before_commit:<point>"):
         faults.arm("after_commit:order_created", effect="conflict")
-    with pytest.raises(ValueError, match="'raise', 'exit' or 'conflict'"):
+    with pytest.raises(ValueError, match="'raise', 'exit', 'conflict' or 'lost_answer'"):
         faults.arm("before_commit:order_priced", effect="storm")  # type: ignore[arg-type]
+
+
+def told_the_truth(conn: sa.Connection) -> None:
+    """No customer whose order was placed is told it was not."""
+    placed = conn.execute(sa.text("SELECT count(*) FROM placed_orders")).scalar_one()
+    notices = conn.execute(sa.text("SELECT notice FROM order_notices")).scalars().all()
+    assert placed == 1, f"{placed} orders placed, 1 expected"
+    assert NOT_PLACED not in notices, f"the customer was told {notices} of a placed order"
+
+
+def explore_placing(url: str, *, outage_means_failure: bool, **options: Any) -> Exploration:
+    engine = rp.Engine(url)
+    op: rp.Operation[Any] = rp.Operation("placed_order")
+
+    @op.atomic_phase("order_placed")
+    def place(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        tx.execute("INSERT INTO placed_orders VALUES (%s)", (tx.key_id,))
+        return rp.Response(201, {"placed": True})
+
+    def checkout() -> rp.Outcome:
+        """The shop's handler around the engine's call."""
+        try:
+            return engine.run(op, key="order-1", params={"amount": 2000})
+        except rp.DatabaseUnavailable:
+            if outage_means_failure:  # the planted mistake: an outage taken for a failure
+                with engine.db.begin() as conn:
+                    conn.execute(
+                        sa.text("INSERT INTO order_notices VALUES (:n)"), {"n": NOT_PLACED}
+                    )
+            raise  # a 503: the client retries with the same key
+
+    engine.register(op)
+    try:
+        return explore(
+            engine,
+            op,
+            request=checkout,
+            check=told_the_truth,
+            tables=["placed_orders", "order_notices"],
+            depth=1,
+            **options,
+        )
+    finally:
+        engine.dispose()
+
+
+def test_a_caller_that_takes_an_outage_for_a_failure_is_found_by_a_lost_answer(
+    orders_url: str,
+) -> None:
+    found = explore_placing(orders_url, outage_means_failure=True)
+
+    assert not found.ok, found.report()
+    smallest = found.failures[0]
+    assert str(smallest.schedule) == LOST, found.report()
+    assert smallest.invariant == "your check told_the_truth"
+    report = found.report()
+    assert "1.           lost the answer at after_commit:order_placed: committed" in report
+    assert "failed: DatabaseUnavailable: the database is unavailable" in report
+    assert "an outage does not say that nothing was written" in report
+    # Only lost answers broke it: no crash of a process, nor a storm, did.
+    assert {f.schedule.crashes[0].effect for f in found.failures} == {"lost_answer"}
+    again = explore_placing(orders_url, outage_means_failure=True, schedule=LOST)
+    assert again.schedules == 1 and again.failures[0].invariant == smallest.invariant
+
+
+def test_a_caller_that_retries_an_outage_passes_every_lost_answer(orders_url: str) -> None:
+    found = explore_placing(orders_url, outage_means_failure=False)
+
+    assert found.ok, found.report()
+    # 2 boundaries of its one phase, raised and died at, a storm before its commit and a
+    # lost answer after it, each recovered by the client and by the completer.
+    assert found.by_depth[1] == (2 * 2 + 1 + 1) * 2
+
+
+def test_without_lost_answers_the_mistake_goes_unseen(orders_url: str) -> None:
+    found = explore_placing(
+        orders_url, outage_means_failure=True, effects=("raise", "exit", "conflict")
+    )
+    assert found.ok, found.report()
+
+
+def test_a_lost_answer_is_an_outage_after_a_commit() -> None:
+    lost = InjectedLostAnswer("x")
+    assert isinstance(lost, psycopg.OperationalError) and is_outage(lost)
+    with pytest.raises(ValueError, match="at after_commit:<point>"):
+        faults.arm("before_commit:order_placed", effect="lost_answer")
+
+
+def labelled_once(conn: sa.Connection) -> None:
+    """One order, shipped with the one label the provider made."""
+    shipped = conn.execute(sa.text("SELECT label FROM shipped_orders")).scalars().all()
+    labels = conn.execute(sa.text("SELECT downstream_key FROM labels")).scalars().all()
+    assert len(labels) == 1 and shipped == labels, f"orders {shipped}, labels {labels}"
+
+
+def asked_once(conn: sa.Connection) -> None:
+    """The provider was asked for a label once."""
+    asked = conn.execute(sa.text("SELECT count(*) FROM label_requests")).scalar_one()
+    assert asked == 1, f"the provider was asked {asked} times"
+
+
+def always_shown(conn: sa.Connection) -> None:
+    raise AssertionError("shown")
+
+
+def explore_shipping(url: str, **options: Any) -> Exploration:
+    engine = rp.Engine(url)
+    provider = create_engine(url, poolclass=NullPool)  # the label provider's own database
+    op: rp.Operation[Any] = rp.Operation("shipped_order")
+
+    @op.atomic_phase("order_created")
+    def create_order(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
+        tx.execute("INSERT INTO shipped_orders (key_id) VALUES (%s)", (tx.key_id,))
+
+    @op.foreign_step("label_bought")
+    def buy_label(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
+        key = step.downstream_key()
+        with provider.begin() as conn:  # a provider that dedupes on the key it is given
+            conn.execute(sa.text("INSERT INTO label_requests VALUES (:k)"), {"k": key})
+            conn.execute(
+                sa.text("INSERT INTO labels VALUES (:k) ON CONFLICT DO NOTHING"), {"k": key}
+            )
+        return {"label": key}
+
+    @op.atomic_phase("order_shipped")
+    def ship(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        label = tx.state["label"]
+        tx.execute("UPDATE shipped_orders SET label = %s WHERE key_id = %s", (label, tx.key_id))
+        return rp.Response(201, {"shipped": True})
+
+    engine.register(op)
+    options.setdefault("check", labelled_once)
+    try:
+        return explore(
+            engine,
+            op,
+            {"weight": 2},
+            tables=["shipped_orders", "labels", "label_requests"],
+            dispose=[provider],
+            depth=1,
+            **options,
+        )
+    finally:
+        engine.dispose()
+        provider.dispose()
+
+
+def test_connections_ended_during_a_step_are_recovered_from(orders_url: str) -> None:
+    found = explore_shipping(orders_url)
+
+    assert found.ok, found.report()
+    # 6 boundaries (2 commits and their after_commits, 2 around the step), raised and died
+    # at; a storm before each commit, a lost answer after each, and the connections ended
+    # during the step; each recovered by the client and by the completer.
+    assert found.by_depth[1] == (6 * 2 + 2 + 2 + 1) * 2
+
+
+@pytest.mark.parametrize("schedule", [DROP, DROP.replace("client", "completer")])
+def test_a_step_whose_connections_end_is_called_once(orders_url: str, schedule: str) -> None:
+    """The phase after the step meets a dead connection: the attempt fails with an outage,
+    having recorded the step's result on a new connection, and the recovery goes on from
+    the step's result, not calling it again."""
+    found = explore_shipping(orders_url, schedule=schedule, check=[labelled_once, asked_once])
+    assert found.ok, found.report()
+
+    # What each attempt did, as a report tells it: shown by a check that always fails.
+    drops = explore_shipping(orders_url, schedule=schedule, check=always_shown)
+    story = "\n".join(drops.failures[0].story)
+    assert "1.           its connections ended at before_foreign:label_bought: 1 " in story
+    assert "1. client    failed: DatabaseUnavailable: the database is unavailable" in story
+    report = drops.report()
+    assert "the engine's connections were ended at before_foreign:label_bought" in report

@@ -399,3 +399,23 @@ def test_a_statement_after_a_caught_error_gets_the_servers_answer(
     with pytest.raises(rp.Retryable, match="aborted by a caught error"):
         engine.run(op, key="k", params={"scope": wallet}, scope=wallet)
     assert wallet_and_debits(db, wallet) == (1000, 0)
+
+
+def test_a_phase_that_returns_from_an_aborted_transaction_is_told_so(
+    engine: rp.Engine, db: sa.Engine, wallet: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation("returns_aborted")
+
+    @op.atomic_phase("finished")
+    def debit(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(DEBIT, {"scope": params["scope"]})
+        try:
+            tx.execute("SELECT 1 / 0")
+        except psycopg.errors.DivisionByZero:
+            pass  # caught without a savepoint: the transaction stays aborted
+        return rp.Response(201)
+
+    engine.register(op)
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="savepoint"):
+        engine.run(op, key="k", params={"scope": wallet}, scope=wallet)
+    assert wallet_and_debits(db, wallet) == (1000, 0)

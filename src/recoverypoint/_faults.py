@@ -26,11 +26,22 @@ __all__ = [
     "Faults",
     "InjectedConflict",
     "InjectedFault",
+    "InjectedLostAnswer",
     "faults",
 ]
 
-Effect = Literal["raise", "exit", "conflict"]
-_EFFECTS: dict[str, Effect] = {"raise": "raise", "exit": "exit", "conflict": "conflict"}
+Effect = Literal["raise", "exit", "conflict", "lost_answer"]
+_EFFECTS: dict[str, Effect] = {
+    "raise": "raise",
+    "exit": "exit",
+    "conflict": "conflict",
+    "lost_answer": "lost_answer",
+}
+# The boundary each effect that stands for a database fault belongs to.
+_ONLY_AT = {
+    "conflict": ("before_commit", "a serialization failure happens inside a phase's transaction"),
+    "lost_answer": ("after_commit", "a COMMIT's answer is lost once the COMMIT went through"),
+}
 BOUNDARIES = ("before_commit", "after_commit", "before_foreign", "after_foreign", "after_publish")
 # The exit status of a process killed by an injected fault, so a supervisor can tell it apart.
 FAULT_EXIT_STATUS = 75
@@ -44,6 +55,14 @@ class InjectedConflict(psycopg.errors.SerializationFailure):
     """Raised at an armed ``before_commit`` point whose effect is ``conflict``: a
     serialization failure (SQLSTATE 40001), which the engine meets as it meets
     PostgreSQL's: it rolls the phase's transaction back and runs the phase again."""
+
+
+class InjectedLostAnswer(psycopg.OperationalError):
+    """Raised at an armed ``after_commit`` point whose effect is ``lost_answer``: the
+    COMMIT went through on the server, and the connection dropped before its answer came
+    back, as when the network fails right after the COMMIT is sent. The engine meets it as
+    any lost connection: an outage (:class:`~recoverypoint.errors.DatabaseUnavailable` to
+    its caller), the lease given up, the retry finding the recovery point advanced."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +94,13 @@ class Faults:
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"fault probability must be within 0..1, got {probability}")
         if effect not in _EFFECTS:
-            raise ValueError(f"fault effect must be 'raise', 'exit' or 'conflict', got {effect!r}")
-        if effect == "conflict" and boundary != "before_commit":
             raise ValueError(
-                f"bad fault point {point!r} for a conflict: a serialization failure happens "
-                "inside a phase's transaction, at before_commit:<point>"
+                f"fault effect must be 'raise', 'exit', 'conflict' or 'lost_answer', got {effect!r}"
+            )
+        only_at = _ONLY_AT.get(effect)
+        if only_at is not None and boundary != only_at[0]:
+            raise ValueError(
+                f"bad fault point {point!r} for {effect}: {only_at[1]}, at {only_at[0]}:<point>"
             )
         with self._lock:
             self._armed[point] = _Armed(probability, effect)
@@ -122,6 +143,11 @@ class Faults:
             os._exit(FAULT_EXIT_STATUS)
         if effect == "conflict":
             raise InjectedConflict(f"could not serialize access (injected at {point})")
+        if effect == "lost_answer":
+            raise InjectedLostAnswer(
+                f"the connection was lost after COMMIT was sent (injected at {point}): "
+                "the COMMIT went through"
+            )
         raise InjectedFault(f"{boundary}:{name}")
 
     @contextmanager
@@ -159,7 +185,8 @@ def _from_environment() -> Faults:
         name = os.environ.get("RECOVERYPOINT_FAULT_EFFECT", "raise")
         if name not in _EFFECTS:
             raise ValueError(
-                f"RECOVERYPOINT_FAULT_EFFECT must be raise, exit or conflict, got {name!r}"
+                "RECOVERYPOINT_FAULT_EFFECT must be raise, exit, conflict or lost_answer, "
+                f"got {name!r}"
             )
         seed = os.environ.get("RECOVERYPOINT_FAULT_SEED")
         registry.configure(spec, _EFFECTS[name], int(seed) if seed else None)

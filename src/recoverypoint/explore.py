@@ -9,7 +9,9 @@ production. It runs the operation with a crash at every boundary the engine has
 process (``os._exit``: no rollback, the lease left held), then lets it recover as it
 would in production (the client retries, or the completer finishes the key; the enqueuer
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
-crashes per schedule. Between schedules it truncates recoverypoint's tables and yours.
+crashes per schedule. It meets the database's faults too: a storm of serialization
+failures before a COMMIT, a COMMIT whose answer is lost, the engine's connections ended
+during a foreign step. Between schedules it truncates recoverypoint's tables and yours.
 
 Attempts run in processes forked from explore's, which never runs the operation: a new
 one for a schedule's first attempt and another after each crash, so that, as in
@@ -57,6 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any, BinaryIO, Literal
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
@@ -69,6 +72,9 @@ from .testing import Clock
 from .workers import Completer, Enqueuer
 
 Recovery = Literal["client", "completer"]
+# What a crash does: a fault registry's effect, or one explore brings about itself: the
+# engine's connections ended during a foreign step (a failover, pg_terminate_backend).
+Kind = Effect | Literal["disconnect"]
 Check = Callable[[sa.Connection], None]
 
 KEY = "explore"
@@ -124,12 +130,30 @@ _OPEN_TRANSACTIONS = sa.text(
 _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(
-    r"attempt ([1-9]\d*) (raises|dies|meets ([1-9]\d*) serialization failures?)"
+    r"attempt ([1-9]\d*) (raises|dies|loses its commit's answer|loses its connections"
+    r"|meets ([1-9]\d*) serialization failures?)"
     r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
 )
 # A storm: serialization failures in a row at a phase, each rolling it back, the engine
 # running it again each time (within its serialization_retries, 10 unless configured).
 _STORM = 3
+# What each crash does, as a schedule writes it; a storm's verb says how many failures.
+_VERBS: dict[Kind, str] = {
+    "raise": "raises",
+    "exit": "dies",
+    "lost_answer": "loses its commit's answer",
+    "disconnect": "loses its connections",
+}
+# The kinds tried as a schedule's one crash, each at the points it belongs to.
+_FIRST_ONLY: dict[Kind, str] = {"lost_answer": "after_commit:", "disconnect": "before_foreign:"}
+# Ends the backends of the engine's connections; then, until none is left (pg_terminate_backend's
+# own wait needs PostgreSQL 14), how many still are.
+_TERMINATE = sa.text(
+    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "
+    "FROM unnest(CAST(:pids AS int[])) AS pid"
+)
+_LEFT = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(CAST(:pids AS int[]))")
+_GONE_WITHIN = 5.0  # seconds a terminated backend is given to go
 _PAST_WINDOW = re.compile(r"past the window of (\S+)")
 # How far past a step's dedupe window a window schedule's recovery comes.
 _PAST = timedelta(seconds=1)
@@ -142,16 +166,20 @@ _HELD = "needs reconciliation"
 class Crash:
     """The ``nth`` time ``attempt`` reaches fault point ``point``, it raises or dies, or
     (``conflict``, at a ``before_commit`` point) meets a serialization failure there, that
-    time and the ``times - 1`` times after it that the engine runs the phase again."""
+    time and the ``times - 1`` times after it that the engine runs the phase again, or
+    (``lost_answer``, at an ``after_commit`` point) loses the answer to the COMMIT that
+    went through: its caller sees the connection drop, or (``disconnect``, at a
+    ``before_foreign`` point) has the engine's pooled connections ended, the step running
+    on and the phase after it meeting a dead connection."""
 
     attempt: int
     point: str
     nth: int = 1
-    effect: Effect = "raise"
+    effect: Kind = "raise"
     times: int = 1
 
     def __str__(self) -> str:
-        verb = {"raise": "raises", "exit": "dies"}.get(self.effect)
+        verb = _VERBS.get(self.effect)
         if verb is None:
             verb = f"meets {self.times} serialization failure{'s' * (self.times > 1)}"
         hit = f" (hit {self.nth})" if self.nth > 1 else ""
@@ -206,8 +234,7 @@ class Schedule:
             match = _CRASH.fullmatch(part)
             if match is None:
                 raise ValueError(f"not a crash: {part!r} (e.g. 'attempt 1 raises at X:y')")
-            verbs: dict[str, Effect] = {"raises": "raise", "dies": "exit"}
-            effect = verbs.get(match[2], "conflict")
+            effect: Kind = next((e for e, v in _VERBS.items() if v == match[2]), "conflict")
             times = int(match[3] or 1)
             crashes.append(Crash(int(match[1]), match[4], int(match[5] or 1), effect, times))
         way: Recovery = "client" if recovery.strip() == "client" else "completer"
@@ -350,7 +377,7 @@ class _Run:
         self.raised += [(a, p, e) for a, p, e in seen["raised"]]
         return bool(seen["dies"])
 
-    def decide(self, point: str) -> Effect | None:
+    def decide(self, point: str) -> Kind | None:
         """The fault registry's watcher: record the boundary, crash where scheduled."""
         self.hits[point] += 1
         nth = self.hits[point]
@@ -362,6 +389,11 @@ class _Run:
             self.story.append(
                 f"{self.attempt}.           serialization failure at {point}: rolled back, "
                 "the phase runs again"
+            )
+        if crash.effect == "lost_answer":
+            self.story.append(
+                f"{self.attempt}.           lost the answer at {point}: committed, the caller "
+                "sees the connection drop"
             )
         if crash.effect == "exit":
             self.send(dies=True)  # its last word: the process dies next
@@ -461,7 +493,7 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Effect] = ("raise", "exit", "conflict"),
+    effects: Sequence[Kind] = ("raise", "exit", "conflict", "lost_answer", "disconnect"),
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -573,6 +605,8 @@ class _Explorer:
         self.reset: str | None = None
         self.conn: sa.Connection
         self.parents: sa.Connection | None = None  # in a forked process: explore's connection
+        # In a forked process: the connections the engine's pool made there, to end.
+        self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
         self.ending: list[int] = []  # processes told to end, not yet reaped
@@ -589,7 +623,7 @@ class _Explorer:
         self,
         found: Exploration,
         depth: int,
-        effects: Sequence[Effect],
+        effects: Sequence[Kind],
         recoveries: Sequence[Recovery],
         max_schedules: int | None,
         seed: int,
@@ -650,7 +684,7 @@ class _Explorer:
         """Run ``planned`` from empty tables: each attempt, until the key needs none."""
         run = self.current = _Run(planned)
         self._reset()
-        with faults.watching(run.decide):
+        with faults.watching(self._watcher(run)):
             while (actor := self._next_actor(run)) is not None:
                 run.attempt += 1
                 run.hits.clear()
@@ -775,7 +809,7 @@ class _Explorer:
         run = self.current = _Run(schedule, orders["attempt"], pipe=seen)
         run.window_passed = orders["window_passed"]
         run.renewed = set(orders["renewed"])
-        with faults.watching(run.decide):
+        with faults.watching(self._watcher(run)):
             self._attempt(orders["actor"], run)
         run.send(dies=False)
 
@@ -806,8 +840,47 @@ class _Explorer:
         self.ending.clear()  # explore's to reap
         for db in self.dispose:
             db.dispose(close=False)
+        sa.event.listen(self.engine.db.pool, "connect", self._made)
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - a fault's "exiting" line is ours to tell
         self.parents = self.conn  # kept from the collector, which would roll it back
+
+    def _made(self, connection: psycopg.Connection[Any], _: object) -> None:
+        self.connections.append(connection)
+
+    def _watcher(self, run: _Run) -> Callable[[str], Effect | None]:
+        """What decides at every boundary of ``run``: its schedule, where a ``disconnect``
+        is brought about here, the attempt going on."""
+
+        def decide(point: str) -> Effect | None:
+            kind = run.decide(point)
+            if kind != "disconnect":
+                return kind
+            self._disconnect(run, point)
+            return None
+
+        return decide
+
+    def _disconnect(self, run: _Run, point: str) -> None:
+        """End the backends of the engine's pooled connections in this process, from a
+        connection of another pool, as a failover or pg_terminate_backend would."""
+        pids = [c.info.backend_pid for c in self.connections if not c.closed]
+        self.connections.clear()
+        # Autocommit: each look at pg_stat_activity is a transaction, with a fresh snapshot.
+        apart = sa.create_engine(
+            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+        )
+        try:
+            with apart.connect() as conn:
+                ended = conn.scalar(_TERMINATE, {"pids": pids})
+                deadline = time.monotonic() + _GONE_WITHIN
+                while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        finally:
+            apart.dispose()
+        run.story.append(
+            f"{run.attempt}.           its connections ended at {point}: {ended} backend(s) "
+            "terminated, the step runs on"
+        )
 
     # -- process memory --------------------------------------------------------------------
 
@@ -957,6 +1030,23 @@ class _Explorer:
                     "does in its transaction is rolled back: it must not change its params "
                     "or anything kept between runs, nor call anything outside the database."
                 )
+            if crash.effect == "lost_answer":
+                hints.append(
+                    f"attempt {crash.attempt}'s COMMIT at {crash.point} went through and its "
+                    "caller saw the connection drop (DatabaseUnavailable, a 503): an outage "
+                    "does not say that nothing was written. Code around the engine's call must "
+                    "not take it for a failure (undo, notify, retry under another key): a retry "
+                    "with the same key finds the recovery point advanced and goes on from there."
+                )
+            if crash.effect == "disconnect":
+                hints.append(
+                    f"the engine's connections were ended at {crash.point} of attempt "
+                    f"{crash.attempt} (as a failover or pg_terminate_backend does), and what "
+                    "ran after it met a dead connection. The engine records the step's result "
+                    "on a new connection, and the retry goes on after it; code that keeps a "
+                    "connection, a cursor or session state (SET, a temporary table, a session "
+                    "advisory lock) from one phase or step to the next loses it there."
+                )
         for job_key, times in run.deliveries.items():
             if times > 1:
                 hints.append(
@@ -1097,14 +1187,20 @@ class _Explorer:
 def _extensions(
     planned: Schedule,
     run: _Run,
-    effects: Sequence[Effect],
+    effects: Sequence[Kind],
     recoveries: Sequence[Recovery],
     windows: Mapping[str, timedelta],
 ) -> list[Schedule]:
     """Every schedule of one crash more: at each boundary ``run`` reached after its last
     crash, with each effect; a first crash is tried with each way to recover, and, around
     a step with a dedupe window, with recovery after the window too (after the others, so
-    that an operation without windows is explored as before)."""
+    that an operation without windows is explored as before). A lost answer (after a
+    COMMIT) and the engine's connections ended during a step (at its ``before_foreign``
+    point) are tried as a first crash only, and not extended: what recovers from them is
+    what recovers from a raise there, which is explored deeper: they cost a schedule a
+    point for each way to recover, not a tree."""
+    if planned.crashes and planned.crashes[-1].effect in _FIRST_ONLY:
+        return []
     last = planned.crashes[-1].attempt if planned.crashes else 0
     ways = recoveries if not planned.crashes else (planned.recovery,)
     hits = [hit for hit in run.trace if hit.attempt > last]
@@ -1122,6 +1218,9 @@ def _extensions(
         for effect in effects
         # A serialization failure happens inside a phase's transaction: before its COMMIT.
         if effect != "conflict" or hit.point.startswith("before_commit:")
+        # One crash, at the points of its kind, its recovery in time (not past a window).
+        if effect not in _FIRST_ONLY
+        or (hit.point.startswith(_FIRST_ONLY[effect]) and not last and window is None)
         for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
@@ -1140,4 +1239,4 @@ def _json(value: object) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-__all__ = ["Crash", "Exploration", "Failure", "Schedule", "Subject", "explore"]
+__all__ = ["Crash", "Exploration", "Failure", "Kind", "Schedule", "Subject", "explore"]

@@ -15,7 +15,10 @@ probability, and its effect is an exception (:class:`InjectedFault`), an abrupt 
 exit (``os._exit``, what SIGKILL or a power cut leaves behind: no ``finally``, no rollback
 sent, the database sees the connection drop), or, at a ``before_commit`` point, a
 serialization failure (``conflict``: :class:`InjectedConflict`, SQLSTATE 40001), which the
-engine rolls back and runs the phase again for, as for PostgreSQL's own.
+engine rolls back and runs the phase again for, as for PostgreSQL's own, or, at an
+``after_commit`` point, a COMMIT whose answer is lost (``lost_answer``:
+:class:`InjectedLostAnswer`, a ``psycopg.OperationalError``): committed, and the caller
+sees the connection drop.
 
 Switch faults on in code::
 
@@ -25,7 +28,8 @@ Switch faults on in code::
 or for a whole process through the environment::
 
     RECOVERYPOINT_FAULTS="after_commit:ride_created=0.2,before_foreign:charge_created=0.1"
-    RECOVERYPOINT_FAULT_EFFECT=exit      # or raise (the default), or conflict (before_commit)
+    RECOVERYPOINT_FAULT_EFFECT=exit      # or raise (the default), conflict (before_commit),
+                                         # lost_answer (after_commit)
     RECOVERYPOINT_FAULT_SEED=42          # repeatable runs
 
 Faults are off by default; when off, each boundary costs one attribute read. Under pytest,
@@ -76,6 +80,7 @@ from ._faults import (
     Faults,
     InjectedConflict,
     InjectedFault,
+    InjectedLostAnswer,
     faults,
 )
 from .database import create_engine, normalize_url
@@ -89,6 +94,7 @@ __all__ = [
     "Faults",
     "InjectedConflict",
     "InjectedFault",
+    "InjectedLostAnswer",
     "faults",
     "temporary_database",
 ]

@@ -86,7 +86,11 @@ def _explore(args: argparse.Namespace) -> int:
             found = subject.explore(
                 depth=args.depth,
                 schedule=args.schedule,
-                effects=("raise", "conflict") if args.no_exit else ("raise", "exit", "conflict"),
+                effects=(
+                    ("raise", "conflict", "lost_answer", "disconnect")
+                    if args.no_exit
+                    else ("raise", "exit", "conflict", "lost_answer", "disconnect")
+                ),
                 progress=progress,
             )
         except ValueError as exc:

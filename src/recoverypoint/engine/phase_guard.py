@@ -165,9 +165,18 @@ def check_statement(statement: object, point: str) -> None:
 
 
 def check_still_open(tx: GuardedTransaction, point: str) -> None:
-    """Raise :class:`TransactionEnded` if the phase's transaction is over already."""
-    if not tx.open:
-        raise TransactionEnded(_message(point))
+    """Raise :class:`TransactionEnded` if the phase's transaction is over already; a
+    :class:`psycopg.errors.InFailedSqlTransaction` if an error the phase caught aborted it,
+    as its COMMIT would (the phase's writes roll back and the attempt fails)."""
+    if tx.open:
+        return
+    if tx.connection.pgconn.transaction_status == TransactionStatus.INERROR:
+        raise psycopg.errors.InFailedSqlTransaction(
+            f"atomic phase {point!r} returned from a transaction that an error it caught "
+            "aborted; catch it inside a savepoint (tx.connection.begin_nested(), or "
+            "transaction.atomic() with Django) to go on after it"
+        )
+    raise TransactionEnded(_message(point))
 
 
 def ended(point: str) -> TransactionEnded:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import typing
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from datetime import timedelta
@@ -511,17 +510,10 @@ def _resolved_signature(endpoint: Callable[..., Any]) -> inspect.Signature:
     FastAPI releases (0.115 among them) evaluate a wrapper's string annotations (``from
     __future__ import annotations``) in the wrapper's module, where the endpoint's models
     are not."""
-    signature = inspect.signature(endpoint)
     try:
-        hints = typing.get_type_hints(endpoint, include_extras=True)
+        return inspect.signature(endpoint, eval_str=True)
     except (NameError, TypeError):  # a name not defined yet: left as written
-        return signature
-    parameters = [
-        parameter.replace(annotation=hints.get(name, parameter.annotation))
-        for name, parameter in signature.parameters.items()
-    ]
-    returns = hints.get("return", signature.return_annotation)
-    return signature.replace(parameters=parameters, return_annotation=returns)
+        return inspect.signature(endpoint)
 
 
 def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any], bool] | None:
