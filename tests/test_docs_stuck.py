@@ -78,6 +78,7 @@ _VARIES = [
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d"), "<time>"),
     (re.compile(r"rp_[0-9a-f]{64}"), "<downstream key>"),
     (re.compile(r"ch_[0-9a-f]{8}"), "<charge>"),
+    (re.compile(r"…#[0-9a-f]{10}"), "…#<masked>"),
 ]
 
 

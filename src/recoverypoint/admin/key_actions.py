@@ -507,7 +507,7 @@ def purge(
     with admin.db.connect() as conn:
         matched = int(conn.execute(_PURGE_COUNT, params).scalar_one())
         sample = tuple(
-            KeyRow(**r._mapping)
+            replace(KeyRow(**r._mapping), scope=admin.mask(r.scope))
             for r in conn.execute(_PURGE_SAMPLE, {**params, "limit": SAMPLE_SIZE})
         )
     if dry_run:
