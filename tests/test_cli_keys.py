@@ -19,7 +19,7 @@ import recoverypoint as rp
 from recoverypoint.cli import main
 from recoverypoint.exits import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 
-COLUMNS = ["id", "operation", "key", "recovery point", "state", "attempts", "next attempt",
+COLUMNS = ["id", "operation", "scope", "key", "recovery point", "state", "attempts", "next attempt",
            "lease left", "status", "age", "last error"]  # fmt: skip
 
 
@@ -81,6 +81,25 @@ def test_list_prints_the_columns_and_the_filters_select(
     assert found[0]["scope"] != "planted"  # masked
     revealed = run_json(capsys, "keys", "list", "--operation", "b", "--reveal")
     assert revealed[0]["scope"] == "planted"
+
+
+def test_the_same_key_of_two_customers_is_told_apart_by_its_scope(
+    app: rp.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for customer in ("alice", "bob"):
+        app.run(app.operation("steps", 1), key="k1", scope=customer, params={"n": 1})
+
+    _, out, _ = run(capsys, "keys", "list", "--reveal")
+    header, *lines = out.splitlines()
+    scopes = [line.split()[header.split().index("scope")] for line in lines]
+    assert sorted(scopes) == ["alice", "bob"]
+    _, masked, _ = run(capsys, "keys", "list")
+    _, *masked_lines = masked.splitlines()
+    assert len(set(masked_lines)) == 2 and "alice" not in masked and "bob" not in masked
+    only_bob = run_json(capsys, "keys", "list", "--scope", "bob", "--reveal")
+    assert [(k["scope"], k["key"]) for k in only_bob] == [("bob", "k1")]
+    _, out, _ = run(capsys, "keys", "list", "--scope", "bob")
+    assert len(out.splitlines()) == 2 and "bob" not in out  # filtered by it, shown masked
 
 
 def test_show_explains_one_key(
@@ -221,6 +240,7 @@ def test_delete_and_purge(worker_db: sa.Engine, capsys: pytest.CaptureFixture[st
     assert status == EXIT_USAGE and "--yes" in err
     status, out, _ = run(capsys, "keys", "purge", "--older-than", "3d", "--dry-run")
     assert out.startswith("dry run: would purge 2 of 2 selected keys")
+    assert "planted" not in out  # the sample's scopes masked, as every listing's
     assert run_json(capsys, "keys", "purge", "--older-than", "3d", "--yes")["changed"] == old
     assert [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys")] == [unfinished]
 

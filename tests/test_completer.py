@@ -111,6 +111,31 @@ def test_claims_only_due_keys_whose_client_had_time_and_whose_lease_is_free(
     assert key(worker_db, leased).finished_at is None
 
 
+def test_an_operators_retry_is_taken_by_the_next_pass_whatever_its_min_age(
+    worker_db: sa.Engine,
+) -> None:
+    engine = make_engine(worker_db)
+    ops = rp.admin.Admin(worker_db, actor="tester@test")
+    # Two keys whose clients just failed (last run: now), one of them about to fail again.
+    [retried, left] = plant_keys(worker_db, "steps", 2)
+    [failing] = plant_keys(worker_db, "steps", 1, params={"fail": "charged"})
+    completer = Completer(engine, min_age=3600)
+    assert not completer.run_once()  # their clients have the hour to come back
+
+    assert rp.admin.retry(ops, retried).changed == (retried,)
+    assert rp.admin.retry(ops, failing).changed == (failing,)
+    result = completer.run_once()
+
+    assert (result.finished, result.failed, result.too_recent) == (1, 1, 1)
+    assert key(worker_db, retried).response_status == 201
+    assert key(worker_db, left).attempts == 0  # its client's to retry: not taken
+    # The retry made one attempt due, not every later one: failed again, the key waits
+    # for its client as any key does, once its backoff is over too.
+    make_due(worker_db, failing)
+    assert not completer.run_once()
+    assert key(worker_db, failing).attempts == 1
+
+
 def test_backs_off_per_key_then_abandons_with_a_replayed_error_and_one_log_line(
     worker_db: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -171,3 +171,48 @@ def test_every_command_takes_a_list_of_hosts(
         done = _cli(*command, url=listed)
         assert done.returncode == 0, (command, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+_SCHEMES = st.from_regex(r"[a-zA-Z][a-zA-Z0-9+.-]{0,15}", fullmatch=True).filter(
+    lambda scheme: scheme not in ("postgres", "postgresql", "postgresql+psycopg")
+)
+
+
+@given(
+    scheme=_SCHEMES,
+    password=st.text(min_size=1, max_size=20),
+    other=st.text(min_size=1, max_size=20),
+    rest=st.sampled_from(["@localhost/db", "@h1:3306,h2/db?ssl=1", "@[::1]/db", "@host"]),
+)
+def test_a_url_of_another_database_is_refused_by_its_scheme_never_its_password(
+    scheme: str, password: str, other: str, rest: str
+) -> None:
+    messages = []
+    for secret in (password, other):
+        with pytest.raises(ValueError) as refused:
+            normalize_url(f"{scheme}://app:{secret}{rest}")
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]  # nothing of the password reaches the error
+    assert f"the scheme is {scheme!r}" in messages[0]
+    assert "postgresql://" in messages[0]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "app:s3cret@localhost/db",  # no scheme at all
+        "app:s3cret@localhost://db",  # "://" past the password
+        "",
+    ],
+)
+def test_a_url_without_a_scheme_is_refused_without_echoing_it(url: str) -> None:
+    with pytest.raises(ValueError, match="postgresql://") as refused:
+        normalize_url(url)
+    assert "s3cret" not in str(refused.value) and "app" not in str(refused.value)
+
+
+def test_a_sqlalchemy_url_of_another_database_names_its_driver_not_its_password() -> None:
+    with pytest.raises(ValueError) as refused:
+        normalize_url(sa.make_url("mysql+pymysql://app:s3cret@localhost/db"))
+    assert "the scheme is 'mysql+pymysql'" in str(refused.value)
+    assert "s3cret" not in str(refused.value)

@@ -6,7 +6,8 @@ printed (times, downstream keys and charge ids aside, which differ by run).
 The key is made stuck as a real failure leaves it: an engine whose foreign step fails
 runs it three times; then time passes (it was created 14 minutes ago and its next attempt
 is 12 minutes overdue), but its last attempt is recent, as when its client (or the
-operator) just tried it: the worker command must take it all the same.
+operator) just tried it: the worker command, at its default --min-age, must take it all
+the same, as the operator retried it.
 ``myapp.recovery:engine`` is the fixed engine, the one deployed after the fix.
 """
 
@@ -29,7 +30,7 @@ import recoverypoint as rp
 from recoverypoint.cli import main
 
 PAGE = "how-to/operating.md"
-WORKER = "recoverypoint worker completer --once --min-age 0 --app myapp.recovery:engine"
+WORKER = "recoverypoint worker completer --once --app myapp.recovery:engine"
 
 
 def blocks() -> list[tuple[str, list[str]]]:
@@ -78,6 +79,7 @@ _VARIES = [
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d"), "<time>"),
     (re.compile(r"rp_[0-9a-f]{64}"), "<downstream key>"),
     (re.compile(r"ch_[0-9a-f]{8}"), "<charge>"),
+    (re.compile(r"…#[0-9a-f]{10}"), "…#<masked>"),
 ]
 
 

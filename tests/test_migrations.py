@@ -29,7 +29,7 @@ UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # Every revision, oldest first; the last one is the head.
 REVISIONS = (
     "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012",
-    "0013", "0014", "0015",
+    "0013", "0014", "0015", "0016",
 )
 HEAD = REVISIONS[-1]
 TABLES = {

@@ -224,7 +224,8 @@ def test_a_pass_by_hand_says_why_it_left_keys_alone(
     )
     assert (
         "completer: skipped 1 key younger than --min-age 60s, which leaves their clients time "
-        "to retry (--min-age 0 takes them now); 2 keys whose next attempt is not due yet "
+        "to retry (--min-age 0, or recoverypoint keys retry ID, takes them now); 2 keys whose "
+        "next attempt is not due yet "
         "(recoverypoint keys retry ID makes it due now); 1 key a running request holds"
     ) in stderr
     unfinished = rows(worker_db, "SELECT id FROM idempotency_keys WHERE finished_at IS NULL")

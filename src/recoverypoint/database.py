@@ -13,6 +13,8 @@ DATABASE_URL_ENV = "RECOVERYPOINT_DATABASE_URL"
 """Where the commands look for a database URL when none is passed."""
 
 _POSTGRES_SCHEMES = ("postgres", "postgresql", "postgresql+psycopg")
+# A URL's scheme as RFC 3986 spells it; nothing else before "://" is quoted in an error.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -29,10 +31,16 @@ def normalize_url(url: str | URL) -> URL:
     """
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
     scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in _POSTGRES_SCHEMES:
+    if not sep or _SCHEME.fullmatch(scheme) is None:
+        # No scheme to name: what precedes "://" (if anything does) may be a password.
         raise ValueError(
-            f"not a PostgreSQL URL: {text.split('@')[-1]!r}; "
-            "use postgresql://user:password@host:port/database"
+            "the database URL does not start with a scheme; "
+            "write postgresql://user:password@host:port/database"
+        )
+    if scheme not in _POSTGRES_SCHEMES:
+        raise ValueError(
+            f"{scheme}://… is not a PostgreSQL URL: the scheme is {scheme!r}; "
+            "use postgresql:// or postgres://"
         )
     return make_url(f"postgresql+psycopg://{_hosts_in_query(rest)}")
 

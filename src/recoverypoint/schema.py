@@ -61,6 +61,9 @@ idempotency_keys = Table(
     Column("response_body", JSONB),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("last_run_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    # When an operator last made the key due (keys retry, migration 0016): a key retried
+    # since its last run is the completer's at once, whatever its min_age.
+    Column("retried_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
     # Set when the completer gives the key up after its last attempt (see workers.completer).
     Column("abandoned_at", DateTime(timezone=True)),

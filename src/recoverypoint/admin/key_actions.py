@@ -95,7 +95,8 @@ _RETRY = sa.text(
     f"""
     WITH {_SEEN}
     UPDATE idempotency_keys AS k
-    SET next_attempt_at = now(), attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
+    SET next_attempt_at = now(), retried_at = now(),
+        attempts = CASE WHEN :reset THEN 0 ELSE k.attempts END
     FROM seen AS s
     WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
       AND k.reconcile_since IS NULL
@@ -365,8 +366,9 @@ def retry(
     reset_attempts: bool = False,
     dry_run: bool = False,
 ) -> ActionResult:
-    """Make unfinished keys due now (the completer takes them on its next pass, once their
-    ``min_age`` has passed), optionally with their attempts counted from zero."""
+    """Make unfinished keys due now, optionally with their attempts counted from zero: the
+    completer takes them on its next pass, whatever its ``min_age`` (the operator decides
+    for their clients)."""
     return _act(admin, "keys.retry", target, _retryable, _RETRY, dry_run, reset=reset_attempts)
 
 
@@ -507,7 +509,7 @@ def purge(
     with admin.db.connect() as conn:
         matched = int(conn.execute(_PURGE_COUNT, params).scalar_one())
         sample = tuple(
-            KeyRow(**r._mapping)
+            replace(KeyRow(**r._mapping), scope=admin.mask(r.scope))
             for r in conn.execute(_PURGE_SAMPLE, {**params, "limit": SAMPLE_SIZE})
         )
     if dry_run:

@@ -31,7 +31,9 @@ def add_filters(parser: argparse.ArgumentParser, *, most: int) -> None:
     group = parser.add_argument_group("filters (all must match)")
     group.add_argument("--operation", metavar="NAME")
     group.add_argument("--version", type=version_number, metavar="N", help="operation version")
-    group.add_argument("--scope")
+    group.add_argument(
+        "--scope", help="the scope (customer, tenant) as the application names it, unmasked"
+    )
     group.add_argument("--key", metavar="KEY", help="the client's idempotency key")
     group.add_argument(
         "--state",
@@ -73,6 +75,7 @@ def key_filter(args: argparse.Namespace, ids: tuple[int, ...] = ()) -> admin.Key
 KEY_HEADERS = (
     "id",
     "operation",
+    "scope",
     "key",
     "recovery point",
     "state",
@@ -95,6 +98,7 @@ def key_cells(row: admin.KeyRow, ops: admin.Admin | None = None) -> list[object]
     return [
         row.id,
         f"{row.operation}@{row.version}",
+        truncate(row.scope, 36),
         truncate(row.key, 36),
         row.point,
         _state(row, ops),

@@ -94,7 +94,8 @@ def add_worker(subparsers: _Subparsers) -> None:
         default=60.0,
         metavar="DURATION",
         help="completer: how long an unfinished key waits for its own client after its last "
-        "attempt before the completer takes it (default 60s; 0 takes it when due)",
+        "attempt before the completer takes it (default 60s; 0 takes it when due); a key "
+        "retried by an operator (keys retry) is taken at once",
     )
     parser.add_argument(
         "--retention",
@@ -183,7 +184,8 @@ def held_back(result: CompleterResult, args: argparse.Namespace) -> str:
     if result.too_recent:
         reasons.append(
             f"{_keys(result.too_recent)} younger than --min-age {args.min_age:g}s, which "
-            "leaves their clients time to retry (--min-age 0 takes them now)"
+            "leaves their clients time to retry (--min-age 0, or recoverypoint keys retry ID, "
+            "takes them now)"
         )
     if result.backing_off:
         reasons.append(

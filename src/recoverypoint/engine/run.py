@@ -109,9 +109,11 @@ class Engine(Registry):
     serialization_retries:
         In-process retries of a transaction that hit a serialization failure or deadlock
         before :class:`ConcurrentUpdate` (409) is raised.
-    retry_base, retry_cap:
-        Seconds: the backoff after a failed attempt before the completer may retry the
-        key grows from ``retry_base`` to ``retry_cap``.
+    retry_base:
+        Seconds: the backoff after a key's first failed attempt before the completer may
+        retry it (half of it fixed, half random); it doubles with each failed attempt.
+    retry_cap:
+        Seconds: the longest the backoff grows to.
     jobs:
         Where the enqueuer publishes staged jobs, e.g. :class:`~recoverypoint.jobs.InProcessBackend`
         or :class:`~recoverypoint.integrations.celery.CeleryBackend`; also settable later

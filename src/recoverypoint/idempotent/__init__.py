@@ -173,16 +173,24 @@ def idempotent(
     engine:
         An :class:`~recoverypoint.Engine` for a sync function, an ``AsyncEngine`` for an
         ``async def`` one; the function's operation is registered with it.
-    key, scope:
-        Where a call's key and scope come from: the name of an argument (a str or an int),
-        or a callable given the call's arguments by name (defaults applied). Without
-        ``scope`` every key is in the one scope ``""``.
+    key:
+        Where a call's key comes from: the name of an argument (a str or an int), or a
+        callable given the call's arguments by name (defaults applied).
+    scope:
+        Where a call's scope comes from, as ``key``. Without it every key is in the one
+        scope ``""``.
     name:
         The operation's stable name; by default the function's module and qualified name,
         so pass one if the function may be renamed or moved while keys are stored.
-    version, lock_timeout, max_attempts, retention:
-        As for :class:`~recoverypoint.Operation`. ``lock_timeout`` is how long after a
-        call's process dies another call may take its key over; a live call keeps it.
+    version:
+        As for :class:`~recoverypoint.Operation`.
+    lock_timeout:
+        How long after a call's process dies another call may take its key over; a live
+        call keeps it (as for :class:`~recoverypoint.Operation`).
+    max_attempts:
+        As for :class:`~recoverypoint.Operation`.
+    retention:
+        As for :class:`~recoverypoint.Operation`.
     exclude:
         Arguments left out of the params (neither fingerprinted nor stored): a client, a
         Celery task's ``self``.
@@ -200,11 +208,13 @@ def idempotent(
         most a minute; see :mod:`recoverypoint.engine.waits`): it then returns that call's
         value, or runs the function if that call failed. Without it, or when the wait runs
         out, it raises :class:`~recoverypoint.KeyInUse`.
-    dedupe_window, reconcile:
+    dedupe_window:
         How long the provider the function calls remembers an idempotency key (Stripe: 24
         hours), as for :meth:`~recoverypoint.Operation.foreign_step`: once that long has
         passed since a call with the key began, the function is never called blindly again
-        for it. ``reconcile`` is then called instead, with the call's arguments and
+        for it.
+    reconcile:
+        Called instead of the function past ``dedupe_window``, with the call's arguments and
         :func:`downstream_key` as the function would see them: it asks the provider what the
         first call did and returns the function's value (found: it is stored and returned)
         or :data:`~recoverypoint.NotFound` (the function is called anew, with a fresh

@@ -265,9 +265,10 @@ class BaseIdempotency(Generic[RequestT]):
         An ``rp.AsyncEngine`` on the same database, for frameworks with async endpoints:
         operations of async phases and async single-step endpoints run on it, on the event
         loop; everything else runs on ``engine`` as before.
-    key_header, replayed_header:
-        The names of the header the key is read from (``Idempotency-Key``) and of the one
-        that marks a replay (``Idempotent-Replayed``), for clients that use others.
+    key_header:
+        The name of the header the key is read from, for clients that use another.
+    replayed_header:
+        The name of the header that marks a replay, for clients that expect another.
     wait:
         How long a request that finds its key in use waits for the request that holds it
         (at most a minute, see :mod:`recoverypoint.engine.waits`), to answer with that

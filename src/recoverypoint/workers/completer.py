@@ -53,14 +53,22 @@ from .engines import AnyEngine
 from .loop import Result, Worker, registered_scopes
 from .unregistered import Unregistered, listing
 
-# An unfinished key whose next attempt is due and whose client has had :min_age seconds
-# since its last run to come back on its own. Never one held for an operator's
-# reconciliation (its next attempt never comes either: said twice, as it matters).
-_DUE = """
+# A key whose client has had :min_age seconds since its last run to come back on its own,
+# or that an operator retried since (keys retry): the operator has decided for the client.
+# Never NULL (a key never retried has no retried_at), as it is negated below.
+_CLIENTS_TIME_OVER = """
+    (k.last_run_at <= now() - make_interval(secs => :min_age)
+     OR coalesce(k.retried_at > k.last_run_at, false))
+"""
+
+# An unfinished key whose next attempt is due and whose client's time is over. Never one
+# held for an operator's reconciliation (its next attempt never comes either: said twice,
+# as it matters).
+_DUE = f"""
     k.finished_at IS NULL
     AND k.reconcile_since IS NULL
     AND k.next_attempt_at <= now()
-    AND k.last_run_at <= now() - make_interval(secs => :min_age)
+    AND {_CLIENTS_TIME_OVER}
 """
 
 # The scopes with due keys of registered operations whose lease is free, longest due first.
@@ -114,11 +122,9 @@ _HELD_BACK = text(
     WITH {REGISTERED}
     SELECT
         count(*) FILTER (WHERE k.next_attempt_at > now()) AS backing_off,
-        count(*) FILTER (WHERE k.next_attempt_at <= now()
-                           AND k.last_run_at > now() - make_interval(secs => :min_age))
+        count(*) FILTER (WHERE k.next_attempt_at <= now() AND NOT {_CLIENTS_TIME_OVER})
             AS too_recent,
-        count(*) FILTER (WHERE k.next_attempt_at <= now()
-                           AND k.last_run_at <= now() - make_interval(secs => :min_age)
+        count(*) FILTER (WHERE k.next_attempt_at <= now() AND {_CLIENTS_TIME_OVER}
                            AND NOT {free("r.lock_timeout")}) AS leased
     FROM idempotency_keys AS k
     JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
@@ -202,7 +208,9 @@ class Completer(Worker[CompleterResult]):
     ----------
     min_age:
         Seconds an unfinished key waits after its last run for its own client to retry
-        before the completer takes it; 0 takes keys as soon as they are due.
+        before the completer takes it; 0 takes keys as soon as they are due. A key an
+        operator retried since its last run (``recoverypoint keys retry``) is taken at
+        once: the operator has decided for its client.
     """
 
     name: ClassVar[str] = "completer"

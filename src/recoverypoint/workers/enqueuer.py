@@ -90,9 +90,11 @@ class Enqueuer(Worker[EnqueuerResult]):
 
     Parameters
     ----------
-    retry_base, retry_cap:
-        Seconds: a job whose publish failed waits from ``retry_base`` (first failure) up
-        to ``retry_cap``, with jitter, before the next try.
+    retry_base:
+        Seconds a job whose publish failed first waits, with jitter, before the next try;
+        each failure after waits longer.
+    retry_cap:
+        Seconds: the longest a job waits between two tries.
     """
 
     name: ClassVar[str] = "enqueuer"
