@@ -130,19 +130,21 @@ def _guarded(cursors: type[Any]) -> type[Any]:
     (see :func:`_check`)."""
     guarded = _GUARDED.get(cursors)
     if guarded is None:
-        methods = {method: _checking(getattr(cursors, method)) for method in _SENDING_METHODS}
+        methods = {method: _checking(cursors, method) for method in _SENDING_METHODS}
         guarded = _GUARDED[cursors] = type(f"Guarded{cursors.__name__}", (cursors,), methods)
     return guarded
 
 
-def _checking(send: Any) -> Any:
-    """A cursor's method ``send``, checking the SQL it is given first."""
+def _checking(cursors: type[Any], method: str) -> Any:
+    """``cursors``'s ``method``, checking the SQL it is given first. The method is looked up
+    at each call, not once: what instruments psycopg's cursor classes later (a tracer, a
+    test) still sees the statements of phases."""
 
     def checked(cursor: Any, *args: Any, **kwargs: Any) -> Any:
         # The SQL by position, or by psycopg's names for it (copy's is ``statement``).
         query = args[0] if args else kwargs.get("query", kwargs.get("statement"))
         _check(cursor, query)
-        return send(cursor, *args, **kwargs)
+        return getattr(cursors, method)(cursor, *args, **kwargs)
 
     return checked
 
