@@ -626,6 +626,7 @@ class _Explorer:
         self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
+        self.waiting: _Process | None = None  # an attempt's whose key is being taken over
         self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
         self.dispose = [engine.db, *dispose]
@@ -809,10 +810,10 @@ class _Explorer:
             f"{first}.           its lease ran out while its step ran, at {point}: "
             f"attempt {run.attempt} takes the key over"
         )
-        self.running = None
+        self.running, self.waiting = None, process
         self._apart(run.schedule.recovery, run)
         self._end()  # the taking over's process: the first attempt's goes on
-        self.running = process
+        self.running, self.waiting = process, None
         os.write(process.orders, b"{}\n")
 
     def _fork(self) -> _Process:
@@ -872,11 +873,11 @@ class _Explorer:
         """In a forked process: connections of its own, once it needs them. The parent's
         stay open, untouched (closing one would end the parent's session too); the other
         processes' pipes are closed, so that each ends when explore closes its own."""
-        for process in (self.spare, self.running):
+        for process in (self.spare, self.running, self.waiting):
             if process is not None:
                 os.close(process.orders)
                 process.seen.close()
-        self.spare = self.running = None
+        self.spare = self.running = self.waiting = None
         self.ending.clear()  # explore's to reap
         for db in self.dispose:
             db.dispose(close=False)
