@@ -47,11 +47,13 @@ CREATE TABLE order_notices (notice text NOT NULL);
 CREATE TABLE shipped_orders (key_id bigint PRIMARY KEY, label text);
 CREATE TABLE labels (downstream_key text PRIMARY KEY);
 CREATE TABLE label_requests (downstream_key text NOT NULL);
+CREATE TABLE shipment_notices (key_id bigint NOT NULL);
 """
 STORM = "client: attempt 1 meets 3 serialization failures at before_commit:order_priced"
 LOST = "client: attempt 1 loses its commit's answer at after_commit:order_placed"
 NOT_PLACED = "your order was not placed"
 DROP = "client: attempt 1 loses its connections at before_foreign:label_bought"
+TAKEN_OVER = "client: attempt 1 loses its lease at after_foreign:label_bought"
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +273,7 @@ def explore_shipping(url: str, **options: Any) -> Exploration:
     def ship(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
         label = tx.state["label"]
         tx.execute("UPDATE shipped_orders SET label = %s WHERE key_id = %s", (label, tx.key_id))
+        tx.execute("INSERT INTO shipment_notices VALUES (%s)", (tx.key_id,))
         return rp.Response(201, {"shipped": True})
 
     engine.register(op)
@@ -280,7 +283,7 @@ def explore_shipping(url: str, **options: Any) -> Exploration:
             engine,
             op,
             {"weight": 2},
-            tables=["shipped_orders", "labels", "label_requests"],
+            tables=["shipped_orders", "labels", "label_requests", "shipment_notices"],
             dispose=[provider],
             depth=1,
             **options,
@@ -296,8 +299,9 @@ def test_connections_ended_during_a_step_are_recovered_from(orders_url: str) -> 
     assert found.ok, found.report()
     # 6 boundaries (2 commits and their after_commits, 2 around the step), raised and died
     # at; a storm before each commit, a lost answer after each, and the connections ended
-    # during the step; each recovered by the client and by the completer.
-    assert found.by_depth[1] == (6 * 2 + 2 + 2 + 1) * 2
+    # during the step and its lease run out as it returned; each recovered by the client and
+    # by the completer.
+    assert found.by_depth[1] == (6 * 2 + 2 + 2 + 1 + 1) * 2
 
 
 @pytest.mark.parametrize("schedule", [DROP, DROP.replace("client", "completer")])
@@ -315,3 +319,35 @@ def test_a_step_whose_connections_end_is_called_once(orders_url: str, schedule: 
     assert "1. client    failed: DatabaseUnavailable: the database is unavailable" in story
     report = drops.report()
     assert "the engine's connections were ended at before_foreign:label_bought" in report
+
+
+def noticed_once(conn: sa.Connection) -> None:
+    """The customer was told once that their order shipped."""
+    notices = conn.execute(sa.text("SELECT count(*) FROM shipment_notices")).scalar_one()
+    assert notices == 1, f"the customer was told {notices} times"
+
+
+def asked_twice(conn: sa.Connection) -> None:
+    """The provider was asked twice, with one downstream key: by the attempt whose lease
+    ran out and by the one that took the key over."""
+    asked = conn.execute(sa.text("SELECT DISTINCT downstream_key FROM label_requests"))
+    count = conn.execute(sa.text("SELECT count(*) FROM label_requests")).scalar_one()
+    assert count == 2 and len(asked.all()) == 1, f"the provider was asked {count} times"
+
+
+@pytest.mark.parametrize("schedule", [TAKEN_OVER, TAKEN_OVER.replace("client", "completer")])
+def test_a_step_whose_lease_runs_out_is_fenced(orders_url: str, schedule: str) -> None:
+    """Its step returned, the attempt finds its lease ran out and the key taken over and
+    finished meanwhile: recording the step's result, its fence refuses (LockLost), and
+    the phase after the step commits once, the provider having deduped the second call."""
+    checks = [labelled_once, asked_twice, noticed_once]
+    found = explore_shipping(orders_url, schedule=schedule, check=checks)
+    assert found.ok, found.report()
+
+    taken = explore_shipping(orders_url, schedule=schedule, check=always_shown)
+    story = "\n".join(taken.failures[0].story)
+    assert (
+        "1.           its lease ran out while its step ran, at after_foreign:label_bought: "
+        "attempt 2 takes the key over" in story
+    )
+    assert "1. client    failed: LockLost" in story

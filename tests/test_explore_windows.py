@@ -35,7 +35,7 @@ HELD = "needs reconciliation"
 # completer, with a storm of serialization failures before each commit, a lost answer after
 # it and the connections ended during the step too; of the crashes raised and died, the 2
 # around the step again with recovery past the window.
-ORDINARY, LATE = 6 * 2 * 2 + 2 * 2 + 2 * 2 + 2, 2 * 2 * 2
+ORDINARY, LATE = 6 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2, 2 * 2 * 2
 
 
 @pytest.fixture(scope="module")

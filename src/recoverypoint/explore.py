@@ -11,7 +11,8 @@ would in production (the client retries, or the completer finishes the key; the 
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
 crashes per schedule. It meets the database's faults too: a storm of serialization
 failures before a COMMIT, a COMMIT whose answer is lost, the engine's connections ended
-during a foreign step. Between schedules it truncates recoverypoint's tables and yours.
+during a foreign step, a lease run out under a slow step and the key taken over. Between
+schedules it truncates recoverypoint's tables and yours.
 
 Attempts run in processes forked from explore's, which never runs the operation: a new
 one for a schedule's first attempt and another after each crash, so that, as in
@@ -73,8 +74,9 @@ from .workers import Completer, Enqueuer
 
 Recovery = Literal["client", "completer"]
 # What a crash does: a fault registry's effect, or one explore brings about itself: the
-# engine's connections ended during a foreign step (a failover, pg_terminate_backend).
-Kind = Effect | Literal["disconnect"]
+# engine's connections ended during a foreign step (a failover, pg_terminate_backend); a
+# lease run out while a step was slow, another attempt taking the key over.
+Kind = Effect | Literal["disconnect", "lease_lost"]
 Check = Callable[[sa.Connection], None]
 
 KEY = "explore"
@@ -131,7 +133,7 @@ _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(
     r"attempt ([1-9]\d*) (raises|dies|loses its commit's answer|loses its connections"
-    r"|meets ([1-9]\d*) serialization failures?)"
+    r"|loses its lease|meets ([1-9]\d*) serialization failures?)"
     r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
 )
 # A storm: serialization failures in a row at a phase, each rolling it back, the engine
@@ -143,9 +145,14 @@ _VERBS: dict[Kind, str] = {
     "exit": "dies",
     "lost_answer": "loses its commit's answer",
     "disconnect": "loses its connections",
+    "lease_lost": "loses its lease",
 }
 # The kinds tried as a schedule's one crash, each at the points it belongs to.
-_FIRST_ONLY: dict[Kind, str] = {"lost_answer": "after_commit:", "disconnect": "before_foreign:"}
+_FIRST_ONLY: dict[Kind, str] = {
+    "lost_answer": "after_commit:",
+    "disconnect": "before_foreign:",
+    "lease_lost": "after_foreign:",
+}
 # Ends the backends of the engine's connections; then, until none is left (pg_terminate_backend's
 # own wait needs PostgreSQL 14), how many still are.
 _TERMINATE = sa.text(
@@ -170,7 +177,9 @@ class Crash:
     (``lost_answer``, at an ``after_commit`` point) loses the answer to the COMMIT that
     went through: its caller sees the connection drop, or (``disconnect``, at a
     ``before_foreign`` point) has the engine's pooled connections ended, the step running
-    on and the phase after it meeting a dead connection."""
+    on and the phase after it meeting a dead connection, or (``lease_lost``, at an
+    ``after_foreign`` point) finds, its step returned, that its lease ran out while the step
+    ran and that another attempt took the key over and ran meanwhile."""
 
     attempt: int
     point: str
@@ -493,7 +502,14 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Kind] = ("raise", "exit", "conflict", "lost_answer", "disconnect"),
+    effects: Sequence[Kind] = (
+        "raise",
+        "exit",
+        "conflict",
+        "lost_answer",
+        "disconnect",
+        "lease_lost",
+    ),
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -605,10 +621,12 @@ class _Explorer:
         self.reset: str | None = None
         self.conn: sa.Connection
         self.parents: sa.Connection | None = None  # in a forked process: explore's connection
+        self.orders: BinaryIO  # in a forked process: where its attempts' orders come from
         # In a forked process: the connections the engine's pool made there, to end.
         self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
+        self.waiting: _Process | None = None  # an attempt's whose key is being taken over
         self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
         self.dispose = [engine.db, *dispose]
@@ -689,7 +707,9 @@ class _Explorer:
                 run.attempt += 1
                 run.hits.clear()
                 crash = planned.crash_in(run.attempt)
-                if self.one_process and (crash is None or crash.effect != "exit"):
+                # A takeover runs beside the attempt it takes over from: in processes apart.
+                apart = crash is not None and crash.effect in ("exit", "lease_lost")
+                if self.one_process and not apart:
                     self._attempt(actor, run)
                 else:
                     self._apart(actor, run)
@@ -761,6 +781,9 @@ class _Explorer:
         os.write(process.orders, json.dumps(orders).encode() + b"\n")
         self.spare = self.spare or self._fork()  # made ready while the attempt runs
         line = process.seen.readline()
+        while line and (point := json.loads(line).get("takeover")) is not None:
+            self._take_over(process, point, run)
+            line = process.seen.readline()
         if line and not run.absorb(line):
             if run.schedule.crash_in(run.attempt) is not None:
                 self._end()  # it raised at its crash: the recovery runs in another process
@@ -775,6 +798,23 @@ class _Explorer:
             run.story.append(f"{run.attempt}. {actor:<9} died at {crash.point}")
         else:
             run.story.append(f"{run.attempt}. {actor:<9} ended its process (exit status {code})")
+
+    def _take_over(self, process: _Process, point: str, run: _Run) -> None:
+        """The attempt in ``process`` waits at ``point``, its lease run out: the schedule's
+        recovery takes the key over and runs in another process, then that attempt goes on
+        (to record its step's result, which its fence must refuse)."""
+        first = run.attempt
+        run.attempt += 1
+        self._state()  # the lease moved back past its lock_timeout: the key may be taken
+        run.story.append(
+            f"{first}.           its lease ran out while its step ran, at {point}: "
+            f"attempt {run.attempt} takes the key over"
+        )
+        self.running, self.waiting = None, process
+        self._apart(run.schedule.recovery, run)
+        self._end()  # the taking over's process: the first attempt's goes on
+        self.running, self.waiting = process, None
+        os.write(process.orders, b"{}\n")
 
     def _fork(self) -> _Process:
         """A process for the attempts to come, its connections opened ahead (a connection
@@ -793,6 +833,7 @@ class _Explorer:
                     if not isinstance(db.pool, NullPool):
                         db.connect().close()  # into its pool, for the attempt
                 with os.fdopen(orders, "rb") as pipe:
+                    self.orders = pipe
                     for line in pipe:
                         self._ordered(json.loads(line), seen)
             finally:
@@ -832,11 +873,11 @@ class _Explorer:
         """In a forked process: connections of its own, once it needs them. The parent's
         stay open, untouched (closing one would end the parent's session too); the other
         processes' pipes are closed, so that each ends when explore closes its own."""
-        for process in (self.spare, self.running):
+        for process in (self.spare, self.running, self.waiting):
             if process is not None:
                 os.close(process.orders)
                 process.seen.close()
-        self.spare = self.running = None
+        self.spare = self.running = self.waiting = None
         self.ending.clear()  # explore's to reap
         for db in self.dispose:
             db.dispose(close=False)
@@ -853,9 +894,12 @@ class _Explorer:
 
         def decide(point: str) -> Effect | None:
             kind = run.decide(point)
-            if kind != "disconnect":
+            if kind == "disconnect":
+                self._disconnect(run, point)
+            elif kind == "lease_lost":
+                self._lose_lease(run, point)
+            else:
                 return kind
-            self._disconnect(run, point)
             return None
 
         return decide
@@ -881,6 +925,16 @@ class _Explorer:
             f"{run.attempt}.           its connections ended at {point}: {ended} backend(s) "
             "terminated, the step runs on"
         )
+
+    def _lose_lease(self, run: _Run, point: str) -> None:
+        """In an attempt's process, its step returned (its renewals stopped): the lease
+        runs out, as a step slower than lock_timeout whose renewals did not get through
+        would leave it (explore's process moves it back, as before every attempt), and
+        another attempt takes the key over while this one waits here, its step's result
+        not yet recorded."""
+        if run.pipe is not None:
+            os.write(run.pipe, json.dumps({"takeover": point}).encode() + b"\n")
+            self.orders.readline()  # the taking over ended
 
     # -- process memory --------------------------------------------------------------------
 
@@ -1046,6 +1100,15 @@ class _Explorer:
                     "on a new connection, and the retry goes on after it; code that keeps a "
                     "connection, a cursor or session state (SET, a temporary table, a session "
                     "advisory lock) from one phase or step to the next loses it there."
+                )
+            if crash.effect == "lease_lost":
+                hints.append(
+                    f"attempt {crash.attempt}'s lease ran out while its step ran (to "
+                    f"{crash.point}) and attempt {crash.attempt + 1} took the key over and ran "
+                    "the step again: the provider is asked twice with the same downstream key "
+                    "and must dedupe on it, and the first attempt's recording of its step's "
+                    "result must be refused (LockLost). Make lock_timeout longer than the "
+                    "step's slowest call: renewals keep a live holder's lease meanwhile."
                 )
         for job_key, times in run.deliveries.items():
             if times > 1:

@@ -87,9 +87,9 @@ def _explore(args: argparse.Namespace) -> int:
                 depth=args.depth,
                 schedule=args.schedule,
                 effects=(
-                    ("raise", "conflict", "lost_answer", "disconnect")
+                    ("raise", "conflict", "lost_answer", "disconnect", "lease_lost")
                     if args.no_exit
-                    else ("raise", "exit", "conflict", "lost_answer", "disconnect")
+                    else ("raise", "exit", "conflict", "lost_answer", "disconnect", "lease_lost")
                 ),
                 progress=progress,
             )
