@@ -374,6 +374,11 @@ def test_an_operator_sees_held_keys_and_reconciles_them(
         out, err = capsys.readouterr()
         return status, out + err
 
+    def listed(*args: str) -> Any:
+        """The JSON a listing prints on its standard output (logs go to its error output)."""
+        assert main([*args, "--json", "--app", "rp_windows_app:engine"]) == EXIT_OK
+        return json.loads(capsys.readouterr().out)
+
     lost_answer(service, provider, "found")
     provider.fail.append("down")
     with pytest.raises(rp.Retryable):
@@ -388,9 +393,8 @@ def test_an_operator_sees_held_keys_and_reconciles_them(
     found, not_found = service.key_id("found"), service.key_id("not-found")
 
     # Seen: the listing's state, the doctor, the metric.
-    status, out = cli("keys", "list", "--state", "needs-reconciliation", "--json")
-    assert status == EXIT_OK
-    assert {found, not_found} <= {key["id"] for key in json.loads(out)}
+    held = listed("keys", "list", "--state", "needs-reconciliation")
+    assert {found, not_found} <= {key["id"] for key in held}
     ops = admin.Admin.for_engine(service.engine)  # type: ignore[arg-type]
     [check] = [c for c in admin.diagnose(ops) if c.name == "dedupe windows"]
     assert check.status == "warn" and "keys reconcile" in check.hint
