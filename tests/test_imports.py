@@ -26,6 +26,17 @@ def test_the_package_has_its_modules() -> None:
     assert {"recoverypoint.engine", "recoverypoint.embedded", "recoverypoint.cli"} <= set(MODULES)
 
 
+# drf-spectacular reads Django's settings as it is imported, and so does the module that
+# extends it: imported, as in a Django project, once the settings are (the test site's).
+NEEDS_DJANGO_SETTINGS = {"recoverypoint.integrations.django._spectacular"}
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_the_module_imports(name: str) -> None:
+    if name in NEEDS_DJANGO_SETTINGS:
+        from django.conf import settings
+        from django_site import settings as site
+
+        if not settings.configured:
+            settings.configure(**{key: getattr(site, key) for key in dir(site) if key.isupper()})
     importlib.import_module(name)
