@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from explored import database_with
 from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy.pool import NullPool
@@ -40,12 +41,7 @@ TABLES = ("orders", "order_audit", "charges", "receipts")
 
 @pytest.fixture(scope="module")
 def shop_url(server_url: str) -> Iterator[str]:
-    with temporary_database(server_url, prefix="rp_explore") as url:
-        migrate.upgrade(url)
-        db = create_engine(url, poolclass=NullPool)
-        with db.begin() as conn:
-            conn.exec_driver_sql(SCHEMA)
-        db.dispose()
+    with database_with(server_url, SCHEMA) as url:
         yield url
 
 

@@ -31,14 +31,14 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from explored import database_with
 from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
-from recoverypoint import migrate
 from recoverypoint.database import create_engine
 from recoverypoint.explore import Exploration, explore
 from recoverypoint.outage import is_outage
-from recoverypoint.testing import InjectedConflict, InjectedLostAnswer, faults, temporary_database
+from recoverypoint.testing import InjectedConflict, InjectedLostAnswer, faults
 
 SCHEMA = """
 CREATE TABLE priced_orders (key_id bigint NOT NULL, amount integer NOT NULL);
@@ -58,12 +58,7 @@ TAKEN_OVER = "client: attempt 1 loses its lease at after_foreign:label_bought"
 
 @pytest.fixture(scope="module")
 def orders_url(server_url: str) -> Iterator[str]:
-    with temporary_database(server_url, prefix="rp_explore") as url:
-        migrate.upgrade(url)
-        db = create_engine(url, poolclass=NullPool)
-        with db.begin() as conn:
-            conn.exec_driver_sql(SCHEMA)
-        db.dispose()
+    with database_with(server_url, SCHEMA) as url:
         yield url
 
 

@@ -15,13 +15,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from docs_snippets import section
-from sqlalchemy.pool import NullPool
+from explored import database_with
 
 import recoverypoint as rp
-from recoverypoint import migrate
-from recoverypoint.database import create_engine
 from recoverypoint.explore import Exploration, explore
-from recoverypoint.testing import temporary_database
 
 SCHEMA = """
 CREATE TABLE debits (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, key_id bigint NOT NULL);
@@ -36,12 +33,7 @@ debited: dict[int, int] = {}
 
 @pytest.fixture(scope="module")
 def wallet_url(server_url: str) -> Iterator[str]:
-    with temporary_database(server_url, prefix="rp_explore") as url:
-        migrate.upgrade(url)
-        db = create_engine(url, poolclass=NullPool)
-        with db.begin() as conn:
-            conn.exec_driver_sql(SCHEMA)
-        db.dispose()
+    with database_with(server_url, SCHEMA) as url:
         yield url
 
 
