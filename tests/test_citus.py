@@ -416,18 +416,17 @@ def test_a_phase_that_writes_outside_its_scope_is_refused_and_commits_nothing(
     assert _prepared_on_workers(citus) == 0
 
 
-# On the scope's own worker too: another scope's shard there is refused before COMMIT (the
-# trigger recoverypoint.distribute installs), though Citus would commit it without two-phase
-# commit, as the two scopes are apart once a rebalance moves one. Reads are free.
+# On the scope's own worker too: a write to another scope's shard there is refused before
+# COMMIT (the trigger recoverypoint.distribute installs), though Citus would commit it
+# without two-phase commit, as the two scopes are apart once a rebalance moves one. Reads
+# and row locks are free.
 
 ON_ITS_WORKER = [
     pytest.param(
         "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(other)s, %(k)s, 'theirs')",
         id="a-row-of-another-scope",
     ),
-    pytest.param(
-        "SELECT body FROM citus_notes WHERE scope = %(other)s FOR UPDATE", id="a-row-lock"
-    ),
+    pytest.param("DELETE FROM citus_notes WHERE scope = %(other)s", id="a-delete"),
     pytest.param(
         "UPDATE idempotency_keys SET last_error = 'x' WHERE scope = %(other)s",
         id="another-scopes-key",
@@ -474,27 +473,38 @@ def test_a_phase_that_writes_another_scope_on_its_own_worker_is_refused(
     assert _count(citus, notes, s=[scope, neighbour_scope]) == 0
 
 
-def test_a_phase_that_reads_other_scopes_and_reference_tables_commits(
-    citus: sa.Engine, scope: str, neighbour_scope: str, other_scope: str
+def test_a_phase_that_reads_and_locks_other_scopes_and_reference_tables_commits(
+    citus: sa.Engine, scope: str, neighbour_scope: str
 ) -> None:
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO citus_notes (scope, key_id, body) VALUES (:s, -1, 'before')"),
+            {"s": neighbour_scope},
+        )
+        conn.execute(
+            sa.text("INSERT INTO citus_plans (name) VALUES (:s) ON CONFLICT DO NOTHING"),
+            {"s": "basic"},
+        )
     op: rp.Operation[Any] = rp.Operation(f"citus_reads_{uuid.uuid4().hex[:8]}")
 
     @op.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
-        seen = tx.execute(
-            "SELECT (SELECT count(*) FROM citus_notes WHERE scope = %(n)s)"
-            " + (SELECT count(*) FROM citus_plans)",
-            {"n": neighbour_scope},
-        ).fetchone()
         tx.execute(
             "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
             {"s": scope, "k": tx.key_id},
         )
-        return rp.Response(201, {"seen": seen is not None})
+        # On the scope's worker, after the write: a read and a row lock of another scope's
+        # rows, and of a reference table's (as a foreign key's check takes).
+        body = tx.scalar(
+            "SELECT body FROM citus_notes WHERE scope = %(n)s FOR UPDATE", {"n": neighbour_scope}
+        )
+        plan = tx.scalar("SELECT name FROM citus_plans WHERE name = 'basic' FOR KEY SHARE")
+        return rp.Response(201, {"body": body, "plan": plan})
 
     engine = rp.Engine(citus)
     engine.register(op)
-    assert engine.run(op, key="k", params={}, scope=scope).status == 201
+    answer = engine.run(op, key="k", params={}, scope=scope)
+    assert (answer.status, answer.body) == (201, {"body": "before", "plan": "basic"})
     assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 1
 
 

@@ -15,7 +15,7 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
 
 - ``idempotency_keys`` gets a trigger (:data:`STAYS_IN_SCOPE`) that refuses a phase that
-  wrote or locked rows of another scope's shard on its scope's worker.
+  wrote rows of another scope's shard on its scope's worker.
 
 A table already distributed is left alone, so running it again is harmless; a reference
 table that is now to be distributed (``processed_messages``, before migration 0014) is
@@ -54,15 +54,16 @@ REFERENCE = (
 )
 
 # A phase stays in its scope on its own worker too. A phase that writes on another worker
-# fails at its COMMIT (the engine's exported snapshot, engine/sql.py); one that writes or
-# locks another scope's shard on the same worker would commit there, in one transaction,
-# and fail only once a rebalance puts the two scopes apart. So the write that records a
-# phase (every one sets ``state``) checks, on the worker, the shards that the distributed
-# transaction's backends there hold more than a read lock on (SERIALIZABLE's SIReadLock is a
-# read's): each must be in the key's shard group (its co-located shards), or the write
-# raises LEFT_ITS_SCOPE, before COMMIT. A reference table's shard is in no shard group.
-# Reads are free. The definer's rights, as the catalogs it reads may be closed to the
-# application's role.
+# fails at its COMMIT (the engine's exported snapshot, engine/sql.py); one that writes
+# another scope's shard on the same worker would commit there, in one transaction, and
+# fail only once a rebalance puts the two scopes apart. So the write that records a phase
+# (every one sets ``state``) checks, on the worker, the shards that the distributed
+# transaction's backends there hold a write's lock on (anything above a row lock: reads,
+# SERIALIZABLE's SIReadLock and row locks are free, as a foreign key's check onto a
+# reference table locks the row it finds): each must be in the key's shard group (its
+# co-located shards), or the write raises LEFT_ITS_SCOPE, before COMMIT. A reference
+# table's shard is in no shard group. The definer's rights, as the catalogs it reads may be
+# closed to the application's role.
 STAYS_IN_SCOPE_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION recoverypoint_stays_in_scope() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $fn$
@@ -84,12 +85,13 @@ BEGIN
     JOIN pg_dist_partition p ON p.logicalrelid = s.logicalrelid
     WHERE t.transaction_number = me.transaction_number
       AND t.transaction_stamp = me.transaction_stamp
-      AND l.locktype = 'relation' AND l.mode NOT IN ('AccessShareLock', 'SIReadLock')
+      AND l.locktype = 'relation'
+      AND l.mode NOT IN ('AccessShareLock', 'RowShareLock', 'SIReadLock')
       AND (p.colocationid IS DISTINCT FROM group_of_key.colocationid
            OR s.shardminvalue IS DISTINCT FROM group_of_key.shardminvalue);
     IF strays IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = '{LEFT_ITS_SCOPE}',
-            MESSAGE = 'an atomic phase wrote or locked rows outside its scope, in: ' || strays;
+            MESSAGE = 'an atomic phase wrote outside its scope, in: ' || strays;
     END IF;
     RETURN NULL;
 END

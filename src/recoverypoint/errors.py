@@ -20,8 +20,8 @@
     ├── NeedsReconciliation          423  a foreign step's provider forgot its key: the
     │                                     request is held for an operator
     ├── TransactionEnded             500  phase code tried to end the phase's transaction itself
-    ├── PhaseLeftScope               500  on Citus, an atomic phase wrote or locked rows
-    │                                     outside its scope; nothing committed
+    ├── PhaseLeftScope               500  on Citus, an atomic phase wrote outside its
+    │                                     scope; nothing committed
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
 Errors of the 4xx family never leave a row behind. Each class's docstring is its default
@@ -146,7 +146,7 @@ class TransactionEnded(IdempotencyError):
 
 
 class PhaseLeftScope(IdempotencyError):
-    """An atomic phase wrote (or locked) outside its scope on Citus (another scope's rows, a
+    """An atomic phase wrote outside its scope on Citus (another scope's rows, a
     reference table, every shard of a table): on another worker, Citus would have committed
     it by two-phase commit, where SERIALIZABLE does not hold; on its scope's own worker, it
     would fail once a rebalance moved the scopes apart. Refused instead: nothing was

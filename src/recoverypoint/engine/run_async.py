@@ -730,7 +730,7 @@ class _Settled(Exception):
 
 def _left_scope(operation: str, point: str) -> PhaseLeftScope:
     """The error for phase ``point`` of ``operation`` that Citus refused to commit, having
-    written or locked rows outside its scope (see :class:`store_async.PhaseLeftWorker`)."""
+    written outside its scope (see :class:`store_async.PhaseLeftWorker`)."""
     return PhaseLeftScope(
         f"atomic phase {point!r} of {operation} wrote outside its scope (another scope's "
         "rows, a reference table, every shard of a table): on another Citus worker, Citus "

@@ -215,7 +215,7 @@ class PhaseEndedTransaction(Exception):
 
 class PhaseLeftWorker(Exception):
     """Citus refused to commit a phase that left its scope: bound to its scope's worker
-    (:func:`bind`), it wrote on another worker too, or it wrote or locked another scope's
+    (:func:`bind`), it wrote on another worker too, or it wrote another scope's
     rows on its own (``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the
     engine raises :class:`PhaseLeftScope`)."""
 
