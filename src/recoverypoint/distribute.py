@@ -100,15 +100,20 @@ _DISTRIBUTE = sa.text(
 _REFERENCE = sa.text("SELECT create_reference_table(CAST(:t AS regclass))")
 
 
+def has_citus(db: sa.Engine) -> bool:
+    """Whether ``db`` has the citus extension (a coordinator's database)."""
+    with db.connect() as conn:
+        return bool(conn.execute(_HAS_CITUS).scalar())
+
+
 def require_citus(db: sa.Engine) -> None:
     """Raise :class:`ConfigurationError` unless ``db`` has the citus extension."""
-    with db.connect() as conn:
-        if not conn.execute(_HAS_CITUS).scalar():
-            raise ConfigurationError(
-                "this database has no citus extension: run `CREATE EXTENSION citus` on the "
-                "coordinator (and add its workers) before distributing; a single server "
-                "needs no distribution"
-            )
+    if not has_citus(db):
+        raise ConfigurationError(
+            "this database has no citus extension: run `CREATE EXTENSION citus` on the "
+            "coordinator (and add its workers) before distributing; a single server "
+            "needs no distribution"
+        )
 
 
 def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
@@ -132,8 +137,26 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
                 conn.exec_driver_sql(SCOPED_KEY[table])
             conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
             placed.append(table)
-        for table in REFERENCE:
-            if conn.execute(_PLACED, {"t": table}).scalar_one_or_none() is None:
-                conn.execute(_REFERENCE, {"t": table})
-                placed.append(table)
+        placed += _make_reference(conn, REFERENCE)
+    return placed
+
+
+def make_reference(db: sa.Engine, tables: Sequence[str]) -> list[str]:
+    """Make the application's ``tables`` reference tables on the Citus coordinator ``db``
+    (before :func:`distribute` co-locates a table with a foreign key onto one of them);
+    returns those it placed this time: one placed already is left alone."""
+    for table in tables:
+        if _NAME.fullmatch(table) is None:
+            raise ValueError(f"not a table name: {table!r}")
+    require_citus(db)
+    with db.begin() as conn:
+        return _make_reference(conn, tables)
+
+
+def _make_reference(conn: sa.Connection, tables: Sequence[str]) -> list[str]:
+    placed = []
+    for table in tables:
+        if conn.execute(_PLACED, {"t": table}).scalar_one_or_none() is None:
+            conn.execute(_REFERENCE, {"t": table})
+            placed.append(table)
     return placed
