@@ -98,7 +98,7 @@ def _demo(args: argparse.Namespace) -> int:
         return fail("demo", EXIT_USAGE, str(exc))
     if args.existing and url is None:
         return fail(
-            "demo", EXIT_USAGE, "--existing needs --database-url URL (or $" + DATABASE_URL_ENV + ")"
+            "demo", EXIT_USAGE, f"--existing needs --database-url URL (or ${DATABASE_URL_ENV})"
         )
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     config = DemoConfig(

@@ -32,6 +32,8 @@ from ..errors import ConfigurationError
 from .rocket_rides.receipts import RECEIPT_JOB
 from .rocket_rides.schema import TABLES
 
+# The name Rocket Rides gives its operation (.rocket_rides.api, not imported here: FastAPI
+# is the demo extra's, and this module is imported with every command).
 OPERATION = "create_ride"
 _NAMED = sa.text("SELECT EXISTS (SELECT FROM pg_database WHERE datname = :name)")
 
