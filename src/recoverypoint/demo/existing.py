@@ -40,10 +40,14 @@ _NAMED = sa.text("SELECT EXISTS (SELECT FROM pg_database WHERE datname = :name)"
 _PRESENT = sa.text(
     "SELECT t FROM unnest(CAST(:tables AS text[])) AS t WHERE to_regclass(t) IS NOT NULL"
 )
-# A key or a staged job, when recoverypoint's tables exist: none yet in a database not migrated.
+# Keys or staged jobs, when recoverypoint's tables exist (none yet in a database not
+# migrated): of other operations than the demo's, and of the demo's, which a run cut short
+# (killed before it cleaned up) leaves.
 _HELD = sa.text(
-    "SELECT (SELECT count(*) FROM (SELECT FROM idempotency_keys LIMIT 1) AS k), "
-    "(SELECT count(*) FROM (SELECT FROM staged_jobs LIMIT 1) AS j)"
+    "SELECT EXISTS (SELECT FROM idempotency_keys WHERE operation <> :operation) "
+    "OR EXISTS (SELECT FROM staged_jobs WHERE job_name <> :job), "
+    "EXISTS (SELECT FROM idempotency_keys WHERE operation = :operation) "
+    "OR EXISTS (SELECT FROM staged_jobs WHERE job_name = :job)"
 )
 # What the run wrote into recoverypoint's tables: its keys, jobs and their records, and
 # the rows its workers (on this host, since the run began) recorded their passes in.
@@ -79,9 +83,10 @@ def _check(db: sa.Engine) -> datetime:
         with db.connect() as conn:
             began: datetime = conn.execute(sa.text("SELECT now()")).scalar_one()
             present = conn.execute(_PRESENT, {"tables": list(TABLES)}).scalars().all()
-            held = (0, 0)
+            others, leftovers = False, False
             if conn.scalar(sa.text("SELECT to_regclass('idempotency_keys') IS NOT NULL")):
-                held = tuple(conn.execute(_HELD).one())
+                names = {"operation": OPERATION, "job": RECEIPT_JOB}
+                others, leftovers = conn.execute(_HELD, names).one()
     except DBAPIError as exc:
         if not _exists(db):
             raise ConfigurationError(
@@ -95,14 +100,21 @@ def _check(db: sa.Engine) -> datetime:
         raise ConfigurationError(
             f"database {name!r} already has tables the demo writes into: "
             f"{', '.join(present)} (an earlier run's, or yours by the same names); the demo "
-            "leaves your tables alone, so run it in another database, or drop these if they "
-            "are a run's leftovers"
+            "leaves your tables alone, so run it in another database, or, if they are what "
+            f"a run cut short left, drop them (DROP TABLE {', '.join(present)})"
         )
-    if any(held):
+    if others:
         raise ConfigurationError(
             f"database {name!r} holds idempotency keys or staged jobs already; the demo "
             "checks every key and job in the database, and would count yours: run it in a "
             "database without them"
+        )
+    if leftovers:
+        raise ConfigurationError(
+            f"database {name!r} holds keys or jobs of a demo run cut short; the demo would "
+            "count them with its own: delete them (DELETE FROM idempotency_keys WHERE "
+            f"operation = '{OPERATION}'; DELETE FROM staged_jobs WHERE job_name = "
+            f"'{RECEIPT_JOB}') or run it in another database"
         )
     return began
 
