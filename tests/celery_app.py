@@ -15,6 +15,7 @@ from celery import Celery
 from workload import JOB
 
 from recoverypoint.database import create_engine
+from recoverypoint.integrations.celery import job_of
 from recoverypoint.jobs import consume_once
 
 BROKER_URL = os.environ.get("RP_CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -43,9 +44,10 @@ def database() -> sa.Engine:
 
 @app.task(bind=True, name=JOB)
 def notify(self: object, key_id: int) -> None:
-    message_id: str = self.request.id  # type: ignore[attr-defined]  # the job's job_key
+    job = job_of(self)
+    message_id = job.job_key
     with database().begin() as conn:
-        ran = consume_once(conn, "notify", message_id)
+        ran = consume_once(conn, "notify", message_id, scope=job.scope)
         if ran:
             conn.execute(
                 sa.text("INSERT INTO receipts (message_id, key_id) VALUES (:m, :k)"),

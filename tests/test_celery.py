@@ -74,7 +74,7 @@ def test_a_staged_job_reaches_a_celery_worker_and_runs_once_though_delivered_twi
     engine = rp.Engine(worker_db, jobs=LostConfirm(celery_app, queue=queue))
     op = steps_operation("steps", Recorder(worker_db))
     engine.register(op)
-    engine.run(op, key="order-1", params={})
+    engine.run(op, key="order-1", params={}, scope="tenant-7")
     [job] = rows(worker_db, "SELECT job_name, job_key, job_args FROM staged_jobs")
     assert job.job_name == JOB
 
@@ -108,4 +108,8 @@ def test_a_staged_job_reaches_a_celery_worker_and_runs_once_though_delivered_twi
     assert deliveries == [(job.job_key, False), (job.job_key, True)], worker_log
     receipts = rows(worker_db, "SELECT message_id, key_id FROM receipts")
     assert receipts == [(job.job_key, job.job_args["key_id"])]
+    # The scope travelled with the message: the record is in the job's scope (on Citus,
+    # on the scope's worker, with the consumer's writes).
+    processed = rows(worker_db, "SELECT consumer, message_id, scope FROM processed_messages")
+    assert processed == [("notify", job.job_key, "tenant-7")]
     assert worker.returncode == 0, worker_log  # a warm shutdown on SIGTERM

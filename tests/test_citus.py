@@ -105,6 +105,30 @@ def other_scope(citus: sa.Engine, scope: str) -> str:
     )
 
 
+def _shard_of(db: sa.Engine, scope: str) -> int:
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT get_shard_id_for_distribution_column("
+                    "'idempotency_keys', CAST(:s AS text))"
+                ),
+                {"s": scope},
+            ).scalar_one()
+        )
+
+
+@pytest.fixture
+def neighbour_scope(citus: sa.Engine, scope: str) -> str:
+    """A scope whose shard is another than ``scope``'s, on the same worker."""
+    here, shard = _worker_of(citus, scope), _shard_of(citus, scope)
+    return next(
+        other
+        for n in itertools.count()
+        if _worker_of(citus, other := f"{scope}-n{n}") == here and _shard_of(citus, other) != shard
+    )
+
+
 @contextmanager
 def _remote_commands(citus: sa.Engine) -> Iterator[tuple[sa.Engine, list[tuple[str, str]]]]:
     """An engine on the coordinator whose sessions log what Citus sends to its workers
@@ -390,6 +414,88 @@ def test_a_phase_that_writes_outside_its_scope_is_refused_and_commits_nothing(
     assert _count(citus, notes, s=[scope, other_scope]) == 0
     assert _count(citus, "SELECT count(*) FROM citus_plans WHERE name = :s", s=other_scope) == 0
     assert _prepared_on_workers(citus) == 0
+
+
+# On the scope's own worker too: another scope's shard there is refused before COMMIT (the
+# trigger recoverypoint.distribute installs), though Citus would commit it without two-phase
+# commit, as the two scopes are apart once a rebalance moves one. Reads are free.
+
+ON_ITS_WORKER = [
+    pytest.param(
+        "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(other)s, %(k)s, 'theirs')",
+        id="a-row-of-another-scope",
+    ),
+    pytest.param(
+        "SELECT body FROM citus_notes WHERE scope = %(other)s FOR UPDATE", id="a-row-lock"
+    ),
+    pytest.param(
+        "UPDATE idempotency_keys SET last_error = 'x' WHERE scope = %(other)s",
+        id="another-scopes-key",
+    ),
+]
+
+
+@pytest.mark.parametrize("write", ON_ITS_WORKER)
+@pytest.mark.parametrize("later", [False, True], ids=["first-phase", "after-a-step"])
+def test_a_phase_that_writes_another_scope_on_its_own_worker_is_refused(
+    citus: sa.Engine, scope: str, neighbour_scope: str, write: str, later: bool
+) -> None:
+    with citus.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO citus_notes (scope, key_id, body) VALUES (:s, -1, 'before')"),
+            {"s": neighbour_scope},
+        )
+    op: rp.Operation[Any] = rp.Operation(f"citus_neighbour_{uuid.uuid4().hex[:8]}")
+    if later:
+
+        @op.foreign_step("called")
+        def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+            return {}
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
+            {"s": scope, "k": tx.key_id},
+        )
+        tx.execute(write, {"other": neighbour_scope, "k": tx.key_id})
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    with pytest.raises(rp.PhaseLeftScope, match="wrote outside its scope") as raised:
+        engine.run(op, key="k", params={}, scope=scope)
+    assert "citus_notes" in str(raised.value.__cause__) or "idempotency_keys" in str(
+        raised.value.__cause__
+    )
+    keys = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
+    assert _count(citus, keys, s=scope) == 0
+    notes = "SELECT count(*) FROM citus_notes WHERE scope = ANY(:s) AND body <> 'before'"
+    assert _count(citus, notes, s=[scope, neighbour_scope]) == 0
+
+
+def test_a_phase_that_reads_other_scopes_and_reference_tables_commits(
+    citus: sa.Engine, scope: str, neighbour_scope: str, other_scope: str
+) -> None:
+    op: rp.Operation[Any] = rp.Operation(f"citus_reads_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        seen = tx.execute(
+            "SELECT (SELECT count(*) FROM citus_notes WHERE scope = %(n)s)"
+            " + (SELECT count(*) FROM citus_plans)",
+            {"n": neighbour_scope},
+        ).fetchone()
+        tx.execute(
+            "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
+            {"s": scope, "k": tx.key_id},
+        )
+        return rp.Response(201, {"seen": seen is not None})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    assert engine.run(op, key="k", params={}, scope=scope).status == 201
+    assert _count(citus, "SELECT count(*) FROM citus_notes WHERE scope = :s", s=scope) == 1
 
 
 def test_a_later_phase_of_the_async_engine_that_writes_another_scope_is_refused(

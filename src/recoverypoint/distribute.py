@@ -14,6 +14,9 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
 
+- ``idempotency_keys`` gets a trigger (:data:`STAYS_IN_SCOPE`) that refuses a phase that
+  wrote or locked rows of another scope's shard on its scope's worker.
+
 A table already distributed is left alone, so running it again is harmless; a reference
 table that is now to be distributed (``processed_messages``, before migration 0014) is
 turned back into a local table first (``undistribute_table``), then distributed, its rows
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
+from .engine.sql import LEFT_ITS_SCOPE
 from .errors import ConfigurationError
 
 DISTRIBUTED = "idempotency_keys"
@@ -48,6 +52,56 @@ REFERENCE = (
     "audit_log",
     "installation_secrets",
 )
+
+# A phase stays in its scope on its own worker too. A phase that writes on another worker
+# fails at its COMMIT (the engine's exported snapshot, engine/sql.py); one that writes or
+# locks another scope's shard on the same worker would commit there, in one transaction,
+# and fail only once a rebalance puts the two scopes apart. So the write that records a
+# phase (every one sets ``state``) checks, on the worker, the shards that the distributed
+# transaction's backends there hold more than a read lock on (SERIALIZABLE's SIReadLock is a
+# read's): each must be in the key's shard group (its co-located shards), or the write
+# raises LEFT_ITS_SCOPE, before COMMIT. A reference table's shard is in no shard group.
+# Reads are free. The definer's rights, as the catalogs it reads may be closed to the
+# application's role.
+STAYS_IN_SCOPE_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION recoverypoint_stays_in_scope() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $fn$
+DECLARE
+    me record := get_current_transaction_id();
+    key_shard bigint := get_shard_id_for_distribution_column(
+        quote_ident(TG_TABLE_SCHEMA) || '.{DISTRIBUTED}', NEW.scope);
+    group_of_key record;
+    strays text;
+BEGIN
+    SELECT s.shardminvalue, p.colocationid INTO group_of_key
+    FROM pg_dist_shard s JOIN pg_dist_partition p USING (logicalrelid)
+    WHERE s.shardid = key_shard;
+    SELECT string_agg(DISTINCT s.logicalrelid::text, ', ') INTO strays
+    FROM pg_locks l
+    JOIN get_all_active_transactions() t ON t.process_id = l.pid
+    JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
+    JOIN pg_dist_shard s ON s.shardid = substring(c.relname FROM '_([0-9]+)$')::bigint
+    JOIN pg_dist_partition p ON p.logicalrelid = s.logicalrelid
+    WHERE t.transaction_number = me.transaction_number
+      AND t.transaction_stamp = me.transaction_stamp
+      AND l.locktype = 'relation' AND l.mode NOT IN ('AccessShareLock', 'SIReadLock')
+      AND (p.colocationid IS DISTINCT FROM group_of_key.colocationid
+           OR s.shardminvalue IS DISTINCT FROM group_of_key.shardminvalue);
+    IF strays IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '{LEFT_ITS_SCOPE}',
+            MESSAGE = 'an atomic phase wrote or locked rows outside its scope, in: ' || strays;
+    END IF;
+    RETURN NULL;
+END
+$fn$
+"""
+STAYS_IN_SCOPE = (
+    f"CREATE OR REPLACE TRIGGER recoverypoint_stays_in_scope AFTER UPDATE OF state "
+    f"ON {DISTRIBUTED} FOR EACH ROW EXECUTE FUNCTION recoverypoint_stays_in_scope()"
+)
+# Citus refuses a trigger on a distributed table unless told the trigger is safe (it only
+# reads, on the shard's own worker).
+_TRIGGERS_ALLOWED = "SET LOCAL citus.enable_unsafe_triggers = on"
 
 # A table name as a user writes it on the command line, optionally schema-qualified, and
 # its column: plain identifiers only (quoted names are passed to Citus as regclass text).
@@ -83,6 +137,13 @@ def statements(colocate: Sequence[str] = ()) -> list[str]:
             f"SELECT create_distributed_table('{table}', '{column}', "
             f"colocate_with => '{DISTRIBUTED}');"
         )
+    out += [
+        "BEGIN;",
+        f"{_TRIGGERS_ALLOWED};",
+        f"{STAYS_IN_SCOPE_FUNCTION.strip()};",
+        f"{STAYS_IN_SCOPE};",
+        "COMMIT;",
+    ]
     return out
 
 
@@ -138,6 +199,11 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
             conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
             placed.append(table)
         placed += _make_reference(conn, REFERENCE)
+    # A transaction of its own: Citus creates a function on every node over one connection
+    # per node, which the distribution's parallel copies leave none of.
+    with db.begin() as conn:
+        for statement in (_TRIGGERS_ALLOWED, STAYS_IN_SCOPE_FUNCTION, STAYS_IN_SCOPE):
+            conn.exec_driver_sql(statement)
     return placed
 
 

@@ -20,8 +20,8 @@
     ├── NeedsReconciliation          423  a foreign step's provider forgot its key: the
     │                                     request is held for an operator
     ├── TransactionEnded             500  phase code tried to end the phase's transaction itself
-    ├── PhaseLeftScope               500  on Citus, an atomic phase wrote on another worker
-    │                                     than its scope's; nothing committed
+    ├── PhaseLeftScope               500  on Citus, an atomic phase wrote or locked rows
+    │                                     outside its scope; nothing committed
     └── AbandonedCall                500  an @idempotent function's key was abandoned
 
 Errors of the 4xx family never leave a row behind. Each class's docstring is its default
@@ -146,11 +146,12 @@ class TransactionEnded(IdempotencyError):
 
 
 class PhaseLeftScope(IdempotencyError):
-    """An atomic phase wrote outside its scope, on another Citus worker than its scope's
-    (another scope's rows, a reference table, every shard of a table): Citus would have
-    committed it there by two-phase commit, where SERIALIZABLE does not hold, and refused
-    instead. Nothing was committed. Name the scope in every statement of a phase, and do
-    cross-tenant work in a foreign step or in another operation."""
+    """An atomic phase wrote (or locked) outside its scope on Citus (another scope's rows, a
+    reference table, every shard of a table): on another worker, Citus would have committed
+    it by two-phase commit, where SERIALIZABLE does not hold; on its scope's own worker, it
+    would fail once a rebalance moved the scopes apart. Refused instead: nothing was
+    committed. Name the scope in every statement of a phase, and do cross-tenant work in a
+    foreign step or in another operation."""
 
 
 class AbandonedCall(IdempotencyError):

@@ -198,8 +198,9 @@ _DELETE = sa.text(
 # A key held for reconciliation, resolved as its step's reconcile hook would have: the
 # step's result found (``:found``), recorded as the step's recovery point with the state
 # merged, as the engine records a step; or nothing found, and the step is called anew with
-# a fresh downstream key (a renewal). Due now either way, at the point it was read at, and
-# only while no lease holds it (a held key gave its lease up).
+# a fresh downstream key (a renewal). Due now either way, whatever the completer's
+# --min-age (the operator decided for the client, as with a retry), at the point it was
+# read at, and only while no lease holds it (a held key gave its lease up).
 _RECONCILE = sa.text(
     f"""
     WITH {_SEEN}
@@ -207,7 +208,8 @@ _RECONCILE = sa.text(
     SET recovery_point = CASE WHEN :found THEN :step ELSE k.recovery_point END,
         state = CASE WHEN :found THEN k.state || CAST(:result AS jsonb) ELSE k.state END,
         window_renewals = CASE WHEN :found THEN 0 ELSE k.window_renewals + 1 END,
-        point_reached_at = now(), reconcile_since = NULL, next_attempt_at = now()
+        point_reached_at = now(), reconcile_since = NULL, next_attempt_at = now(),
+        retried_at = now()
     FROM seen AS s
     WHERE k.scope = :scope AND k.id = s.id AND k.finished_at IS NULL
       AND k.reconcile_since IS NOT NULL AND k.recovery_point = :point

@@ -705,13 +705,14 @@ class _Settled(Exception):
 
 def _left_scope(operation: str, point: str) -> PhaseLeftScope:
     """The error for phase ``point`` of ``operation`` that Citus refused to commit, having
-    written on another worker than its scope's (see :func:`store.bind`)."""
+    written or locked rows outside its scope (see :class:`store.PhaseLeftWorker`)."""
     return PhaseLeftScope(
-        f"atomic phase {point!r} of {operation} wrote outside its scope, on another Citus "
-        "worker than its scope's (another scope's rows, a reference table, every shard of a "
-        "table): Citus would have committed it there by two-phase commit, where SERIALIZABLE "
-        "does not hold, and refused. Nothing was committed. Name the scope in every statement "
-        "of the phase; do cross-tenant work in a foreign step or in another operation"
+        f"atomic phase {point!r} of {operation} wrote outside its scope (another scope's "
+        "rows, a reference table, every shard of a table): on another Citus worker, Citus "
+        "would have committed it by two-phase commit, where SERIALIZABLE does not hold; on "
+        "its own, it would fail once a rebalance moved the scopes apart. Refused: nothing "
+        "was committed. Name the scope in every statement of the phase; do cross-tenant "
+        "work in a foreign step or in another operation"
     )
 
 

@@ -214,8 +214,10 @@ class PhaseEndedTransaction(Exception):
 
 
 class PhaseLeftWorker(Exception):
-    """Citus refused to commit a phase bound to its scope's worker (:func:`bind`) that wrote
-    on another worker too; nothing committed (the engine raises :class:`PhaseLeftScope`)."""
+    """Citus refused to commit a phase that left its scope: bound to its scope's worker
+    (:func:`bind`), it wrote on another worker too, or it wrote or locked another scope's
+    rows on its own (``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the
+    engine raises :class:`PhaseLeftScope`)."""
 
 
 class _WaitingForKey:
@@ -277,7 +279,10 @@ def _commit_fenced(
             # transaction. Nothing is committed.
             if exc.sqlstate == sql.TRANSACTION_ENDED:
                 raise PhaseEndedTransaction() from None
-            if exc.diag.message_primary == sql.LEFT_ITS_WORKER:
+            if (
+                exc.diag.message_primary == sql.LEFT_ITS_WORKER
+                or exc.sqlstate == sql.LEFT_ITS_SCOPE
+            ):
                 raise PhaseLeftWorker() from exc
             if exc.sqlstate == sql.KEY_ROW_CHANGED:
                 raise LockLost(
