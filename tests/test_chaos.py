@@ -202,8 +202,8 @@ def test_the_checks_catch_what_they_promise_to(rocket_rides_db: sa.Engine) -> No
     with rocket_rides_db.begin() as conn:
         ride = conn.execute(
             sa.text(
-                "INSERT INTO rides (origin_lat, origin_lon, target_lat, target_lon, user_id) "
-                "SELECT 1, 1, 2, 2, id FROM users LIMIT 1 RETURNING id"
+                "INSERT INTO rides (scope, origin_lat, origin_lon, target_lat, target_lon, "
+                "user_id) SELECT id::text, 1, 1, 2, 2, id FROM users LIMIT 1 RETURNING id"
             )
         ).scalar_one()
         conn.execute(

@@ -937,3 +937,29 @@ def test_an_abandoned_key_is_compensated_once_after_a_failed_try(
     assert (later.compensated, later.compensation_failed) == (1, 0)
     assert Completer(engine, min_age=0).run_once().compensated == 0
     assert len(refunds) == 2 and _key_row(citus, scope).compensated_at is not None
+
+
+def test_rocket_rides_is_placed_so_its_phases_stay_in_their_scope(citus: sa.Engine) -> None:
+    """``recoverypoint demo --existing`` on a coordinator: the example's migration co-locates
+    rides and audit_records, the tables its phases write, with the keys, and makes the
+    others (users, which a phase reads, and those no phase writes) reference tables."""
+    from recoverypoint.demo.rocket_rides.schema import CO_LOCATED, REFERENCE, TABLES, migrate
+
+    try:
+        migrate(citus)
+        placed = (
+            "SELECT count(*) FROM pg_dist_partition AS t, pg_dist_partition AS k "
+            "WHERE t.logicalrelid = CAST(:t AS regclass) AND t.partmethod = 'h' "
+            "AND k.logicalrelid = CAST('idempotency_keys' AS regclass) "
+            "AND t.colocationid = k.colocationid"
+        )
+        assert all(_count(citus, placed, t=t) == 1 for t in CO_LOCATED)
+        reference = (
+            "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = CAST(:t AS regclass) "
+            "AND partmethod = 'n'"
+        )
+        assert all(_count(citus, reference, t=t) == 1 for t in REFERENCE)
+        assert distribute.make_reference(citus, REFERENCE) == []  # placed: left alone
+    finally:
+        with citus.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {', '.join(TABLES)}")

@@ -8,12 +8,18 @@ import subprocess
 import sys
 
 import pytest
+import sqlalchemy as sa
 from hypothesis import given
 from hypothesis import strategies as st
 
+from recoverypoint import distribute
+from recoverypoint.database import create_engine
 from recoverypoint.distribute import parse_colocated, statements
+from recoverypoint.errors import ConfigurationError
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+# A server nobody listens on: a name that passes the check fails on connecting.
+NOWHERE = create_engine("postgresql://nobody@127.0.0.1:1/none", connect_args={"connect_timeout": 1})
 
 
 def _migrate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -74,3 +80,19 @@ def test_a_colocated_table_is_plain_identifiers_or_refused(spec: str) -> None:
     assert IDENTIFIER.fullmatch(column)
     distributed = [s for s in statements([spec]) if "create_distributed_table" in s]
     assert f"'{table}', '{column}'" in distributed[-1]
+
+
+@given(st.text())
+def test_a_reference_table_is_a_plain_identifier_or_refused(name: str) -> None:
+    """Refused before any database is asked (there is none here)."""
+    try:
+        distribute.make_reference(NOWHERE, [name])
+    except ValueError as exc:
+        assert "not a table name" in str(exc)
+    except sa.exc.OperationalError:
+        assert all(IDENTIFIER.fullmatch(part) for part in name.split("."))
+
+
+def test_a_reference_table_needs_citus(db: sa.Engine) -> None:
+    with pytest.raises(ConfigurationError, match="no citus extension"):
+        distribute.make_reference(db, ["users"])

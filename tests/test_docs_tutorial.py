@@ -3,7 +3,9 @@ run as shown (in a project directory whose ``.venv`` is this test run's virtuale
 servers it starts run in the background, and every line of output it shows is printed.
 
 Three things differ from a reader's run, each for the test's isolation: the database is
-a fresh one of this test (its name replaces ``shop`` in the URL and in ``createdb``), the
+a fresh one of this test (its name replaces ``shop`` in the URL and in ``createdb``; the
+URL is exported as the page writes it, ``postgresql://``, and as hosting platforms hand
+it out, ``postgres://``), the
 API listens on a free port instead of 8000, and ids that differ by run (charge ids) are
 compared as placeholders.
 """
@@ -51,14 +53,14 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.fixture
-def plain_server_url(server_url: str) -> Iterator[tuple[str, str]]:
+@pytest.fixture(params=["postgresql", "postgres"])
+def plain_server_url(server_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """``(url, name)`` of an empty database of this test: ``postgresql://`` as psql and
-    the page write it."""
+    the page write it, and ``postgres://`` as hosting platforms hand it out."""
     with temporary_database(server_url, prefix="rp_tutorial") as url:
         parsed = make_url(url)
         yield (
-            parsed.set(drivername="postgresql").render_as_string(hide_password=False),
+            parsed.set(drivername=request.param).render_as_string(hide_password=False),
             str(parsed.database),
         )
 

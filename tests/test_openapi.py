@@ -435,8 +435,20 @@ def test_a_client_generated_from_the_schema_sends_the_key(
 # -- what docs/how-to/http.md shows is what the app says ----------------------------------
 
 
-def test_the_schema_shown_in_the_http_page_is_the_apps(engine: rp.Engine) -> None:
+def test_the_schema_shown_in_the_http_page_is_the_apps(
+    engine: rp.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key, the answer's headers and a problem answer, as the page's own app (its first
+    block, run on this test's database) says them for its ``POST /rides``."""
     shown = [json.loads(b.body) for b in blocks(page("how-to/http.md")) if b.lang == "json"]
-    app, _ = shop(engine)
-    op = operation(app, "/phased")
-    assert shown == [key_parameter(op), op["responses"]["409"]]
+    example = next(b for b in blocks(page("how-to/http.md")) if b.lang == "python")
+    url = engine.db.url.render_as_string(hide_password=False)
+    monkeypatch.setenv("RECOVERYPOINT_DATABASE_URL", url)
+    namespace: dict[str, Any] = {"__name__": "http_page"}
+    exec(compile(example.body, example.where, "exec"), namespace)
+    try:
+        op = operation(namespace["app"], "/rides")
+        answers = op["responses"]
+        assert shown == [key_parameter(op), answers["200"]["headers"], answers["409"]]
+    finally:
+        namespace["engine"].dispose()

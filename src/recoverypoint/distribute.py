@@ -163,15 +163,20 @@ _DISTRIBUTE = sa.text(
 _REFERENCE = sa.text("SELECT create_reference_table(CAST(:t AS regclass))")
 
 
+def has_citus(db: sa.Engine) -> bool:
+    """Whether ``db`` has the citus extension (a coordinator's database)."""
+    with db.connect() as conn:
+        return bool(conn.execute(_HAS_CITUS).scalar())
+
+
 def require_citus(db: sa.Engine) -> None:
     """Raise :class:`ConfigurationError` unless ``db`` has the citus extension."""
-    with db.connect() as conn:
-        if not conn.execute(_HAS_CITUS).scalar():
-            raise ConfigurationError(
-                "this database has no citus extension: run `CREATE EXTENSION citus` on the "
-                "coordinator (and add its workers) before distributing; a single server "
-                "needs no distribution"
-            )
+    if not has_citus(db):
+        raise ConfigurationError(
+            "this database has no citus extension: run `CREATE EXTENSION citus` on the "
+            "coordinator (and add its workers) before distributing; a single server "
+            "needs no distribution"
+        )
 
 
 def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
@@ -195,13 +200,31 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
                 conn.exec_driver_sql(SCOPED_KEY[table])
             conn.execute(_DISTRIBUTE, {"t": table, "column": column, "with": with_})
             placed.append(table)
-        for table in REFERENCE:
-            if conn.execute(_PLACED, {"t": table}).scalar_one_or_none() is None:
-                conn.execute(_REFERENCE, {"t": table})
-                placed.append(table)
+        placed += _make_reference(conn, REFERENCE)
     # A transaction of its own: Citus creates a function on every node over one connection
     # per node, which the distribution's parallel copies leave none of.
     with db.begin() as conn:
         for statement in (_TRIGGERS_ALLOWED, STAYS_IN_SCOPE_FUNCTION, STAYS_IN_SCOPE):
             conn.exec_driver_sql(statement)
+    return placed
+
+
+def make_reference(db: sa.Engine, tables: Sequence[str]) -> list[str]:
+    """Make the application's ``tables`` reference tables on the Citus coordinator ``db``
+    (before :func:`distribute` co-locates a table with a foreign key onto one of them);
+    returns those it placed this time: one placed already is left alone."""
+    for table in tables:
+        if _NAME.fullmatch(table) is None:
+            raise ValueError(f"not a table name: {table!r}")
+    require_citus(db)
+    with db.begin() as conn:
+        return _make_reference(conn, tables)
+
+
+def _make_reference(conn: sa.Connection, tables: Sequence[str]) -> list[str]:
+    placed = []
+    for table in tables:
+        if conn.execute(_PLACED, {"t": table}).scalar_one_or_none() is None:
+            conn.execute(_REFERENCE, {"t": table})
+            placed.append(table)
     return placed

@@ -15,8 +15,10 @@ from pathlib import Path
 from sqlalchemy.exc import DBAPIError
 
 from ..database import DATABASE_URL_ENV, normalize_url
+from ..demo.existing import existing_database
 from ..demo.faults import FaultMix
 from ..embedded import embedded_database
+from ..errors import ConfigurationError
 from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
 from ..testing import temporary_database
 from ._common import Subparsers as _Subparsers
@@ -68,6 +70,13 @@ def add_demo(subparsers: _Subparsers) -> None:
         f"(default: ${DATABASE_URL_ENV}, else an embedded server)",
     )
     parser.add_argument(
+        "--existing",
+        action="store_true",
+        help="run in the database the URL names, which you made (on Citus: a coordinator's, "
+        "created on every node), instead of one the demo creates: the demo migrates it, "
+        "leaves your tables alone, and removes its own afterwards",
+    )
+    parser.add_argument(
         "--json", type=Path, metavar="FILE", help="also write the figures to FILE as JSON"
     )
     parser.set_defaults(handler=_demo)
@@ -87,6 +96,10 @@ def _demo(args: argparse.Namespace) -> int:
         url = normalize_url(args.database_url) if args.database_url else None
     except ValueError as exc:
         return fail("demo", EXIT_USAGE, str(exc))
+    if args.existing and url is None:
+        return fail(
+            "demo", EXIT_USAGE, f"--existing needs --database-url URL (or ${DATABASE_URL_ENV})"
+        )
     seed = args.seed if args.seed is not None else random.randrange(1, 1_000_000)
     config = DemoConfig(
         requests=args.requests,
@@ -107,8 +120,11 @@ def _demo(args: argparse.Namespace) -> int:
     bar = ProgressBar()
     try:
         server = url.render_as_string(hide_password=False) if url else None
-        with throwaway_database(server) as database:
+        with _database(server, existing=args.existing) as database:
             report = run(config, database, workdir, progress=bar)
+    except ConfigurationError as exc:
+        bar.close()
+        return fail("demo", EXIT_USAGE, str(exc))
     except (DBAPIError, RuntimeError) as exc:
         bar.close()
         detail = " ".join(str(getattr(exc, "orig", None) or exc).split())
@@ -125,6 +141,19 @@ def _demo(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"the processes' logs are in {workdir}", file=sys.stderr)
     return EXIT_FAILED
+
+
+@contextmanager
+def _database(server_url: str | None, *, existing: bool) -> Iterator[str]:
+    """The database the run is in: the one ``server_url`` names with ``existing``, else a
+    throwaway one."""
+    if existing:
+        assert server_url is not None  # --existing without a URL is refused before
+        with existing_database(server_url) as url:
+            yield url
+    else:
+        with throwaway_database(server_url) as url:
+            yield url
 
 
 @contextmanager

@@ -43,7 +43,8 @@ _KEYS = sa.text(
 )
 _RIDES = sa.text(
     "SELECT r.id, r.charge_id, k.response_status FROM rides AS r "
-    "LEFT JOIN idempotency_keys AS k ON k.id = r.idempotency_key_id"
+    # On the scope too: on Citus, a join of co-located tables on their distribution column.
+    "LEFT JOIN idempotency_keys AS k ON k.id = r.idempotency_key_id AND k.scope = r.scope"
 )
 _CHARGES = sa.text("SELECT id, metadata->>'ride_id' AS ride_id FROM provider_charges")
 _RECEIPTS = sa.text("SELECT ride_id, count(*) AS sent FROM receipts GROUP BY ride_id")

@@ -78,14 +78,16 @@ class RideParams(RideBody):
 client_ip: ContextVar[str | None] = ContextVar("client_ip", default=None)
 
 
+# Every statement of a phase names its scope (the user's id, as the API scopes keys): on
+# Citus, it then runs on the scope's worker alone.
 _INSERT_RIDE = (
-    "INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, "
-    "target_lon, user_id) VALUES (%(key_id)s, %(origin_lat)s, %(origin_lon)s, "
+    "INSERT INTO rides (scope, idempotency_key_id, origin_lat, origin_lon, target_lat, "
+    "target_lon, user_id) VALUES (%(scope)s, %(key_id)s, %(origin_lat)s, %(origin_lon)s, "
     "%(target_lat)s, %(target_lon)s, %(user_id)s) RETURNING id"
 )
 _INSERT_AUDIT = (
-    "INSERT INTO audit_records (action, data, origin_ip, resource_id, "
-    "resource_type, user_id) VALUES ('ride.created', CAST(%(data)s AS jsonb), "
+    "INSERT INTO audit_records (scope, action, data, origin_ip, resource_id, "
+    "resource_type, user_id) VALUES (%(scope)s, 'ride.created', CAST(%(data)s AS jsonb), "
     "CAST(%(ip)s AS cidr), %(ride_id)s, 'ride', %(user_id)s)"
 )
 _CUSTOMER = "SELECT customer_id FROM users WHERE id = %s"
@@ -93,7 +95,7 @@ _CUSTOMER = "SELECT customer_id FROM users WHERE id = %s"
 # is resumed later than this is held for an operator (`recoverypoint keys reconcile`):
 # charging it again with the same key might charge twice.
 PROVIDER_WINDOW = timedelta(hours=24)
-_RECORD_CHARGE = "UPDATE rides SET charge_id = %s WHERE id = %s"
+_RECORD_CHARGE = "UPDATE rides SET charge_id = %s WHERE id = %s AND scope = %s"
 
 
 def ride_operation(
@@ -118,7 +120,7 @@ def ride_operation(
 
     @rides.atomic_phase("finished")
     def finish(tx: rp.AtomicContext, params: RideParams) -> rp.Response:
-        tx.execute(_RECORD_CHARGE, (tx.state["charge_id"], tx.state["ride_id"]))
+        tx.execute(_RECORD_CHARGE, _recorded(tx, params))
         return _finished(tx, params)
 
     return rides
@@ -146,18 +148,30 @@ def async_ride_operation(
 
     @rides.atomic_phase("finished")
     async def finish(tx: rp.AsyncAtomicContext, params: RideParams) -> rp.Response:
-        await tx.execute(_RECORD_CHARGE, (tx.state["charge_id"], tx.state["ride_id"]))
+        await tx.execute(_RECORD_CHARGE, _recorded(tx, params))
         return _finished(tx, params)
 
     return rides
 
 
+def scope_of(user_id: int) -> str:
+    """The scope of a user's keys and rows."""
+    return str(user_id)
+
+
 def _ride(key_id: int, params: RideParams) -> dict[str, Any]:
-    return {"key_id": key_id, **params.model_dump()}
+    return {"key_id": key_id, "scope": scope_of(params.user_id), **params.model_dump()}
+
+
+def _recorded(
+    tx: rp.AtomicContext | rp.AsyncAtomicContext, params: RideParams
+) -> tuple[str, int, str]:
+    return tx.state["charge_id"], tx.state["ride_id"], scope_of(params.user_id)
 
 
 def _audit(params: RideParams, ride_id: int) -> dict[str, Any]:
     return {
+        "scope": scope_of(params.user_id),
         "data": params.model_dump_json(),
         "ip": client_ip.get(),
         "ride_id": ride_id,
@@ -213,7 +227,7 @@ def create_app(
     its phases are ``async def``: :func:`async_ride_operation`), else on ``engine``."""
     (engine if async_engine is None else async_engine).register(rides)
     idempotency = Idempotency(
-        engine, async_engine=async_engine, scope=lambda request: str(request.state.user_id)
+        engine, async_engine=async_engine, scope=lambda request: scope_of(request.state.user_id)
     )
     app = FastAPI(title="Rocket Rides")
     declare_openapi(app)

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from recoverypoint.distribute import distribute, has_citus, make_reference
 from recoverypoint.migrate import upgrade
+
+# On a Citus coordinator: the tables the phases write, distributed by scope and co-located
+# with the keys; the others, which no phase writes or locks (the users a phase reads, the
+# provider's and the receipt consumer's), reference tables, copied to every node.
+CO_LOCATED = ("rides", "audit_records")
+REFERENCE = ("users", "provider_charges", "receipt_deliveries", "receipts")
+TABLES = (*CO_LOCATED, *REFERENCE)
+"""Every table of the example's, those that refer to ``users`` before it."""
 
 USERS = {"alice@example.com": "cus_alice", "declined@example.com": "cus_declined"}
 
@@ -22,29 +31,40 @@ CREATE TABLE IF NOT EXISTS users (
     email text NOT NULL UNIQUE,
     customer_id text NOT NULL UNIQUE
 );
+-- rides and audit_records carry the scope of the key that wrote them (the user's id, as
+-- text), in every key and unique constraint: on Citus they are distributed by it,
+-- co-located with idempotency_keys, so that a phase writes on its scope's worker alone.
+-- Their user_id refers to users without a foreign key: its check would lock the user's
+-- row (FOR KEY SHARE) in the phase, on users' shard, which is outside the scope's.
 CREATE TABLE IF NOT EXISTS rides (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint GENERATED ALWAYS AS IDENTITY,
+    scope text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
     -- The key that created the ride. No foreign key: idempotency_keys is keyed by
     -- (id, scope), so that it can be distributed by scope; the reaper deletes old keys
     -- and the rides stay.
-    idempotency_key_id bigint UNIQUE,
+    idempotency_key_id bigint,
     origin_lat numeric(13, 10) NOT NULL,
     origin_lon numeric(13, 10) NOT NULL,
     target_lat numeric(13, 10) NOT NULL,
     target_lon numeric(13, 10) NOT NULL,
-    charge_id text UNIQUE,
-    user_id bigint NOT NULL REFERENCES users (id)
+    charge_id text,
+    user_id bigint NOT NULL,
+    PRIMARY KEY (id, scope),
+    UNIQUE (idempotency_key_id, scope),
+    UNIQUE (charge_id, scope)
 );
 CREATE TABLE IF NOT EXISTS audit_records (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint GENERATED ALWAYS AS IDENTITY,
+    scope text NOT NULL,
     action text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
     data jsonb NOT NULL,
     origin_ip cidr,
     resource_id bigint NOT NULL,
     resource_type text NOT NULL,
-    user_id bigint NOT NULL REFERENCES users (id)
+    user_id bigint NOT NULL,
+    PRIMARY KEY (id, scope)
 );
 CREATE TABLE IF NOT EXISTS provider_charges (
     id text PRIMARY KEY,
@@ -81,13 +101,18 @@ _SEED = sa.text(
 
 
 def migrate(db: sa.Engine) -> None:
-    """recoverypoint's tables, then the example's (``rides`` refers to ``idempotency_keys``)."""
+    """recoverypoint's tables, then the example's (``rides`` refers to ``idempotency_keys``);
+    on a Citus coordinator, all of them placed as ``recoverypoint migrate --citus`` does,
+    with the example's by :data:`CO_LOCATED` and :data:`REFERENCE`."""
     upgrade(db)
     with db.begin() as conn:
         # One migrator at a time: CREATE TABLE IF NOT EXISTS is not safe against itself.
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('rocket_rides schema'))"))
         conn.exec_driver_sql(DDL)
         conn.execute(_SEED, [{"email": e, "customer": c} for e, c in USERS.items()])
+    if has_citus(db):
+        make_reference(db, REFERENCE)
+        distribute(db, colocate=CO_LOCATED)
 
 
 def require(db: sa.Engine, *tables: str) -> None:
