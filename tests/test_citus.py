@@ -940,9 +940,9 @@ def test_an_abandoned_key_is_compensated_once_after_a_failed_try(
 
 
 def test_rocket_rides_is_placed_so_its_phases_stay_in_their_scope(citus: sa.Engine) -> None:
-    """``recoverypoint demo --existing`` on a coordinator: the example's migration co-locates
-    rides and audit_records, the tables its phases write, with the keys, and makes the
-    others (users, which a phase reads, and those no phase writes) reference tables."""
+    """``recoverypoint demo --existing`` on a coordinator: the example's migration makes its
+    users (and the tables no phase writes) reference tables, then co-locates rides and
+    audit_records, which refer to users, with the keys; a booked ride's phase commits."""
     from recoverypoint.demo.rocket_rides.schema import CO_LOCATED, REFERENCE, TABLES, migrate
 
     try:

@@ -16,8 +16,8 @@ from recoverypoint.distribute import distribute, has_citus, make_reference
 from recoverypoint.migrate import upgrade
 
 # On a Citus coordinator: the tables the phases write, distributed by scope and co-located
-# with the keys; the others, which no phase writes or locks (the users a phase reads, the
-# provider's and the receipt consumer's), reference tables, copied to every node.
+# with the keys; the others, which no phase writes (the users a phase reads, the provider's
+# and the receipt consumer's), reference tables, copied to every node.
 CO_LOCATED = ("rides", "audit_records")
 REFERENCE = ("users", "provider_charges", "receipt_deliveries", "receipts")
 TABLES = (*CO_LOCATED, *REFERENCE)
@@ -34,8 +34,6 @@ CREATE TABLE IF NOT EXISTS users (
 -- rides and audit_records carry the scope of the key that wrote them (the user's id, as
 -- text), in every key and unique constraint: on Citus they are distributed by it,
 -- co-located with idempotency_keys, so that a phase writes on its scope's worker alone.
--- Their user_id refers to users without a foreign key: its check would lock the user's
--- row (FOR KEY SHARE) in the phase, on users' shard, which is outside the scope's.
 CREATE TABLE IF NOT EXISTS rides (
     id bigint GENERATED ALWAYS AS IDENTITY,
     scope text NOT NULL,
@@ -49,7 +47,7 @@ CREATE TABLE IF NOT EXISTS rides (
     target_lat numeric(13, 10) NOT NULL,
     target_lon numeric(13, 10) NOT NULL,
     charge_id text,
-    user_id bigint NOT NULL,
+    user_id bigint NOT NULL REFERENCES users (id),
     PRIMARY KEY (id, scope),
     UNIQUE (idempotency_key_id, scope),
     UNIQUE (charge_id, scope)
@@ -63,7 +61,7 @@ CREATE TABLE IF NOT EXISTS audit_records (
     origin_ip cidr,
     resource_id bigint NOT NULL,
     resource_type text NOT NULL,
-    user_id bigint NOT NULL,
+    user_id bigint NOT NULL REFERENCES users (id),
     PRIMARY KEY (id, scope)
 );
 CREATE TABLE IF NOT EXISTS provider_charges (
@@ -111,6 +109,7 @@ def migrate(db: sa.Engine) -> None:
         conn.exec_driver_sql(DDL)
         conn.execute(_SEED, [{"email": e, "customer": c} for e, c in USERS.items()])
     if has_citus(db):
+        # users first, and committed: rides and audit_records refer to it.
         make_reference(db, REFERENCE)
         distribute(db, colocate=CO_LOCATED)
 
