@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS rides (
     target_lat numeric(13, 10) NOT NULL,
     target_lon numeric(13, 10) NOT NULL,
     charge_id text,
-    user_id bigint NOT NULL REFERENCES users (id),
+    user_id bigint NOT NULL,  -- refers to users (FOREIGN_KEYS)
     PRIMARY KEY (id, scope),
     UNIQUE (idempotency_key_id, scope),
     UNIQUE (charge_id, scope)
@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS audit_records (
     origin_ip cidr,
     resource_id bigint NOT NULL,
     resource_type text NOT NULL,
-    user_id bigint NOT NULL REFERENCES users (id),
+    user_id bigint NOT NULL,  -- refers to users (FOREIGN_KEYS)
     PRIMARY KEY (id, scope)
 );
 CREATE TABLE IF NOT EXISTS provider_charges (
@@ -92,6 +92,22 @@ CREATE TABLE IF NOT EXISTS receipts (
 );
 """
 
+# rides' and audit_records' references to users, added once the tables are placed: on
+# Citus, a table that refers to a reference table before it is distributed is made a local
+# table of Citus's, which cannot then be distributed (its identity column); distributed,
+# it may refer to one. Named as PostgreSQL names them, so that a database migrated when
+# the DDL declared them keeps its own.
+FOREIGN_KEYS = {
+    (table, f"{table}_user_id_fkey"): f"ALTER TABLE {table} ADD CONSTRAINT {table}_user_id_fkey "
+    "FOREIGN KEY (user_id) REFERENCES users (id)"
+    for table in CO_LOCATED
+}
+_HAS_CONSTRAINT = sa.text(
+    "SELECT EXISTS (SELECT FROM pg_constraint "
+    "WHERE conrelid = CAST(:t AS regclass) AND conname = :name)"
+)
+_ONE_MIGRATOR = sa.text("SELECT pg_advisory_xact_lock(hashtext('rocket_rides schema'))")
+
 _SEED = sa.text(
     "INSERT INTO users (email, customer_id) VALUES (:email, :customer) "
     "ON CONFLICT (email) DO NOTHING"
@@ -105,13 +121,17 @@ def migrate(db: sa.Engine) -> None:
     upgrade(db)
     with db.begin() as conn:
         # One migrator at a time: CREATE TABLE IF NOT EXISTS is not safe against itself.
-        conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('rocket_rides schema'))"))
+        conn.execute(_ONE_MIGRATOR)
         conn.exec_driver_sql(DDL)
         conn.execute(_SEED, [{"email": e, "customer": c} for e, c in USERS.items()])
     if has_citus(db):
-        # users first, and committed: rides and audit_records refer to it.
         make_reference(db, REFERENCE)
         distribute(db, colocate=CO_LOCATED)
+    with db.begin() as conn:
+        conn.execute(_ONE_MIGRATOR)
+        for (table, name), statement in FOREIGN_KEYS.items():
+            if not conn.execute(_HAS_CONSTRAINT, {"t": table, "name": name}).scalar_one():
+                conn.exec_driver_sql(statement)
 
 
 def require(db: sa.Engine, *tables: str) -> None:
