@@ -274,7 +274,9 @@ crashes = st.builds(
     attempt=st.integers(1, 9),
     point=points,
     nth=st.integers(1, 5),
-    effect=st.sampled_from(["raise", "exit", "lost_answer", "disconnect", "lease_lost"]),
+    effect=st.sampled_from(
+        ["raise", "exit", "lost_answer", "disconnect", "lease_lost", "failover"]
+    ),
 ) | st.builds(
     Crash,
     attempt=st.integers(1, 9),

@@ -64,7 +64,8 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from ._faults import Effect, InjectedFault, faults
+from . import _failover
+from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine, heartbeat
 from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
@@ -75,8 +76,9 @@ from .workers import Completer, Enqueuer
 Recovery = Literal["client", "completer"]
 # What a crash does: a fault registry's effect, or one explore brings about itself: the
 # engine's connections ended during a foreign step (a failover, pg_terminate_backend); a
-# lease run out while a step was slow, another attempt taking the key over.
-Kind = Effect | Literal["disconnect", "lease_lost"]
+# lease run out while a step was slow, another attempt taking the key over; a failover to
+# a standby that lags, which loses a commit and what followed it.
+Kind = Effect | Literal["disconnect", "lease_lost", "failover"]
 Check = Callable[[sa.Connection], None]
 
 KEY = "explore"
@@ -133,7 +135,8 @@ _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(
     r"attempt ([1-9]\d*) (raises|dies|loses its commit's answer|loses its connections"
-    r"|loses its lease|meets ([1-9]\d*) serialization failures?)"
+    r"|loses its lease|loses its last commit to a failover"
+    r"|meets ([1-9]\d*) serialization failures?)"
     r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
 )
 # A storm: serialization failures in a row at a phase, each rolling it back, the engine
@@ -146,12 +149,14 @@ _VERBS: dict[Kind, str] = {
     "lost_answer": "loses its commit's answer",
     "disconnect": "loses its connections",
     "lease_lost": "loses its lease",
+    "failover": "loses its last commit to a failover",
 }
 # The kinds tried as a schedule's one crash, each at the points it belongs to.
 _FIRST_ONLY: dict[Kind, str] = {
     "lost_answer": "after_commit:",
     "disconnect": "before_foreign:",
     "lease_lost": "after_foreign:",
+    "failover": "after_commit:",
 }
 # Ends the backends of the engine's connections; then, until none is left (pg_terminate_backend's
 # own wait needs PostgreSQL 14), how many still are.
@@ -179,7 +184,10 @@ class Crash:
     ``before_foreign`` point) has the engine's pooled connections ended, the step running
     on and the phase after it meeting a dead connection, or (``lease_lost``, at an
     ``after_foreign`` point) finds, its step returned, that its lease ran out while the step
-    ran and that another attempt took the key over and ran meanwhile."""
+    ran and that another attempt took the key over and ran meanwhile, or (``failover``, at
+    an ``after_commit`` point) goes on, its commit not yet on the standby that is promoted
+    at its next COMMIT (or as it ends): its process dies with the primary, and the
+    database is back as it was before that commit, what the foreign steps did staying."""
 
     attempt: int
     point: str
@@ -361,6 +369,9 @@ class _Run:
     renewed: set[str] = field(default_factory=set)  # steps whose hook found nothing past it
     blind: Counter[str] = field(default_factory=Counter)  # step → calls past it, not renewed
     raised: list[tuple[int, str, str]] = field(default_factory=list)  # attempt, phase, error
+    # A failover's: the tables the lost commit wrote, as they were before it (sent by the
+    # attempt's process, put back by explore's).
+    lost: _failover.Rows | None = None
     pipe: int | None = None  # in an attempt's process: where what it saw goes before it ends
 
     def send(self, dies: bool) -> None:
@@ -384,6 +395,7 @@ class _Run:
         self.story += seen["story"]
         self.answers += seen["answers"]
         self.raised += [(a, p, e) for a, p, e in seen["raised"]]
+        self.lost = seen["lost"]
         return bool(seen["dies"])
 
     def decide(self, point: str) -> Kind | None:
@@ -422,6 +434,7 @@ _SEEN = (
     "renewed",
     "blind",
     "raised",
+    "lost",
 )
 
 
@@ -509,6 +522,7 @@ def explore(
         "lost_answer",
         "disconnect",
         "lease_lost",
+        "failover",
     ),
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
@@ -626,6 +640,7 @@ class _Explorer:
         self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
+        self.standby: _failover.Rows = {}  # in an attempt's process: see _before_commit
         self.waiting: _Process | None = None  # an attempt's whose key is being taken over
         self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
@@ -708,7 +723,7 @@ class _Explorer:
                 run.hits.clear()
                 crash = planned.crash_in(run.attempt)
                 # A takeover runs beside the attempt it takes over from: in processes apart.
-                apart = crash is not None and crash.effect in ("exit", "lease_lost")
+                apart = crash is not None and crash.effect in ("exit", "lease_lost", "failover")
                 if self.one_process and not apart:
                     self._attempt(actor, run)
                 else:
@@ -794,7 +809,9 @@ class _Explorer:
         code = os.waitstatus_to_exitcode(os.waitpid(process.pid, 0)[1])
         self._await_rollback()
         crash = run.schedule.crash_in(run.attempt)
-        if line and crash is not None:
+        if run.lost is not None:
+            self._put_back(run, actor)
+        elif line and crash is not None:
             run.story.append(f"{run.attempt}. {actor:<9} died at {crash.point}")
         else:
             run.story.append(f"{run.attempt}. {actor:<9} ended its process (exit status {code})")
@@ -852,6 +869,9 @@ class _Explorer:
         run.renewed = set(orders["renewed"])
         with faults.watching(self._watcher(run)):
             self._attempt(orders["actor"], run)
+        if run.lost is not None:  # no COMMIT after the lost one: the primary fails now
+            self._fail_over(run, "as the attempt ends")
+            os._exit(FAULT_EXIT_STATUS)
         run.send(dies=False)
 
     def _end(self, *processes: _Process | None) -> None:
@@ -894,33 +914,44 @@ class _Explorer:
 
         def decide(point: str) -> Effect | None:
             kind = run.decide(point)
+            if run.lost is not None and point.startswith("before_commit:"):
+                return self._fail_over(run, f"at {point}")
             if kind == "disconnect":
                 self._disconnect(run, point)
             elif kind == "lease_lost":
                 self._lose_lease(run, point)
+            elif kind == "failover":
+                self._not_replicated(run, point)
             else:
+                self._before_commit(run, point)
                 return kind
             return None
 
         return decide
+
+    @contextmanager
+    def _aside(self) -> Iterator[sa.Connection]:
+        """In an attempt's process: a connection of another pool than the engine's, in
+        autocommit (each statement a transaction, with a fresh snapshot)."""
+        apart = sa.create_engine(
+            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+        )
+        try:
+            with apart.connect() as conn:
+                yield conn
+        finally:
+            apart.dispose()
 
     def _disconnect(self, run: _Run, point: str) -> None:
         """End the backends of the engine's pooled connections in this process, from a
         connection of another pool, as a failover or pg_terminate_backend would."""
         pids = [c.info.backend_pid for c in self.connections if not c.closed]
         self.connections.clear()
-        # Autocommit: each look at pg_stat_activity is a transaction, with a fresh snapshot.
-        apart = sa.create_engine(
-            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
-        )
-        try:
-            with apart.connect() as conn:
-                ended = conn.scalar(_TERMINATE, {"pids": pids})
-                deadline = time.monotonic() + _GONE_WITHIN
-                while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-        finally:
-            apart.dispose()
+        with self._aside() as conn:
+            ended = conn.scalar(_TERMINATE, {"pids": pids})
+            deadline = time.monotonic() + _GONE_WITHIN
+            while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
+                time.sleep(0.01)
         run.story.append(
             f"{run.attempt}.           its connections ended at {point}: {ended} backend(s) "
             "terminated, the step runs on"
@@ -935,6 +966,61 @@ class _Explorer:
         if run.pipe is not None:
             os.write(run.pipe, json.dumps({"takeover": point}).encode() + b"\n")
             self.orders.readline()  # the taking over ended
+
+    # -- a failover that loses a commit --------------------------------------------------
+    #
+    # A standby that lags is promoted: the primary's last commits never reached it. Which
+    # tables a lost commit wrote is read off the database, not asked of the caller: those
+    # whose rows differ just before the commit and just after it (nothing else writes
+    # meanwhile), kept as they were before. A provider whose rows live in this database (a
+    # fake one, its table in ``tables``) is written by its step, outside any phase's
+    # transaction: it keeps what the step did, as a real provider would. Sequences are not
+    # put back: a promoted standby may hand out ids again or not, so an id that a lost
+    # phase got (a serial column's, the key row's own) is not the one its retry gets.
+
+    def _before_commit(self, run: _Run, point: str) -> None:
+        """At the point before the commit a failover is to lose (an atomic phase's, or a
+        step's result committed alone), the tables as the standby will have them."""
+        crash = run.schedule.crash_in(run.attempt)
+        if crash is None or crash.effect != "failover":
+            return
+        boundary, _, name = point.partition(":")
+        if boundary in ("before_commit", "after_foreign") and crash.point == f"after_commit:{name}":
+            with self._aside() as conn:
+                self.standby = _failover.read(_driver(conn), self.tables)
+
+    def _not_replicated(self, run: _Run, point: str) -> None:
+        """The commit went through on the primary, not yet on its standby: the attempt goes
+        on until its next COMMIT, where the primary is found gone."""
+        with self._aside() as conn:
+            committed = _failover.read(_driver(conn), self.tables)
+        run.lost = _failover.written(self.standby, committed)
+        run.story.append(
+            f"{run.attempt}.           committed at {point}, not yet on the standby that "
+            "is about to be promoted; the attempt goes on"
+        )
+
+    def _fail_over(self, run: _Run, where: str) -> Effect:
+        """The primary is gone: the attempt's process dies with it (its last word sent)."""
+        run.story.append(
+            f"{run.attempt}.           the primary fails {where}: its standby is promoted"
+        )
+        run.send(dies=True)
+        return "exit"
+
+    def _put_back(self, run: _Run, actor: str) -> None:
+        """In explore's process, the attempt's process gone: the database as the promoted
+        standby has it. Answers the attempt gave are lost with the commits they came of."""
+        lost = run.lost or {}
+        _failover.put_back(_driver(self.conn), lost, self.tables)
+        run.story.append(
+            f"{run.attempt}. {actor:<9} died with the primary: {', '.join(lost)} back as "
+            "before the lost commit, the providers' side as the attempt left it"
+        )
+        if run.answers:  # not a replay's to match: a lossy failover may lose an answer
+            run.story.append(f"   lost with it: the answer {run.answers[-1]}")
+            run.answers.clear()
+        run.lost = None
 
     # -- process memory --------------------------------------------------------------------
 
@@ -1109,6 +1195,19 @@ class _Explorer:
                     "and must dedupe on it, and the first attempt's recording of its step's "
                     "result must be refused (LockLost). Make lock_timeout longer than the "
                     "step's slowest call: renewals keep a live holder's lease meanwhile."
+                )
+            if crash.effect == "failover":
+                hints.append(
+                    f"attempt {crash.attempt}'s commit at {crash.point}, and what it wrote "
+                    "after it, was lost to a failover (a standby that lagged was promoted), "
+                    "while what its steps did at their providers stayed: the retry ran the "
+                    "lost phases and steps again. A step must hand its provider "
+                    "step.downstream_key(), derived from the scope, operation, key and the "
+                    "database's namespace, the same after a failover; not a key of its own, "
+                    "nor one made of what a lost phase wrote (a row's id, the key row's): "
+                    "those change. A job staged again carries the same job_key. An answer "
+                    "given before the failover is lost with it (only a synchronous standby "
+                    "keeps it): a client's retry may get another."
                 )
         for job_key, times in run.deliveries.items():
             if times > 1:
@@ -1287,6 +1386,13 @@ def _extensions(
         for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
+
+
+def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under ``conn``, for COPY."""
+    driver = conn.connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)  # the engine's driver
+    return driver
 
 
 def _answer(returned: object) -> str:

@@ -1,0 +1,50 @@
+"""What a failover to a standby that lags loses, for :func:`recoverypoint.explore.explore`:
+the tables a commit wrote, as they were just before it, put back once the primary is gone.
+
+A table is read whole with ``COPY ... TO STDOUT`` (text format), which writes back with
+``COPY ... FROM STDIN`` value for value, whatever the column types (identity columns
+included), and needs no key to tell rows apart. The tables explore runs on are small:
+a copy of each costs less than a round trip more per row would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+# A table's name (as the caller gave it) → its rows, in COPY's text format.
+Rows = dict[str, str]
+
+
+def read(conn: psycopg.Connection[Any], tables: Sequence[str]) -> Rows:
+    """The rows of ``tables``, as a connection outside any open transaction sees them."""
+    rows = {}
+    with conn.cursor() as cursor:
+        for table in tables:
+            with cursor.copy(f"COPY {table} TO STDOUT") as copy:
+                rows[table] = b"".join(bytes(chunk) for chunk in copy).decode()
+    return rows
+
+
+def written(before: Rows, after: Rows) -> Rows:
+    """The tables whose rows changed from ``before`` to ``after``, as they were before.
+    Rows are compared as a multiset: COPY gives them in no promised order."""
+    return {
+        table: rows
+        for table, rows in before.items()
+        if sorted(rows.splitlines()) != sorted(after[table].splitlines())
+    }
+
+
+def put_back(conn: psycopg.Connection[Any], lost: Rows, order: Sequence[str]) -> None:
+    """Put the tables of ``lost`` back as they were, in one transaction: emptied in
+    ``order`` (a table before those it refers to), filled in the reverse order."""
+    tables = [table for table in order if table in lost]
+    with conn.transaction(), conn.cursor() as cursor:
+        for table in tables:
+            cursor.execute(f"DELETE FROM {table}")
+        for table in reversed(tables):
+            with cursor.copy(f"COPY {table} FROM STDIN") as copy:
+                copy.write(lost[table])
