@@ -11,8 +11,10 @@ would in production (the client retries, or the completer finishes the key; the 
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
 crashes per schedule. It meets the database's faults too: a storm of serialization
 failures before a COMMIT, a COMMIT whose answer is lost, the engine's connections ended
-during a foreign step, a lease run out under a slow step and the key taken over. Between
-schedules it truncates recoverypoint's tables and yours.
+during a foreign step, a lease run out under a slow step and the key taken over, and a
+failover to a standby that lags, which loses the last committed phase (the tables its
+commit wrote put back as they were before it) while what the foreign steps did at their
+providers stays. Between schedules it truncates recoverypoint's tables and yours.
 
 Attempts run in processes forked from explore's, which never runs the operation: a new
 one for a schedule's first attempt and another after each crash, so that, as in
@@ -33,7 +35,8 @@ leases and back-offs (``_STATE``), never every moment: that would carry its key 
 window or a finished key past its retention, and change what a retry or a replay does.
 
 After each schedule it checks recoverypoint's invariants (the key finishes; every answer
-a client got, and every replay, is the same; no lease is left; each staged job was
+a client got, and every replay, is the same (after a failover, those given since: the
+earlier ones were lost with their phase); no lease is left; each staged job was
 published and consumed through ``consume_once``) and yours (``check``). The smallest
 failing schedule is reported with what each attempt did, the broken invariant, what the
 database held, a hint where the guarantee ended, and the schedule in one line to paste
@@ -80,6 +83,17 @@ Recovery = Literal["client", "completer"]
 # a standby that lags, which loses a commit and what followed it.
 Kind = Effect | Literal["disconnect", "lease_lost", "failover"]
 Check = Callable[[sa.Connection], None]
+# Every kind, tried in this order at each boundary; the two that end an attempt's process.
+KINDS: tuple[Kind, ...] = (
+    "raise",
+    "exit",
+    "conflict",
+    "lost_answer",
+    "disconnect",
+    "lease_lost",
+    "failover",
+)
+KILLING: tuple[Kind, ...] = ("exit", "failover")
 
 KEY = "explore"
 # recoverypoint's tables that one schedule writes (its schema and namespace stay).
@@ -515,15 +529,7 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Kind] = (
-        "raise",
-        "exit",
-        "conflict",
-        "lost_answer",
-        "disconnect",
-        "lease_lost",
-        "failover",
-    ),
+    effects: Sequence[Kind] = KINDS,
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -640,7 +646,7 @@ class _Explorer:
         self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
-        self.standby: _failover.Rows = {}  # in an attempt's process: see _before_commit
+        self.standby: _failover.Rows = {}  # in an attempt's process: see _read_standby
         self.waiting: _Process | None = None  # an attempt's whose key is being taken over
         self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
@@ -689,6 +695,12 @@ class _Explorer:
                 f"{step!r} is not a foreign step of {self.operation.name!r} that declares a "
                 f"dedupe_window (those that do: {', '.join(self.windows) or 'none'})"
             )
+        for crash in planned.crashes:
+            if crash.effect == "failover" and not crash.point.startswith("after_commit:"):
+                raise ValueError(
+                    f"{crash}: a failover loses a commit, so it comes after one: write "
+                    "it at after_commit:<phase>"
+                )
         run = self._play(planned)
         found.schedules += 1
         found.by_depth[planned.depth] += 1
@@ -723,7 +735,7 @@ class _Explorer:
                 run.hits.clear()
                 crash = planned.crash_in(run.attempt)
                 # A takeover runs beside the attempt it takes over from: in processes apart.
-                apart = crash is not None and crash.effect in ("exit", "lease_lost", "failover")
+                apart = crash is not None and crash.effect in (*KILLING, "lease_lost")
                 if self.one_process and not apart:
                     self._attempt(actor, run)
                 else:
@@ -923,7 +935,7 @@ class _Explorer:
             elif kind == "failover":
                 self._not_replicated(run, point)
             else:
-                self._before_commit(run, point)
+                self._read_standby(run, point)
                 return kind
             return None
 
@@ -978,7 +990,7 @@ class _Explorer:
     # put back: a promoted standby may hand out ids again or not, so an id that a lost
     # phase got (a serial column's, the key row's own) is not the one its retry gets.
 
-    def _before_commit(self, run: _Run, point: str) -> None:
+    def _read_standby(self, run: _Run, point: str) -> None:
         """At the point before the commit a failover is to lose (an atomic phase's, or a
         step's result committed alone), the tables as the standby will have them."""
         crash = run.schedule.crash_in(run.attempt)
@@ -1357,10 +1369,12 @@ def _extensions(
     crash, with each effect; a first crash is tried with each way to recover, and, around
     a step with a dedupe window, with recovery after the window too (after the others, so
     that an operation without windows is explored as before). A lost answer (after a
-    COMMIT) and the engine's connections ended during a step (at its ``before_foreign``
-    point) are tried as a first crash only, and not extended: what recovers from them is
-    what recovers from a raise there, which is explored deeper: they cost a schedule a
-    point for each way to recover, not a tree."""
+    COMMIT), the engine's connections ended during a step (at its ``before_foreign``
+    point), a lease run out (at its ``after_foreign`` point) and a failover that loses a
+    commit (after it) are tried as a first crash only, and not extended: what recovers
+    from them is what recovers from a raise there, which is explored deeper: they cost a
+    schedule a point for each way to recover, not a tree. Failovers come last, so that a
+    mistake an ordinary crash finds too is shown with that crash."""
     if planned.crashes and planned.crashes[-1].effect in _FIRST_ONLY:
         return []
     last = planned.crashes[-1].attempt if planned.crashes else 0
@@ -1374,7 +1388,7 @@ def _extensions(
             for boundary, _, step in [hit.point.partition(":")]
             if boundary in _AROUND_STEP and step in windows
         ]
-    return [
+    extended = [
         Schedule(way, (*planned.crashes, replace(hit, effect=effect, times=times)), window)
         for hit, window in [*((hit, planned.past_window) for hit in hits), *late]
         for effect in effects
@@ -1386,6 +1400,7 @@ def _extensions(
         for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
+    return sorted(extended, key=lambda schedule: schedule.crashes[-1].effect == "failover")
 
 
 def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:
@@ -1408,4 +1423,14 @@ def _json(value: object) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-__all__ = ["Crash", "Exploration", "Failure", "Kind", "Schedule", "Subject", "explore"]
+__all__ = [
+    "KILLING",
+    "KINDS",
+    "Crash",
+    "Exploration",
+    "Failure",
+    "Kind",
+    "Schedule",
+    "Subject",
+    "explore",
+]
