@@ -46,7 +46,7 @@ from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
 from recoverypoint.database import create_engine
-from recoverypoint.explore import Exploration, Schedule, explore
+from recoverypoint.explore import Exploration, Failure, Schedule, explore
 from recoverypoint.outage import is_outage
 from recoverypoint.testing import InjectedConflict, InjectedLostAnswer, faults
 
@@ -72,6 +72,15 @@ LAST_LOST = FAILOVER.replace("order_created", "order_shipped")
 def orders_url(server_url: str) -> Iterator[str]:
     with database_with(server_url, SCHEMA) as url:
         yield url
+
+
+def smallest_failure(found: Exploration, schedule: str, invariant: str) -> Failure:
+    """The smallest failing schedule, which must be ``schedule``, breaking ``invariant``."""
+    assert not found.ok, found.report()
+    smallest = found.failures[0]
+    assert str(smallest.schedule) == schedule, found.report()
+    assert smallest.invariant == invariant, found.report()
+    return smallest
 
 
 def discounted_once(conn: sa.Connection) -> None:
@@ -113,12 +122,9 @@ def explore_orders(url: str, *, pops_the_coupon: bool, **options: Any) -> Explor
 def test_a_phase_that_changes_its_params_is_found_by_a_storm(orders_url: str) -> None:
     found = explore_orders(orders_url, pops_the_coupon=True)
 
-    assert not found.ok, found.report()
-    smallest = found.failures[0]
-    assert str(smallest.schedule) == STORM, found.report()
-    assert smallest.invariant == "your check discounted_once"
-    assert "AssertionError: orders at [2000], one at 1500 expected" in found.report()
+    smallest = smallest_failure(found, STORM, "your check discounted_once")
     report = found.report()
+    assert "AssertionError: orders at [2000], one at 1500 expected" in report
     assert "1.           serialization failure at before_commit:order_priced: rolled" in report
     assert "ran phase 'order_priced' 4 times: 3 serialization failure(s)" in report
     assert "must not change its params" in report
@@ -203,10 +209,7 @@ def test_a_caller_that_takes_an_outage_for_a_failure_is_found_by_a_lost_answer(
 ) -> None:
     found = explore_placing(orders_url, outage_means_failure=True)
 
-    assert not found.ok, found.report()
-    smallest = found.failures[0]
-    assert str(smallest.schedule) == LOST, found.report()
-    assert smallest.invariant == "your check told_the_truth"
+    smallest = smallest_failure(found, LOST, "your check told_the_truth")
     report = found.report()
     assert "1.           lost the answer at after_commit:order_placed: committed" in report
     assert "failed: DatabaseUnavailable: the database is unavailable" in report
@@ -367,10 +370,7 @@ def test_a_step_whose_lease_runs_out_is_fenced(orders_url: str, schedule: str) -
 def test_a_key_made_of_the_key_row_is_found_by_a_failover_only(orders_url: str) -> None:
     found = explore_shipping(orders_url, key_of_the_row=True)
 
-    assert not found.ok, found.report()
-    smallest = found.failures[0]
-    assert str(smallest.schedule) == FAILOVER, found.report()
-    assert smallest.invariant == "your check labelled_once"
+    smallest = smallest_failure(found, FAILOVER, "your check labelled_once")
     report = found.report()
     assert "labels ['order-1', 'order-2']" in report
     story = "\n".join(smallest.story)
