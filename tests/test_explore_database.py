@@ -262,7 +262,9 @@ def always_shown(conn: sa.Connection) -> None:
     raise AssertionError("shown")
 
 
-def explore_shipping(url: str, *, key_of_the_row: bool = False, **options: Any) -> Exploration:
+def explore_shipping(
+    url: str, *, key_of_the_row: bool = False, the_step_answers: bool = False, **options: Any
+) -> Exploration:
     engine = rp.Engine(url)
     provider = create_engine(url, poolclass=NullPool)  # the label provider's own database
     op: rp.Operation[Any] = rp.Operation("shipped_order")
@@ -272,7 +274,7 @@ def explore_shipping(url: str, *, key_of_the_row: bool = False, **options: Any) 
         tx.execute("INSERT INTO shipped_orders (key_id) VALUES (%s)", (tx.key_id,))
 
     @op.foreign_step("label_bought")
-    def buy_label(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any]:
+    def buy_label(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any] | rp.Response:
         # The planted mistake of a failover: a provider key made of the key row.
         key = f"order-{step.key_id}" if key_of_the_row else step.downstream_key()
         with provider.begin() as conn:  # a provider that dedupes on the key it is given
@@ -280,7 +282,8 @@ def explore_shipping(url: str, *, key_of_the_row: bool = False, **options: Any) 
             conn.execute(
                 sa.text("INSERT INTO labels VALUES (:k) ON CONFLICT DO NOTHING"), {"k": key}
             )
-        return {"label": key}
+        # Answering, the step finishes the key: its result is committed alone.
+        return rp.Response(201, {"label": key}) if the_step_answers else {"label": key}
 
     @op.atomic_phase("order_shipped")
     def ship(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
@@ -434,3 +437,28 @@ def test_a_failover_is_written_after_a_commit(orders_url: str) -> None:
     misplaced = FAILOVER.replace("after_commit:order_created", "before_foreign:label_bought")
     with pytest.raises(ValueError, match="comes after one: write it at after_commit:<phase>"):
         explore_shipping(orders_url, schedule=misplaced)
+
+
+def labelled(conn: sa.Connection) -> None:
+    """The provider made one label."""
+    labels = conn.execute(sa.text("SELECT count(*) FROM labels")).scalar_one()
+    assert labels == 1, f"{labels} labels"
+
+
+def test_a_failover_loses_a_step_s_result_committed_alone(orders_url: str) -> None:
+    """A step that answers finishes the key in a commit of its own, which a failover loses:
+    the key is back at the phase before it, and the retry calls the step again with the
+    same downstream key; the answer given before is lost with it."""
+    answered = FAILOVER.replace("order_created", "label_bought")
+    found = explore_shipping(
+        orders_url, the_step_answers=True, schedule=answered, check=[labelled, asked_twice]
+    )
+    assert found.ok, found.report()
+
+    shown = explore_shipping(
+        orders_url, the_step_answers=True, schedule=answered, check=always_shown
+    )
+    story = "\n".join(shown.failures[0].story)
+    assert "1.           the primary fails as the attempt ends" in story
+    assert "1. client    died with the primary: idempotency_keys back as" in story
+    assert "   lost with it: the answer 201 {" in story
