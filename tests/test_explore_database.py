@@ -35,6 +35,7 @@ database's namespace, never from the row, and stays the same.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,12 @@ CREATE TABLE labels (downstream_key text PRIMARY KEY);
 CREATE TABLE label_requests (downstream_key text NOT NULL);
 CREATE TABLE shipment_notices (key_id bigint NOT NULL);
 """
+# A row of the application's that refers to the key's, as migration 0011 allows.
+KEY_NOTES = """
+CREATE TABLE key_notes (key_id bigint NOT NULL, scope text NOT NULL,
+                        FOREIGN KEY (key_id, scope) REFERENCES idempotency_keys (id, scope)
+                        {deferrable});
+"""
 STORM = "client: attempt 1 meets 3 serialization failures at before_commit:order_priced"
 LOST = "client: attempt 1 loses its commit's answer at after_commit:order_placed"
 NOT_PLACED = "your order was not placed"
@@ -70,7 +77,7 @@ LAST_LOST = FAILOVER.replace("order_created", "order_shipped")
 
 @pytest.fixture(scope="module")
 def orders_url(server_url: str) -> Iterator[str]:
-    with database_with(server_url, SCHEMA) as url:
+    with database_with(server_url, SCHEMA + KEY_NOTES.format(deferrable="")) as url:
         yield url
 
 
@@ -263,7 +270,12 @@ def always_shown(conn: sa.Connection) -> None:
 
 
 def explore_shipping(
-    url: str, *, key_of_the_row: bool = False, the_step_answers: bool = False, **options: Any
+    url: str,
+    *,
+    key_of_the_row: bool = False,
+    the_step_answers: bool = False,
+    notes_the_key: bool = False,
+    **options: Any,
 ) -> Exploration:
     engine = rp.Engine(url)
     provider = create_engine(url, poolclass=NullPool)  # the label provider's own database
@@ -272,6 +284,8 @@ def explore_shipping(
     @op.atomic_phase("order_created")
     def create_order(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
         tx.execute("INSERT INTO shipped_orders (key_id) VALUES (%s)", (tx.key_id,))
+        if notes_the_key:
+            tx.execute("INSERT INTO key_notes VALUES (%s, '')", (tx.key_id,))
 
     @op.foreign_step("label_bought")
     def buy_label(step: rp.StepContext, params: dict[str, Any]) -> dict[str, Any] | rp.Response:
@@ -299,7 +313,13 @@ def explore_shipping(
             engine,
             op,
             {"weight": 2},
-            tables=["shipped_orders", "labels", "label_requests", "shipment_notices"],
+            tables=[
+                "shipped_orders",
+                "labels",
+                "label_requests",
+                "shipment_notices",
+                *(["key_notes"] if notes_the_key else []),
+            ],
             dispose=[provider],
             depth=1,
             **options,
@@ -462,3 +482,48 @@ def test_a_failover_loses_a_step_s_result_committed_alone(orders_url: str) -> No
     assert "1.           the primary fails as the attempt ends" in story
     assert "1. client    died with the primary: idempotency_keys back as" in story
     assert "   lost with it: the answer 201 {" in story
+
+
+def test_a_failover_puts_back_a_key_row_that_a_row_of_yours_refers_to(orders_url: str) -> None:
+    """Losing the last phase puts the key row back while a row of the first phase refers
+    to it: as a standby replays its log, no foreign key is checked meanwhile."""
+    found = explore_shipping(
+        orders_url,
+        notes_the_key=True,
+        schedule=LAST_LOST,
+        check=[labelled_once, asked_twice, noticed_once],
+    )
+    assert found.ok, found.report()
+
+
+@pytest.fixture
+def unprivileged(server_url: str) -> Iterator[str]:
+    """A server URL whose role may create databases and nothing more: no superuser."""
+    role = f"rp_explorer_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN CREATEDB")
+    try:
+        yield sa.make_url(server_url).set(username=role).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+        admin.dispose()
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+def test_without_privilege_a_deferrable_foreign_key_is_needed(
+    unprivileged: str, deferrable: bool
+) -> None:
+    """A role that may not set session_replication_role puts the rows back with the
+    foreign keys checked: a DEFERRABLE one at the COMMIT, the rows back by then; another
+    stops the exploration with what to do."""
+    schema = SCHEMA + KEY_NOTES.format(deferrable="DEFERRABLE" * deferrable)
+    with database_with(unprivileged, schema) as url:
+        if deferrable:
+            found = explore_shipping(url, notes_the_key=True, schedule=LAST_LOST)
+            assert found.ok, found.report()
+            return
+        with pytest.raises(ValueError, match="Make that foreign key DEFERRABLE") as refused:
+            explore_shipping(url, notes_the_key=True, schedule=LAST_LOST)
+        assert "violates foreign key constraint" in str(refused.value)

@@ -40,9 +40,19 @@ def written(before: Rows, after: Rows) -> Rows:
 
 def put_back(conn: psycopg.Connection[Any], lost: Rows, order: Sequence[str]) -> None:
     """Put the tables of ``lost`` back as they were, in one transaction: emptied in
-    ``order`` (a table before those it refers to), filled in the reverse order."""
+    ``order`` (a table before those it refers to), filled in the reverse order.
+
+    As a standby replays its log: no trigger fires and no foreign key is checked (another
+    table's rows may refer to a row emptied and filled again), when the role may set
+    ``session_replication_role`` (a superuser, or one granted SET on it); otherwise the
+    foreign keys that are DEFERRABLE are checked at the COMMIT, the rows back by then."""
     tables = [table for table in order if table in lost]
     with conn.transaction(), conn.cursor() as cursor:
+        try:
+            with conn.transaction():  # a savepoint: a refusal leaves the rest to run
+                cursor.execute("SET LOCAL session_replication_role = replica")
+        except psycopg.errors.InsufficientPrivilege:
+            cursor.execute("SET CONSTRAINTS ALL DEFERRED")
         for table in tables:
             cursor.execute(f"DELETE FROM {table}")
         for table in reversed(tables):

@@ -1024,7 +1024,15 @@ class _Explorer:
         """In explore's process, the attempt's process gone: the database as the promoted
         standby has it. Answers the attempt gave are lost with the commits they came of."""
         lost = run.lost or {}
-        _failover.put_back(_driver(self.conn), lost, self.tables)
+        try:
+            _failover.put_back(_driver(self.conn), lost, self.tables)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            raise ValueError(
+                f"a failover could not put {', '.join(lost)} back as they were before the "
+                f"lost commit: {exc.diag.message_primary}. Make that foreign key DEFERRABLE, "
+                "explore as a role that may set session_replication_role (a superuser), or "
+                "leave the failover out of effects="
+            ) from None
         run.story.append(
             f"{run.attempt}. {actor:<9} died with the primary: {', '.join(lost)} back as "
             "before the lost commit, the providers' side as the attempt left it"
