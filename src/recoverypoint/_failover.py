@@ -3,8 +3,8 @@ the tables a commit wrote, as they were just before it, put back once the primar
 
 A table is read whole with ``COPY ... TO STDOUT`` (text format), which writes back with
 ``COPY ... FROM STDIN`` value for value, whatever the column types (identity columns
-included), and needs no key to tell rows apart. The tables explore runs on are small:
-a copy of each costs less than a round trip more per row would.
+included), and needs no key to tell rows apart. The tables explore runs on hold the rows
+of one schedule, a few each: reading them whole, twice per failover, is cheap.
 """
 
 from __future__ import annotations
