@@ -30,11 +30,13 @@ def read(conn: psycopg.Connection[Any], tables: Sequence[str]) -> Rows:
 
 def written(before: Rows, after: Rows) -> Rows:
     """The tables whose rows changed from ``before`` to ``after``, as they were before.
-    Rows are compared as a multiset: COPY gives them in no promised order."""
+    Rows are compared as a multiset: COPY gives them in no promised order. COPY ends each
+    with a newline and escapes those in values, not every character ``splitlines`` splits
+    at (U+2028, U+0085)."""
     return {
         table: rows
         for table, rows in before.items()
-        if sorted(rows.splitlines()) != sorted(after[table].splitlines())
+        if sorted(rows.split("\n")) != sorted(after[table].split("\n"))
     }
 
 
