@@ -185,10 +185,10 @@ def test_a_correct_operation_passes_every_schedule(make_shop: Any) -> None:
     assert found.by_depth[0] == 1
     # 7 boundaries (2 commits with their after_commits, 2 around the step, the publish),
     # each raised and died at, each recovered by the client and by the completer; and a
-    # storm of serialization failures before each of the 2 commits, a lost answer after
-    # each, and the engine's connections ended during the step and its lease run out as it
-    # returned, each way.
-    assert found.by_depth[1] == 7 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
+    # storm of serialization failures before each of the 2 commits, a lost answer and a
+    # failover after each, and the engine's connections ended during the step and its
+    # lease run out as it returned, each way.
+    assert found.by_depth[1] == 7 * 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
     assert seen[-1] == (found.schedules, found.schedules)
 
 
@@ -274,7 +274,9 @@ crashes = st.builds(
     attempt=st.integers(1, 9),
     point=points,
     nth=st.integers(1, 5),
-    effect=st.sampled_from(["raise", "exit", "lost_answer", "disconnect", "lease_lost"]),
+    effect=st.sampled_from(
+        ["raise", "exit", "lost_answer", "disconnect", "lease_lost", "failover"]
+    ),
 ) | st.builds(
     Crash,
     attempt=st.integers(1, 9),
@@ -331,8 +333,9 @@ def test_rocket_rides_passes_every_schedule_to_depth_two(server_url: str) -> Non
     # tried with recovery past the window too (and again with the recovery dying before
     # the charge, the one boundary it reaches), each leaving the key for an operator. Its
     # 2 atomic phases meet a storm of serialization failures each and lose the answer to
-    # their commits, and its charge loses its connections and its lease, each way.
-    assert found.by_depth[1] == 7 * 2 * 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
+    # their commits and the commits to a failover, and its charge loses its connections
+    # and its lease, each way.
+    assert found.by_depth[1] == 7 * 2 * 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
     assert found.held == len(found.past_window) == 2 * 2 * 2 * (1 + 2)
     assert found.schedules > 200
 
@@ -371,9 +374,9 @@ def test_the_command_passes_rocket_rides(server_url: str) -> None:
 
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "crashes  schedules  broke an invariant" in ran.stdout
-    assert "create_ride: every invariant held in 49 schedules (depth 1)" in ran.stdout
+    assert "create_ride: every invariant held in 53 schedules (depth 1)" in ran.stdout
     assert "8 left the key in the state needs-reconciliation" in ran.stdout
-    assert "explore: 49/49 schedules" in ran.stderr
+    assert "explore: 53/53 schedules" in ran.stderr
 
 
 def test_the_command_reports_the_smallest_failing_schedule(server_url: str) -> None:
@@ -478,8 +481,9 @@ def test_an_idempotent_function(shop_url: str, asks_for_the_key: bool) -> None:
     if asks_for_the_key:
         assert found.ok, found.report()
         # The step's two boundaries and the commit's two; a storm before the commit, a lost
-        # answer after it, the connections ended during the step, its lease run out.
-        assert found.by_depth[1] == 4 * 2 + 1 + 1 + 1 + 1
+        # answer and a failover after it, the connections ended during the step, its lease
+        # run out.
+        assert found.by_depth[1] == 4 * 2 + 1 + 1 + 1 + 1 + 1
     else:
         assert str(found.failures[0].schedule) == "client: attempt 1 raises at after_foreign:called"
         assert "never asked for step.downstream_key()" in found.report()
@@ -506,10 +510,10 @@ def test_a_process_that_dies_leaves_what_a_sigkill_would(make_shop: Any) -> None
 
 
 def test_max_schedules_samples_the_deeper_schedules(make_shop: Any) -> None:
-    """Every schedule of one crash first (41), then a seeded sample of those of two."""
-    found = make_shop().explore(depth=2, max_schedules=42, seed=1)
+    """Every schedule of one crash first (45), then a seeded sample of those of two."""
+    found = make_shop().explore(depth=2, max_schedules=46, seed=1)
     assert found.ok, found.report()
-    assert dict(found.by_depth) == {0: 1, 1: 40, 2: 1}
+    assert dict(found.by_depth) == {0: 1, 1: 44, 2: 1}
 
 
 @pytest.mark.parametrize("passes_the_key_on", [True, False])
@@ -564,8 +568,9 @@ def test_a_single_step_endpoint(shop_url: str, passes_the_key_on: bool) -> None:
     if passes_the_key_on:
         assert found.ok, found.report()
         # The view's two boundaries and the commit's two; a storm before the commit, a lost
-        # answer after it, the connections ended during the view, its lease run out.
-        assert found.by_depth[1] == 4 * 2 + 1 + 1 + 1 + 1
+        # answer and a failover after it, the connections ended during the view, its lease
+        # run out.
+        assert found.by_depth[1] == 4 * 2 + 1 + 1 + 1 + 1 + 1
         assert found.schedules > found.by_depth[1] + 1  # and crashes in the retry too
     else:
         assert str(found.failures[0].schedule) == (

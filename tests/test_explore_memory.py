@@ -103,8 +103,8 @@ def test_a_value_handed_on_in_tx_state_passes(wallet_url: str) -> None:
     assert found.ok, found.report()
     # 4 boundaries (2 phases, before and after their commits), raised and died at, each
     # recovered by the client and by the completer; a storm before each commit and a lost
-    # answer after it, each way.
-    assert found.by_depth[1] == 4 * 2 * 2 + 2 * 2 + 2 * 2
+    # answer and a failover after it, each way.
+    assert found.by_depth[1] == 4 * 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2
     assert f"every invariant held in {found.schedules} schedules (depth 1)" in found.summary()
 
 

@@ -109,4 +109,4 @@ def test_the_fixed_provider_passes(server_url: str, tmp_path: Path) -> None:
     ran = run_command(server_url, tmp_path, "--depth", "1")
 
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "checkout: every invariant held in 41 schedules (depth 1)" in ran.stdout
+    assert "checkout: every invariant held in 45 schedules (depth 1)" in ran.stdout

@@ -32,10 +32,10 @@ ANEW = "finished: called anew, its reconcile hook having found nothing"
 HELD = "needs reconciliation"
 # Without crashes, the shop reaches 6 boundaries (2 phases, before and after their commit,
 # and the step's 2); each is raised and died at, each recovered by the client and by the
-# completer, with a storm of serialization failures before each commit, a lost answer after
-# it and the connections ended during the step too; of the crashes raised and died, the 2
-# around the step again with recovery past the window.
-ORDINARY, LATE = 6 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2, 2 * 2 * 2
+# completer, with a storm of serialization failures before each commit, a lost answer and a
+# failover after it and the connections ended during the step too; of the crashes raised
+# and died, the 2 around the step again with recovery past the window.
+ORDINARY, LATE = 6 * 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2, 2 * 2 * 2
 
 
 @pytest.fixture(scope="module")

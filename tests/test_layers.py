@@ -20,7 +20,8 @@ Layers, lowest first (a module may import its own layer and those below):
 3. the engine (engine.run, engine.run_async and the package's ``__init__``), the
    package's curated ``__init__``, and _moved (the request path's old module names)
 4. services on the engine: admin, workers, integrations, client, explore (which runs the
-   workers) — and admin, which the workers and the console will use, imports none of them
+   workers) and _failover (what explore's failover loses and puts back) — and admin,
+   which the workers and the console will use, imports none of them
 5. the demo
 6. the CLI and the console; only ``__main__`` imports the CLI, and Django's
    ``manage.py recoverypoint``, which is the CLI with Django set up
@@ -89,7 +90,7 @@ LAYERS = {
     **dict.fromkeys(
         [PACKAGE, "engine", "engine.run", "engine.run_async", "idempotent", "_moved"], 3
     ),
-    **dict.fromkeys(["admin", "workers", "integrations", "client", "explore"], 4),
+    **dict.fromkeys(["admin", "workers", "integrations", "client", "explore", "_failover"], 4),
     "demo": 5,
     **dict.fromkeys(["cli", "console", "integrations.django.management"], 6),
     "__main__": 7,

@@ -11,8 +11,10 @@ would in production (the client retries, or the completer finishes the key; the 
 publishes the staged jobs), with crashes during that recovery too, up to ``depth``
 crashes per schedule. It meets the database's faults too: a storm of serialization
 failures before a COMMIT, a COMMIT whose answer is lost, the engine's connections ended
-during a foreign step, a lease run out under a slow step and the key taken over. Between
-schedules it truncates recoverypoint's tables and yours.
+during a foreign step, a lease run out under a slow step and the key taken over, and a
+failover to a standby that lags, which loses the last committed phase (the tables its
+commit wrote put back as they were before it) while what the foreign steps did at their
+providers stays. Between schedules it truncates recoverypoint's tables and yours.
 
 Attempts run in processes forked from explore's, which never runs the operation: a new
 one for a schedule's first attempt and another after each crash, so that, as in
@@ -33,7 +35,8 @@ leases and back-offs (``_STATE``), never every moment: that would carry its key 
 window or a finished key past its retention, and change what a retry or a replay does.
 
 After each schedule it checks recoverypoint's invariants (the key finishes; every answer
-a client got, and every replay, is the same; no lease is left; each staged job was
+a client got, and every replay, is the same (after a failover, those given since: the
+earlier ones were lost with their phase); no lease is left; each staged job was
 published and consumed through ``consume_once``) and yours (``check``). The smallest
 failing schedule is reported with what each attempt did, the broken invariant, what the
 database held, a hint where the guarantee ended, and the schedule in one line to paste
@@ -64,7 +67,8 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from ._faults import Effect, InjectedFault, faults
+from . import _failover
+from ._faults import FAULT_EXIT_STATUS, Effect, InjectedFault, faults
 from .engine import Engine, heartbeat
 from .integrations._base import is_single_step
 from .jobs import Job, JobBackend
@@ -75,9 +79,21 @@ from .workers import Completer, Enqueuer
 Recovery = Literal["client", "completer"]
 # What a crash does: a fault registry's effect, or one explore brings about itself: the
 # engine's connections ended during a foreign step (a failover, pg_terminate_backend); a
-# lease run out while a step was slow, another attempt taking the key over.
-Kind = Effect | Literal["disconnect", "lease_lost"]
+# lease run out while a step was slow, another attempt taking the key over; a failover to
+# a standby that lags, which loses a commit and what followed it.
+Kind = Effect | Literal["disconnect", "lease_lost", "failover"]
 Check = Callable[[sa.Connection], None]
+# Every kind, tried in this order at each boundary; the two that end an attempt's process.
+KINDS: tuple[Kind, ...] = (
+    "raise",
+    "exit",
+    "conflict",
+    "lost_answer",
+    "disconnect",
+    "lease_lost",
+    "failover",
+)
+KILLING: tuple[Kind, ...] = ("exit", "failover")
 
 KEY = "explore"
 # recoverypoint's tables that one schedule writes (its schema and namespace stay).
@@ -133,7 +149,8 @@ _ROLLBACK_POLLS = 5000
 _CONSUMED = sa.text("SELECT message_id FROM processed_messages WHERE message_id = ANY(:keys)")
 _CRASH = re.compile(
     r"attempt ([1-9]\d*) (raises|dies|loses its commit's answer|loses its connections"
-    r"|loses its lease|meets ([1-9]\d*) serialization failures?)"
+    r"|loses its lease|loses its last commit to a failover"
+    r"|meets ([1-9]\d*) serialization failures?)"
     r" at (\S+?)(?: \(hit ([1-9]\d*)\))?"
 )
 # A storm: serialization failures in a row at a phase, each rolling it back, the engine
@@ -146,12 +163,14 @@ _VERBS: dict[Kind, str] = {
     "lost_answer": "loses its commit's answer",
     "disconnect": "loses its connections",
     "lease_lost": "loses its lease",
+    "failover": "loses its last commit to a failover",
 }
 # The kinds tried as a schedule's one crash, each at the points it belongs to.
 _FIRST_ONLY: dict[Kind, str] = {
     "lost_answer": "after_commit:",
     "disconnect": "before_foreign:",
     "lease_lost": "after_foreign:",
+    "failover": "after_commit:",
 }
 # Ends the backends of the engine's connections; then, until none is left (pg_terminate_backend's
 # own wait needs PostgreSQL 14), how many still are.
@@ -179,7 +198,10 @@ class Crash:
     ``before_foreign`` point) has the engine's pooled connections ended, the step running
     on and the phase after it meeting a dead connection, or (``lease_lost``, at an
     ``after_foreign`` point) finds, its step returned, that its lease ran out while the step
-    ran and that another attempt took the key over and ran meanwhile."""
+    ran and that another attempt took the key over and ran meanwhile, or (``failover``, at
+    an ``after_commit`` point) goes on, its commit not yet on the standby that is promoted
+    at its next COMMIT (or as it ends): its process dies with the primary, and the
+    database is back as it was before that commit, what the foreign steps did staying."""
 
     attempt: int
     point: str
@@ -361,6 +383,9 @@ class _Run:
     renewed: set[str] = field(default_factory=set)  # steps whose hook found nothing past it
     blind: Counter[str] = field(default_factory=Counter)  # step → calls past it, not renewed
     raised: list[tuple[int, str, str]] = field(default_factory=list)  # attempt, phase, error
+    # A failover's: the tables the lost commit wrote, as they were before it (sent by the
+    # attempt's process, put back by explore's).
+    lost: _failover.Rows | None = None
     pipe: int | None = None  # in an attempt's process: where what it saw goes before it ends
 
     def send(self, dies: bool) -> None:
@@ -384,6 +409,7 @@ class _Run:
         self.story += seen["story"]
         self.answers += seen["answers"]
         self.raised += [(a, p, e) for a, p, e in seen["raised"]]
+        self.lost = seen["lost"]
         return bool(seen["dies"])
 
     def decide(self, point: str) -> Kind | None:
@@ -422,6 +448,7 @@ _SEEN = (
     "renewed",
     "blind",
     "raised",
+    "lost",
 )
 
 
@@ -502,14 +529,7 @@ def explore(
     dispose: Sequence[sa.Engine] = (),
     request: Callable[[], Any] | None = None,
     depth: int = 2,
-    effects: Sequence[Kind] = (
-        "raise",
-        "exit",
-        "conflict",
-        "lost_answer",
-        "disconnect",
-        "lease_lost",
-    ),
+    effects: Sequence[Kind] = KINDS,
     recoveries: Sequence[Recovery] = ("client", "completer"),
     schedule: str | Schedule | None = None,
     max_schedules: int | None = None,
@@ -626,6 +646,7 @@ class _Explorer:
         self.connections: list[psycopg.Connection[Any]] = []
         self.spare: _Process | None = None  # the next process, forked ahead, ready
         self.running: _Process | None = None  # the last attempt's, if it did not crash
+        self.standby: _failover.Rows = {}  # in an attempt's process: see _read_standby
         self.waiting: _Process | None = None  # an attempt's whose key is being taken over
         self.ending: list[int] = []  # processes told to end, not yet reaped
         self.setup = setup
@@ -674,6 +695,12 @@ class _Explorer:
                 f"{step!r} is not a foreign step of {self.operation.name!r} that declares a "
                 f"dedupe_window (those that do: {', '.join(self.windows) or 'none'})"
             )
+        for crash in planned.crashes:
+            if crash.effect == "failover" and not crash.point.startswith("after_commit:"):
+                raise ValueError(
+                    f"{crash}: a failover loses a commit, so it comes after one: write "
+                    "it at after_commit:<phase>"
+                )
         run = self._play(planned)
         found.schedules += 1
         found.by_depth[planned.depth] += 1
@@ -708,7 +735,7 @@ class _Explorer:
                 run.hits.clear()
                 crash = planned.crash_in(run.attempt)
                 # A takeover runs beside the attempt it takes over from: in processes apart.
-                apart = crash is not None and crash.effect in ("exit", "lease_lost")
+                apart = crash is not None and crash.effect in (*KILLING, "lease_lost")
                 if self.one_process and not apart:
                     self._attempt(actor, run)
                 else:
@@ -794,7 +821,9 @@ class _Explorer:
         code = os.waitstatus_to_exitcode(os.waitpid(process.pid, 0)[1])
         self._await_rollback()
         crash = run.schedule.crash_in(run.attempt)
-        if line and crash is not None:
+        if run.lost is not None:
+            self._put_back(run, actor)
+        elif line and crash is not None:
             run.story.append(f"{run.attempt}. {actor:<9} died at {crash.point}")
         else:
             run.story.append(f"{run.attempt}. {actor:<9} ended its process (exit status {code})")
@@ -852,6 +881,9 @@ class _Explorer:
         run.renewed = set(orders["renewed"])
         with faults.watching(self._watcher(run)):
             self._attempt(orders["actor"], run)
+        if run.lost is not None:  # no COMMIT after the lost one: the primary fails now
+            self._fail_over(run, "as the attempt ends")
+            os._exit(FAULT_EXIT_STATUS)
         run.send(dies=False)
 
     def _end(self, *processes: _Process | None) -> None:
@@ -894,33 +926,44 @@ class _Explorer:
 
         def decide(point: str) -> Effect | None:
             kind = run.decide(point)
+            if run.lost is not None and point.startswith("before_commit:"):
+                return self._fail_over(run, f"at {point}")
             if kind == "disconnect":
                 self._disconnect(run, point)
             elif kind == "lease_lost":
                 self._lose_lease(run, point)
+            elif kind == "failover":
+                self._not_replicated(run, point)
             else:
+                self._read_standby(run, point)
                 return kind
             return None
 
         return decide
+
+    @contextmanager
+    def _aside(self) -> Iterator[sa.Connection]:
+        """In an attempt's process: a connection of another pool than the engine's, in
+        autocommit (each statement a transaction, with a fresh snapshot)."""
+        apart = sa.create_engine(
+            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+        )
+        try:
+            with apart.connect() as conn:
+                yield conn
+        finally:
+            apart.dispose()
 
     def _disconnect(self, run: _Run, point: str) -> None:
         """End the backends of the engine's pooled connections in this process, from a
         connection of another pool, as a failover or pg_terminate_backend would."""
         pids = [c.info.backend_pid for c in self.connections if not c.closed]
         self.connections.clear()
-        # Autocommit: each look at pg_stat_activity is a transaction, with a fresh snapshot.
-        apart = sa.create_engine(
-            self.engine.db.url, poolclass=NullPool, isolation_level="AUTOCOMMIT"
-        )
-        try:
-            with apart.connect() as conn:
-                ended = conn.scalar(_TERMINATE, {"pids": pids})
-                deadline = time.monotonic() + _GONE_WITHIN
-                while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-        finally:
-            apart.dispose()
+        with self._aside() as conn:
+            ended = conn.scalar(_TERMINATE, {"pids": pids})
+            deadline = time.monotonic() + _GONE_WITHIN
+            while conn.scalar(_LEFT, {"pids": pids}) and time.monotonic() < deadline:
+                time.sleep(0.01)
         run.story.append(
             f"{run.attempt}.           its connections ended at {point}: {ended} backend(s) "
             "terminated, the step runs on"
@@ -935,6 +978,69 @@ class _Explorer:
         if run.pipe is not None:
             os.write(run.pipe, json.dumps({"takeover": point}).encode() + b"\n")
             self.orders.readline()  # the taking over ended
+
+    # -- a failover that loses a commit --------------------------------------------------
+    #
+    # A standby that lags is promoted: the primary's last commits never reached it. Which
+    # tables a lost commit wrote is read off the database, not asked of the caller: those
+    # whose rows differ just before the commit and just after it (nothing else writes
+    # meanwhile), kept as they were before. A provider whose rows live in this database (a
+    # fake one, its table in ``tables``) is written by its step, outside any phase's
+    # transaction: it keeps what the step did, as a real provider would. Sequences are not
+    # put back: a promoted standby may hand out ids again or not, so an id that a lost
+    # phase got (a serial column's, the key row's own) is not the one its retry gets.
+
+    def _read_standby(self, run: _Run, point: str) -> None:
+        """At the point before the commit a failover is to lose (an atomic phase's, or a
+        step's result committed alone), the tables as the standby will have them."""
+        crash = run.schedule.crash_in(run.attempt)
+        if crash is None or crash.effect != "failover":
+            return
+        boundary, _, name = point.partition(":")
+        if boundary in ("before_commit", "after_foreign") and crash.point == f"after_commit:{name}":
+            with self._aside() as conn:
+                self.standby = _failover.read(_driver(conn), self.tables)
+
+    def _not_replicated(self, run: _Run, point: str) -> None:
+        """The commit went through on the primary, not yet on its standby: the attempt goes
+        on until its next COMMIT, where the primary is found gone."""
+        with self._aside() as conn:
+            committed = _failover.read(_driver(conn), self.tables)
+        run.lost = _failover.written(self.standby, committed)
+        run.story.append(
+            f"{run.attempt}.           committed at {point}, not yet on the standby that "
+            "is about to be promoted; the attempt goes on"
+        )
+
+    def _fail_over(self, run: _Run, where: str) -> Effect:
+        """The primary is gone: the attempt's process dies with it (its last word sent)."""
+        run.story.append(
+            f"{run.attempt}.           the primary fails {where}: its standby is promoted"
+        )
+        run.send(dies=True)
+        return "exit"
+
+    def _put_back(self, run: _Run, actor: str) -> None:
+        """In explore's process, the attempt's process gone: the database as the promoted
+        standby has it. Answers the attempt gave are lost with the commits they came of."""
+        lost = run.lost or {}
+        try:
+            _failover.put_back(_driver(self.conn), lost, self.tables)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            raise ValueError(
+                f"a failover could not put {', '.join(lost)} back as they were before the "
+                f"lost commit: {exc.diag.message_primary}. Make that foreign key DEFERRABLE, "
+                "explore as a role that may set session_replication_role (a superuser), or "
+                "leave the failover out of effects="
+            ) from None
+        run.story.append(
+            f"{run.attempt}. {actor:<9} died with the primary: {', '.join(lost)} back as "
+            "before the lost commit, the providers' side as the attempt left it"
+        )
+        if run.answers:  # not a replay's to match: a lossy failover may lose an answer
+            run.story.append(f"   lost with it: the answer {run.answers[-1]}")
+            run.answers.clear()
+        run.lost = None
 
     # -- process memory --------------------------------------------------------------------
 
@@ -1110,6 +1216,19 @@ class _Explorer:
                     "result must be refused (LockLost). Make lock_timeout longer than the "
                     "step's slowest call: renewals keep a live holder's lease meanwhile."
                 )
+            if crash.effect == "failover":
+                hints.append(
+                    f"attempt {crash.attempt}'s commit at {crash.point}, and what it wrote "
+                    "after it, was lost to a failover (a standby that lagged was promoted), "
+                    "while what its steps did at their providers stayed: the retry ran the "
+                    "lost phases and steps again. A step must hand its provider "
+                    "step.downstream_key(), derived from the scope, operation, key and the "
+                    "database's namespace, the same after a failover; not a key of its own, "
+                    "nor one made of what a lost phase wrote (a row's id, the key row's): "
+                    "those change. A job staged again carries the same job_key. An answer "
+                    "given before the failover is lost with it (only a synchronous standby "
+                    "keeps it): a client's retry may get another."
+                )
         for job_key, times in run.deliveries.items():
             if times > 1:
                 hints.append(
@@ -1258,10 +1377,12 @@ def _extensions(
     crash, with each effect; a first crash is tried with each way to recover, and, around
     a step with a dedupe window, with recovery after the window too (after the others, so
     that an operation without windows is explored as before). A lost answer (after a
-    COMMIT) and the engine's connections ended during a step (at its ``before_foreign``
-    point) are tried as a first crash only, and not extended: what recovers from them is
-    what recovers from a raise there, which is explored deeper: they cost a schedule a
-    point for each way to recover, not a tree."""
+    COMMIT), the engine's connections ended during a step (at its ``before_foreign``
+    point), a lease run out (at its ``after_foreign`` point) and a failover that loses a
+    commit (after it) are tried as a first crash only, and not extended: what recovers
+    from them is what recovers from a raise there, which is explored deeper: they cost a
+    schedule a point for each way to recover, not a tree. Failovers come last, so that a
+    mistake an ordinary crash finds too is shown with that crash."""
     if planned.crashes and planned.crashes[-1].effect in _FIRST_ONLY:
         return []
     last = planned.crashes[-1].attempt if planned.crashes else 0
@@ -1275,7 +1396,7 @@ def _extensions(
             for boundary, _, step in [hit.point.partition(":")]
             if boundary in _AROUND_STEP and step in windows
         ]
-    return [
+    extended = [
         Schedule(way, (*planned.crashes, replace(hit, effect=effect, times=times)), window)
         for hit, window in [*((hit, planned.past_window) for hit in hits), *late]
         for effect in effects
@@ -1287,6 +1408,14 @@ def _extensions(
         for times in [_STORM if effect == "conflict" else 1]
         for way in ways
     ]
+    return sorted(extended, key=lambda schedule: schedule.crashes[-1].effect == "failover")
+
+
+def _driver(conn: sa.Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under ``conn``, for COPY."""
+    driver = conn.connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)  # the engine's driver
+    return driver
 
 
 def _answer(returned: object) -> str:
@@ -1302,4 +1431,14 @@ def _json(value: object) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-__all__ = ["Crash", "Exploration", "Failure", "Kind", "Schedule", "Subject", "explore"]
+__all__ = [
+    "KILLING",
+    "KINDS",
+    "Crash",
+    "Exploration",
+    "Failure",
+    "Kind",
+    "Schedule",
+    "Subject",
+    "explore",
+]

@@ -11,7 +11,7 @@ import time
 
 from ..database import DATABASE_URL_ENV, normalize_url
 from ..exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail
-from ..explore import Exploration, Subject
+from ..explore import KILLING, KINDS, Exploration, Subject
 from ..migrate import upgrade
 from ._common import Subparsers
 from ._output import print_json, print_table
@@ -43,7 +43,7 @@ def add_explore(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--no-exit",
         action="store_true",
-        help="crash by exceptions only, never killing an attempt's process",
+        help="never kill an attempt's process (no death, no failover): crash by exceptions",
     )
     parser.add_argument(
         "--database-url",
@@ -86,11 +86,7 @@ def _explore(args: argparse.Namespace) -> int:
             found = subject.explore(
                 depth=args.depth,
                 schedule=args.schedule,
-                effects=(
-                    ("raise", "conflict", "lost_answer", "disconnect", "lease_lost")
-                    if args.no_exit
-                    else ("raise", "exit", "conflict", "lost_answer", "disconnect", "lease_lost")
-                ),
+                effects=[k for k in KINDS if not (args.no_exit and k in KILLING)],
                 progress=progress,
             )
         except ValueError as exc:
