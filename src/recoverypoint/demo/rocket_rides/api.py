@@ -6,7 +6,7 @@ the client's ``Idempotency-Key``, scoped to the user:
 
 1. ``ride_created`` (atomic): the ride and its audit record;
 2. ``charge_created`` (foreign): 2000 usd through the provider, with the downstream key
-   and the ride's id in the charge's metadata.
+   (and nothing of the ride's: see :func:`_charge`).
    A declined card finishes the key with 402; an unreachable or failing provider raises
    ``Retryable`` (503), and the client's retry resumes here with the same downstream key,
    so the provider never charges twice;

@@ -72,7 +72,7 @@ CREATE TABLE IF NOT EXISTS provider_charges (
     customer text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
--- Like Stripe's: what the caller attached to the charge (the API puts the ride's id).
+-- Like Stripe's: what the caller attached to the charge (Rocket Rides attaches nothing).
 ALTER TABLE provider_charges ADD COLUMN IF NOT EXISTS metadata jsonb NOT NULL DEFAULT '{}';
 -- No unique job_key in either table: a receipt sent twice must be countable, not an error.
 CREATE TABLE IF NOT EXISTS receipt_deliveries (
