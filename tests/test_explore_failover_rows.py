@@ -19,8 +19,9 @@ SCHEMA = """
 CREATE TABLE notes (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, body text,
                     tags text[], doc jsonb, amount numeric, at timestamptz);
 """
-# Anything a text column holds: every character but NUL, which PostgreSQL refuses.
-TEXT = st.text(st.characters(exclude_characters="\x00"), max_size=20)
+# Anything a text column holds: every character but NUL, which PostgreSQL refuses, and a
+# lone surrogate, which UTF-8 cannot encode (hypothesis draws them once categories are set).
+TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=20)
 ROWS = st.lists(
     st.tuples(
         st.none() | TEXT,

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from .engine.sql import LEFT_ITS_SCOPE
 from .errors import ConfigurationError
 
 DISTRIBUTED = "idempotency_keys"
@@ -64,6 +63,8 @@ REFERENCE = (
 # co-located shards), or the write raises LEFT_ITS_SCOPE, before COMMIT. A reference
 # table's shard is in no shard group. The definer's rights, as the catalogs it reads may be
 # closed to the application's role.
+# What the write that records a phase raises (the engine's PhaseLeftScope) when it does not.
+LEFT_ITS_SCOPE = "RP003"
 STAYS_IN_SCOPE_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION recoverypoint_stays_in_scope() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $fn$

@@ -58,9 +58,6 @@ def mark(token: str) -> bytes:
 # key row changed under the phase, or the phase ended the transaction it began in.
 KEY_ROW_CHANGED = "RP001"
 TRANSACTION_ENDED = "RP002"
-# What the write that records a phase raises on Citus when the phase wrote rows of another
-# scope on its scope's worker (recoverypoint.distribute.STAYS_IN_SCOPE).
-LEFT_ITS_SCOPE = "RP003"
 
 
 class Statement:

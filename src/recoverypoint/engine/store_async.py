@@ -287,7 +287,7 @@ async def _commit_fenced(
                 raise PhaseEndedTransaction() from None
             if (
                 exc.diag.message_primary == sql.LEFT_ITS_WORKER
-                or exc.sqlstate == sql.LEFT_ITS_SCOPE
+                or exc.sqlstate == distribute.LEFT_ITS_SCOPE
             ):
                 raise PhaseLeftWorker() from exc
             if exc.sqlstate == sql.KEY_ROW_CHANGED:
