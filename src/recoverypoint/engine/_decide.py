@@ -220,7 +220,7 @@ class Finished(NamedTuple):
             int(status),
             None if headers is None else json.loads(headers),
             body,
-            expired == "true",
+            expired == "t",  # a boolean's text
         )
 
 

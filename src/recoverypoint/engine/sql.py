@@ -157,7 +157,7 @@ CLAIM = Statement(f"""
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
         RETURNING id, created_at, ctid, request_params
     )
-    SELECT id::text, {_CREATED_AT}, ctid::text, request_params::text FROM claimed
+    SELECT id, {_CREATED_AT}, ctid, request_params FROM claimed
 """)
 
 # The row of a key CLAIM found there, read in the claim's transaction (the row it conflicted
@@ -217,13 +217,14 @@ ABANDON_EXHAUSTED = Statement(f"""
 # new row of the key takes (recoverypoint.generations): the finished row's next when it is
 # past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
 # CLAIM. One row, whether or not the key exists; one
-# shard on Citus (both tables are distributed by scope, co-located).
+# shard on Citus (both tables are distributed by scope, co-located). Never through a
+# cursor: libpq's text results are each column's text already, without a cast to compute.
 FIND_FINISHED = Statement("""
-    SELECT k.operation_version::text, k.fingerprint, k.response_status::text,
-           k.response_headers::text, k.response_body::text,
+    SELECT k.operation_version, k.fingerprint, k.response_status,
+           k.response_headers, k.response_body,
            (k.abandoned_at IS NULL
-            AND k.finished_at <= now() - make_interval(secs => %(retention)s))::text,
-           coalesce(greatest(k.generation + 1, g.generation), 0)::text
+            AND k.finished_at <= now() - make_interval(secs => %(retention)s)),
+           coalesce(greatest(k.generation + 1, g.generation), 0)
     FROM (SELECT) AS lookup
     LEFT JOIN idempotency_keys AS k
       ON k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
