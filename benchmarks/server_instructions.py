@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,29 +44,21 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).parent))
 
 import facts as machine
-from flows import SCHEMA, RecoveryPointFlow, Reference, ride_operation
+from claims import binaries, free_port, initdb
+from flows import SCHEMA
+from instructions import FLOWS, WARM_UP, require_valgrind, sync_flow
 
-import recoverypoint as rp
 from recoverypoint.migrate import upgrade
 
 HERE = Path(__file__).resolve().parent
-WARM_UP = 60  # as instructions.py: prepared statements, the pool, the caches
 ROUNDS = 3  # each figure is the median of this many differences
-FLOWS = ("reference", "recoverypoint")
 DATABASE = "bench"
 KEY_TABLES = {"reference": "rr_idempotency_keys", "recoverypoint": "idempotency_keys"}
 
 
 def child(url: str, flow_name: str, requests: int) -> None:
     """The warm-up and ``requests`` fresh keys of one flow, one client."""
-    flow: Any
-    if flow_name == "reference":
-        flow = Reference(url)
-    else:
-        engine = rp.Engine(url)
-        operation = ride_operation()
-        engine.register(operation)
-        flow = RecoveryPointFlow(engine, operation)
+    flow = sync_flow(url, flow_name)
     for _ in range(WARM_UP + requests):
         flow.run(uuid.uuid4().hex)
     # The backends the flow used, for the parent to read the counts of: every other one.
@@ -85,23 +76,16 @@ def callgrind_server() -> Iterator[tuple[str, Path]]:
     """A private PostgreSQL under callgrind; yields its admin URL and the directory each
     backend's count lands in (``cg.<pid>``). Autovacuum off: no process but the measured
     backends comes and goes."""
-    bindir = Path(subprocess.check_output(["pg_config", "--bindir"], text=True).strip())
+    bindir, as_user = binaries()
     root = Path(tempfile.mkdtemp(prefix="recoverypoint-server-instructions-"))
     data, counts = root / "data", root / "counts"
+    data.mkdir()
     counts.mkdir()
-    # PostgreSQL refuses to run as root: run its programs as the postgres user then.
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    if as_user:
+    if as_user:  # the server reads and writes below root
         for path in (root, counts):
             shutil.chown(path, "postgres")
-    subprocess.run(
-        [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-        check=True,
-        capture_output=True,
-    )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    initdb(data)
+    port = free_port()
     command = [
         *as_user, "valgrind", "--tool=callgrind", f"--callgrind-out-file={counts}/cg.%p",
         str(bindir / "postgres"), "-D", str(data), "-p", str(port),
@@ -187,8 +171,7 @@ def main() -> None:
     if args.child:
         child(args.database_url, args.child, args.requests)
         return
-    if shutil.which("valgrind") is None:
-        sys.exit("valgrind is not installed: apt-get install -y valgrind")
+    require_valgrind()
     with (
         callgrind_server() as (admin_url, counts),
         psycopg.connect(admin_url, autocommit=True) as admin,
@@ -220,7 +203,7 @@ def main() -> None:
             lines.append(
                 f"  {flow_name:14} row {size:5.0f} B, HOT {hot:,} of {updates:,} ({share:.0%})"
             )
-        print("\n".join(lines[-3:]))
+        print("\n".join(lines[1 + len(FLOWS) :]))  # the rest of the figures
         facts = machine.collect(HERE.parent, admin_url, None)
     write(args.results, facts, lines)
 

@@ -48,8 +48,8 @@ def mark(token: str) -> bytes:
     the engine's transaction and begins another leaves a transaction without it; unlike a
     transaction id, it is read on the server that runs the statement, which on Citus is the
     coordinator for BEGIN and for the write's condition alike. ``SET LOCAL`` rather than
-    ``SELECT set_config(...)``: a utility statement is not planned, which made the mark a
-    third of the cost of the fence it travels with."""
+    ``SELECT set_config(...)``: a utility statement is parsed but not planned, where the
+    SELECT was planned anew in every transaction."""
     if not token.isdigit():
         raise ValueError(f"not a transaction token: {token!r}")
     return f"SET LOCAL {TOKEN} = '{token}'".encode()
