@@ -145,23 +145,13 @@ def sized_server(count: int, progress: Callable[[str], None]) -> Iterator[str]:
     admin URL; stop it. Its data directory is kept (:func:`sized_directory`), so the keys
     are stored once; the indexes are read into ``shared_buffers`` after each start, as a
     server that has been serving them holds them."""
-    bindir = Path(subprocess.check_output(["pg_config", "--bindir"], text=True).strip())
+    bindir, as_user = binaries()
     data = sized_directory(count)
-    # PostgreSQL refuses to run as root: run its programs as the postgres user then.
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     if not (data / "PG_VERSION").exists():
         progress(f"initdb for the sized server in {data}")
         data.mkdir(parents=True, exist_ok=True)
-        if as_user:
-            shutil.chown(data, "postgres")
-        subprocess.run(
-            [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-            check=True,
-            capture_output=True,
-        )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        initdb(data)
+    port = free_port()
     settings = " ".join(f"-c {k}={v}" for k, v in sized_settings(count).items())
     options = (
         f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={data} "
@@ -177,6 +167,31 @@ def sized_server(count: int, progress: Callable[[str], None]) -> Iterator[str]:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
         subprocess.run([*ctl, "-m", "fast", "stop"], check=True, capture_output=True)
+
+
+def binaries() -> tuple[Path, list[str]]:
+    """This machine's PostgreSQL programs (``pg_config --bindir``), and what runs them as
+    the postgres user when this runs as root, which PostgreSQL refuses."""
+    bindir = Path(subprocess.check_output(["pg_config", "--bindir"], text=True).strip())
+    return bindir, ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+def initdb(data: Path) -> None:
+    """A new cluster in the empty directory ``data`` (trust, superuser postgres)."""
+    bindir, as_user = binaries()
+    if as_user:
+        shutil.chown(data, "postgres")
+    subprocess.run(
+        [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def prewarm(url: str) -> None:

@@ -52,17 +52,20 @@ def child(url: str, flow_name: str, requests: int) -> None:
         with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
             runner.run(async_child(url, side, requests))
         return
-    flow: Any
-    if flow_name == "reference":
-        flow = Reference(url)
-    else:
-        engine = rp.Engine(url)
-        operation = ride_operation()
-        engine.register(operation)
-        flow = RecoveryPointFlow(engine, operation)
+    flow = sync_flow(url, flow_name)
     for _ in range(WARM_UP + requests):
         flow.run(uuid.uuid4().hex)
     flow.close()
+
+
+def sync_flow(url: str, flow_name: str) -> Any:
+    """The sync flow ``flow_name`` of ``FLOWS``, on one connection of its own."""
+    if flow_name == "reference":
+        return Reference(url)
+    engine = rp.Engine(url)
+    operation = ride_operation()
+    engine.register(operation)
+    return RecoveryPointFlow(engine, operation)
 
 
 async def async_child(url: str, side: str, requests: int) -> None:
@@ -89,6 +92,11 @@ def collected(url: str, flow_name: str, requests: int) -> int:
     return int(match.group(1))
 
 
+def require_valgrind() -> None:
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed: apt-get install -y valgrind")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", required=True)
@@ -99,8 +107,7 @@ def main() -> None:
     if args.child:
         child(args.database_url, args.child, args.requests)
         return
-    if shutil.which("valgrind") is None:
-        sys.exit("valgrind is not installed: apt-get install -y valgrind")
+    require_valgrind()
 
     admin = normalize_url(args.database_url).set(drivername="postgresql")
     name = f"rp_instr_{secrets.token_hex(4)}"

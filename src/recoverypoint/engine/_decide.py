@@ -32,7 +32,15 @@ from ..keys import (
     validate_request,
     validate_scope,
 )
-from ..operation import Operation, Outcome, Phase, Request, Response, problem_response
+from ..operation import (
+    STARTED,
+    Operation,
+    Outcome,
+    Phase,
+    Request,
+    Response,
+    problem_response,
+)
 
 logger = logging.getLogger("recoverypoint")
 
@@ -143,6 +151,39 @@ class KeyRecord(NamedTuple):
             None if held_for is None else float(held_for),
         )
 
+    @classmethod
+    def new_row(
+        cls, row: Sequence[str | None], request: ClaimRequest, generation: int
+    ) -> KeyRecord:
+        """The record the claim inserted, from what it wrote and the columns it returned
+        (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time, address, and the params
+        as jsonb stored them, which every later run of the key reads too)."""
+        key_id, created_at, ctid, params = row
+        assert key_id and created_at and ctid and params is not None
+        return cls(
+            int(key_id),
+            request.scope,
+            datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
+            request.version,
+            request.fingerprint,
+            STARTED,
+            "{}",
+            params,
+            None,
+            None,
+            None,
+            1,
+            request.seed,
+            generation,
+            ctid,
+            0.0,  # its point was reached as it was inserted
+            0,
+            held=False,
+            claimed=True,
+            inserted=True,
+            held_for=None,
+        )
+
     def lease_left(self, lock_timeout: float) -> int:
         """Whole seconds until the lease expires under ``lock_timeout``; 0 when free."""
         return leases.left(self.held_for, lock_timeout)
@@ -179,7 +220,7 @@ class Finished(NamedTuple):
             int(status),
             None if headers is None else json.loads(headers),
             body,
-            expired == "true",
+            expired == "t",  # a boolean's text
         )
 
 

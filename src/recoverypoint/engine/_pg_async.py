@@ -8,8 +8,8 @@ and the transaction (:class:`AsyncTransaction`) writes out:
 - a statement before the transaction (:meth:`AsyncTransaction.lookup`) runs on its own, the
   way a replay needs it: one round trip, nothing to commit;
 - ``BEGIN ISOLATION LEVEL SERIALIZABLE`` goes with the transaction's first statement
-  (:meth:`AsyncTransaction.fetch`, :meth:`AsyncTransaction.begin_with`) or just before
-  it (:meth:`AsyncTransaction.execute`, :meth:`AsyncTransaction.fetchone`);
+  (:meth:`AsyncTransaction.fetch`) or just before it (:meth:`AsyncTransaction.execute`,
+  :meth:`AsyncTransaction.fetchone`);
 - ``COMMIT`` goes with the write that records the phase
   (:meth:`AsyncTransaction.fetch_and_commit`), or alone (:meth:`AsyncTransaction.commit`).
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
-from psycopg.pq import Escaping, TransactionStatus
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from sqlalchemy.util import greenlet_spawn
 
@@ -149,16 +149,6 @@ class AsyncTransaction:
         self._committed = True
         return row
 
-    async def begin_with(self, query: str) -> tuple[Any, ...] | None:
-        """BEGIN and one of the engine's statements, written out without parameters (see
-        :func:`recoverypoint.engine.sql.fence_by_ctid`), in one round trip; its first row."""
-        assert not self._began, "begin_with opens the transaction"
-        self._began = True
-        # libpq answers with the last statement's result: the row, or the error.
-        query_after = self._begin_sql() + b"; " + query.encode()
-        result = await _libpq_async.command(self.connection, query_after)
-        return _libpq_async.first_row(result, "utf-8")  # an address
-
     def _begin_sql(self) -> bytes:
         """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""
         return sql.BEGIN + b"; " + sql.mark(self.token)
@@ -170,13 +160,6 @@ class AsyncTransaction:
             self._began = True
 
     # -- on psycopg -------------------------------------------------------------------------
-
-    def literal(self, value: str) -> str:
-        """``value`` as an SQL string literal, quoted by libpq for this connection."""
-        encoding = self.connection.info.encoding
-        return (
-            Escaping(self.connection.pgconn).escape_literal(value.encode(encoding)).decode(encoding)
-        )
 
     async def commit(self) -> None:
         """COMMIT, if anything began and nothing committed it; read-only work costs no

@@ -30,7 +30,6 @@ import functools
 import hashlib
 import re
 from typing import NamedTuple
-from uuid import UUID
 
 from .. import backoff, generations, leases
 
@@ -48,10 +47,12 @@ def mark(token: str) -> bytes:
     trip. A setting ``SET LOCAL`` makes ends with its transaction, so phase code that ends
     the engine's transaction and begins another leaves a transaction without it; unlike a
     transaction id, it is read on the server that runs the statement, which on Citus is the
-    coordinator for BEGIN and for the write's condition alike."""
+    coordinator for BEGIN and for the write's condition alike. ``SET LOCAL`` rather than
+    ``SELECT set_config(...)``: a utility statement is parsed but not planned, where the
+    SELECT was planned anew in every transaction."""
     if not token.isdigit():
         raise ValueError(f"not a transaction token: {token!r}")
-    return f"SELECT set_config('{TOKEN}', '{token}', true)".encode()
+    return f"SET LOCAL {TOKEN} = '{token}'".encode()
 
 
 # What the write that records a phase raises when it missed its row (see _GUARDED): the
@@ -102,8 +103,9 @@ _RETURNED = """
     request_params, response_status, response_headers, response_body, attempts,
     derivation_seed, generation, ctid, point_reached_at, window_renewals, reconcile_since
 """
-_RECORD_COLUMNS = """
-    id::text, scope, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'),
+_CREATED_AT = """to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US')"""
+_RECORD_COLUMNS = f"""
+    id::text, scope, {_CREATED_AT},
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
     response_body::text, attempts::text, derivation_seed, generation::text,
@@ -125,12 +127,15 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # (backoff.delay_sql), in the row it writes anyway: a process that dies mid-step has used
 # its attempt, and the completer backs the key off rather than taking it again at once.
 #
-# One round trip: insert the key, or, when it exists, return its row so the caller can tell
-# a replay, a mismatch, a key in use and a key to resume apart (by the rules of the version
-# that started it, which may not be the caller's). An existing row is read,
-# not locked: a replay writes nothing, so its transaction commits without a WAL flush; a
-# key to resume is then taken with CLAIM_BY_ID. Under SERIALIZABLE a conflicting row this
-# snapshot cannot see raises 40001, and the claim is retried with a fresh snapshot.
+# Insert the key; when it exists, nothing, and the caller reads its row (CLAIMED_BEFORE) to
+# tell a replay, a mismatch, a key in use and a key to resume apart (by the rules of the
+# version that started it, which may not be the caller's). A new row returns only what its
+# caller does not know: its id, address and creation time, and the params as jsonb stored
+# them (see KeyRecord.new_row); the rest it wrote itself. (A statement that also read an
+# existing row was a third of the server's work for a fresh key: every execution set up the
+# second arm's scan and both arms' columns, for the rare request that needs them.) Under
+# SERIALIZABLE a conflicting row this snapshot cannot see raises 40001, and the claim is
+# retried with a fresh snapshot.
 #
 # A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
 # just before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a
@@ -150,14 +155,17 @@ CLAIM = Statement(f"""
             %(token)s, %(lock_timeout)s, now(), 1,
             now() + make_interval(secs => {backoff.delay_sql("0")}))
         ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
-        RETURNING {_RETURNED}
+        RETURNING id, created_at, ctid, request_params
     )
-    SELECT {_RECORD_COLUMNS}, 't' AS claimed, 't' AS inserted, NULL AS held_for FROM claimed
-    UNION ALL
-    SELECT {_RECORD_COLUMNS}, 'f', 'f', {_HELD_FOR}
+    SELECT id, {_CREATED_AT}, ctid, request_params FROM claimed
+""")
+
+# The row of a key CLAIM found there, read in the claim's transaction (the row it conflicted
+# with, which its snapshot sees); nothing when it was deleted meanwhile (reaped).
+CLAIMED_BEFORE = Statement(f"""
+    SELECT {_RECORD_COLUMNS}, 'f' AS claimed, 'f' AS inserted, {_HELD_FOR}
     FROM idempotency_keys
     WHERE scope = %(scope)s AND operation = %(operation)s AND idempotency_key = %(key)s
-      AND NOT EXISTS (SELECT 1 FROM claimed)
 """)
 
 # Take an unfinished key by id when its lease is free, expired or already held under
@@ -209,13 +217,14 @@ ABANDON_EXHAUSTED = Statement(f"""
 # new row of the key takes (recoverypoint.generations): the finished row's next when it is
 # past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
 # CLAIM. One row, whether or not the key exists; one
-# shard on Citus (both tables are distributed by scope, co-located).
+# shard on Citus (both tables are distributed by scope, co-located). Never through a
+# cursor: libpq's text results are each column's text already, without a cast to compute.
 FIND_FINISHED = Statement("""
-    SELECT k.operation_version::text, k.fingerprint, k.response_status::text,
-           k.response_headers::text, k.response_body::text,
+    SELECT k.operation_version, k.fingerprint, k.response_status,
+           k.response_headers, k.response_body,
            (k.abandoned_at IS NULL
-            AND k.finished_at <= now() - make_interval(secs => %(retention)s))::text,
-           coalesce(greatest(k.generation + 1, g.generation), 0)::text
+            AND k.finished_at <= now() - make_interval(secs => %(retention)s)),
+           coalesce(greatest(k.generation + 1, g.generation), 0)
     FROM (SELECT) AS lookup
     LEFT JOIN idempotency_keys AS k
       ON k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
@@ -410,34 +419,17 @@ KEYS_DISTRIBUTED = """
 # Lock the row for the rest of the transaction, if the lease is still ours. The lease is
 # renewed by the write that commits the phase: a renewal here would be seen by nobody
 # (no other transaction sees it before that write replaces it) and would cost a row version.
-# Bound to the scope's worker on Citus (see BIND).
+# Bound to the scope's worker on Citus (see BIND). By address, prepared, in one pipeline with
+# BEGIN (a round trip less for every phase after the first, and no planning per phase); by
+# id when the address is stale.
 _FENCE = """
     SELECT ctid::text{bound} FROM idempotency_keys WHERE {where}
     FOR UPDATE
 """
+FENCE = Statement(_FENCE.format(bound="", where=_BY_CTID))
+FENCE_BOUND = Statement(_FENCE.format(bound=_BOUND, where=_BY_CTID))
 FENCE_BY_ID = _FENCE.format(bound="", where=_BY_ID)
 FENCE_BY_ID_BOUND = _FENCE.format(bound=_BOUND, where=_BY_ID)
-_CTID = re.compile(r"\(\d+,\d+\)")
-
-
-def fence_by_ctid(
-    scope_literal: str, ctid: str, key_id: int, token: UUID, *, bound: bool = False
-) -> str:
-    """The fence by address, its values written into the text, so that it travels with
-    BEGIN in one message (:meth:`recoverypoint.engine._pg.Transaction.begin_with`): a round trip
-    less for every phase after the first. Only values whose form is checked here go in, and
-    the scope as the connection's own quoting wrote it (``scope_literal``, libpq's
-    ``PQescapeLiteral``): a constant, which routes the fence to the scope's shard.
-    ``bound``: the transaction stays on the scope's worker (see :data:`BIND`)."""
-    if _CTID.fullmatch(ctid) is None or type(key_id) is not int or type(token) is not UUID:
-        raise ValueError(f"not a key row's address: {ctid!r}, {key_id!r}, {token!r}")
-    if not (scope_literal.startswith(("'", " E'")) and scope_literal.endswith("'")):
-        raise ValueError(f"not a quoted literal: {scope_literal!r}")
-    where = (
-        f"scope = {scope_literal} AND ctid = '{ctid}'::tid AND id = {key_id} "
-        f"AND lock_token = '{token}'"
-    )
-    return _FENCE.format(bound=_BOUND if bound else "", where=where)
 
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment

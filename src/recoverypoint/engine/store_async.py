@@ -75,7 +75,11 @@ async def claim(
         "token": request.token,
         "lock_timeout": request.lock_timeout,
     }
-    return await _fetch_record(tx, sql.CLAIM, params)
+    with _waiting_for_key:
+        row = await tx.fetch(sql.CLAIM, params)
+    if row is not None:
+        return KeyRecord.new_row(row, request, generation)
+    return await _fetch_record(tx, sql.CLAIMED_BEFORE, params)
 
 
 async def claim_by_id(
@@ -124,12 +128,10 @@ async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock.
     ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
+    params = {"scope": key.scope, "ctid": key.ctid, "id": key.id, "token": key.token}
     with _waiting_for_key:
-        scope = tx.literal(key.scope)
-        fence = sql.fence_by_ctid(scope, key.ctid, key.id, key.token, bound=bound)
-        row = await tx.begin_with(fence)
+        row = await tx.fetch(sql.FENCE_BOUND if bound else sql.FENCE, params)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            params = {"scope": key.scope, "id": key.id, "token": key.token}
             row = await tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
