@@ -70,6 +70,10 @@ DATABASES = {
         "PORT": str(_url.port or ""),
     }
 }
+# The receipt on the worker's output: startproject writes that mailer itself from Django 6.1
+# on (MAILERS); before, a project is on SMTP unless it says otherwise.
+if "MAILERS" not in globals():
+    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
 """
 
 # A client books a ride while the provider is down: the key stops after its first phase.

@@ -109,9 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
 def standalone(ops: Admin, *, token: str | None, read_only: bool, hosts: Sequence[str]) -> Any:
     """The console as ``recoverypoint console`` serves it (an ASGI app): behind its token
     (none only for ``--no-token``), and answering only the ``Host`` names ``hosts``."""
-    from starlette.middleware.trustedhost import TrustedHostMiddleware
-
     from ..console import TokenLock, console
+    from ..console.hosts import OwnHosts
 
     app: Any
     if token is None:
@@ -119,23 +118,7 @@ def standalone(ops: Admin, *, token: str | None, read_only: bool, hosts: Sequenc
     else:
         lock = TokenLock(token, read_only=read_only)
         app = lock.guard(console(ops, authorize=lock.authorize))
-    return _HostInLowerCase(TrustedHostMiddleware(app, allowed_hosts=hosts, www_redirect=False))
-
-
-class _HostInLowerCase:
-    """Lowers the ``Host`` header before ``app`` sees it. Host names are case-insensitive
-    (RFC 9110), and the names the console answers are kept in lower case; Starlette's
-    check lowers the header itself only in its newer releases (not in 1.7, which is what
-    Python 3.10 gets), so the console lowers it first and answers alike on every Python."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
-            headers = [(n, v.lower() if n == b"host" else v) for n, v in scope["headers"]]
-            scope = {**scope, "headers": headers}
-        await self.app(scope, receive, send)
+    return OwnHosts(app, hosts)
 
 
 def trusted_hosts(host: str, names: Sequence[str]) -> list[str]:
