@@ -287,3 +287,25 @@ def test_a_read_only_console_shows_keys_and_changes_none(db: sa.Engine) -> None:
             )
             assert sent.status_code == 403, sent.text[:300]
     assert unfinished(db, key_id)
+
+
+@HOSTILE
+@given(host=HOSTS)
+@example(host="ops.example.com:443@evil")  # Starlette 0.40's TrustedHostMiddleware took it
+@example(host="OPS.example.com:8443")
+def test_a_console_mounted_behind_own_hosts_answers_only_its_names(
+    db: sa.Engine, host: str
+) -> None:
+    """What the operating page tells a team that mounts the console in its own app."""
+    from starlette.applications import Starlette
+
+    from recoverypoint.console import OwnHosts, console
+
+    app = Starlette()
+    ops = admin.Admin(db, via="console")
+    app.mount("/ops", console(ops, authorize=lambda request, action: "ops@test"))
+    app.add_middleware(OwnHosts, hosts=["ops.example.com"])
+    named = re.fullmatch(r"ops\.example\.com(:\d+)?", host, re.IGNORECASE) is not None
+    with TestClient(app, base_url="http://ops.example.com", follow_redirects=False) as browser:
+        page = browser.get("/ops/keys", headers={"host": host.encode("latin-1")})
+    assert page.status_code == (200 if named else 400), (host, page.text[:200])

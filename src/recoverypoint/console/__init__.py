@@ -19,6 +19,16 @@ Needs ``pip install 'recoverypoint[console]'``.
 
 from .app import console
 from .auth import ACTIONS, KEY_ACTIONS, REVEAL, VIEW, Authorize
+from .hosts import OwnHosts
 from .token import TokenLock
 
-__all__ = ["ACTIONS", "KEY_ACTIONS", "REVEAL", "VIEW", "Authorize", "TokenLock", "console"]
+__all__ = [
+    "ACTIONS",
+    "KEY_ACTIONS",
+    "REVEAL",
+    "VIEW",
+    "Authorize",
+    "OwnHosts",
+    "TokenLock",
+    "console",
+]

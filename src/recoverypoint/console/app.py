@@ -34,8 +34,9 @@ def console(engine: Engine | Admin, *, authorize: Authorize) -> Starlette:
     engine to choose its ``stuck_after`` or retention.
 
     Refuse other ``Host`` names than yours in front of it (a proxy routing by name, or
-    Starlette's ``TrustedHostMiddleware``): its CSRF check compares ``Origin`` with the
-    ``Host`` a request names, which a DNS-rebinding page chooses.
+    ``app.add_middleware(OwnHosts, hosts=["ops.example.com"])``, :class:`.hosts.OwnHosts`):
+    its CSRF check compares ``Origin`` with the ``Host`` a request names, which a
+    DNS-rebinding page chooses.
     """
     operator = engine if isinstance(engine, Admin) else Admin.for_engine(engine)
     site = Site(operator, checked(authorize))
