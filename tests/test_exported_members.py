@@ -129,6 +129,7 @@ SURFACE = {
         "REVEAL",
         "VIEW",
         "Authorize",
+        "OwnHosts",
         "TokenLock",
         "console",
     ],
