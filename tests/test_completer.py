@@ -334,6 +334,7 @@ def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(
     assert (states.finished, states.leased, states.attempts) == (1, 0, 1)
 
 
+@pytest.mark.slow
 def test_three_completer_processes_finish_1000_keys_each_once(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:

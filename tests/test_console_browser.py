@@ -29,6 +29,8 @@ from workload import plant_keys, rows, stage_jobs
 import recoverypoint as rp
 from recoverypoint.workers import Completer
 
+pytestmark = pytest.mark.slow  # Chromium
+
 db, provider, engine = module_fixtures()
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

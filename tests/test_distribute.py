@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from recoverypoint.distribute import parse_colocated, statements
 
+pytestmark = pytest.mark.slow  # the command line as subprocesses
+
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
 
 

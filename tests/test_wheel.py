@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from docs_snippets import section
 
+pytestmark = pytest.mark.slow  # a wheel built and installed in a new virtualenv
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "install.md"
 
