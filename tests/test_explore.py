@@ -28,6 +28,8 @@ from recoverypoint.explore import Crash, Exploration, Schedule, Subject, explore
 from recoverypoint.jobs import InProcessBackend, Job, consume_once
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # explorations of every schedule
+
 SCHEMA = """
 CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
                      key_id bigint NOT NULL, charge_id bigint);
@@ -312,7 +314,6 @@ def test_schedules_read_back() -> None:
         Schedule.parse("client: attempt 1 raises at x:y (hit 0)")
 
 
-@pytest.mark.slow
 def test_rocket_rides_passes_every_schedule_to_depth_two(server_url: str) -> None:
     from recoverypoint.demo.rocket_rides.explore import subject
 
@@ -365,7 +366,6 @@ def explore_command(server_url: str, *args: str) -> subprocess.CompletedProcess[
     )
 
 
-@pytest.mark.slow
 def test_the_command_passes_rocket_rides(server_url: str) -> None:
     ran = explore_command(
         server_url, "recoverypoint.demo.rocket_rides.explore:subject", "--depth", "1"
@@ -378,7 +378,6 @@ def test_the_command_passes_rocket_rides(server_url: str) -> None:
     assert "explore: 49/49 schedules" in ran.stderr
 
 
-@pytest.mark.slow
 def test_the_command_reports_the_smallest_failing_schedule(server_url: str) -> None:
     ran = explore_command(server_url, "test_explore:shop_ignoring_keys")
 
@@ -424,7 +423,6 @@ def test_checkout_is_crash_safe(explore_crashes):
 """
 
 
-@pytest.mark.slow
 def test_the_pytest_fixture_fails_with_the_report(server_url: str, tmp_path: Path) -> None:
     (tmp_path / "test_shop.py").write_text(PLUGIN_TEST)
     env = {

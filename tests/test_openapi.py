@@ -43,7 +43,10 @@ from recoverypoint.integrations.fastapi import (
 from recoverypoint.migrate import upgrade
 
 # schemathesis calls an ASGI app through Starlette's TestClient too.
-pytestmark = pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning"),
+    pytest.mark.slow,  # schemathesis over the schemas
+]
 
 PROBLEMS = {"400", "409", "413", "422", "423", "503"}
 
