@@ -46,6 +46,7 @@ from recoverypoint.migrate import upgrade
 pytestmark = [
     pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning"),
     pytest.mark.slow,  # schemathesis over the schemas
+    pytest.mark.xdist_group("openapi"),  # its servers, started once for the module
 ]
 
 PROBLEMS = {"400", "409", "413", "422", "423", "503"}
