@@ -18,11 +18,13 @@ import contextlib
 import functools
 import gc
 import os
+import sys
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
@@ -160,10 +162,47 @@ def db(database_url: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
+class _OwnDatabases:
+    """The databases tests have to themselves: created when asked for, dropped in the
+    background after the test.
+
+    A DROP DATABASE waits until every backend of the server has let go of the database's
+    files, a second or more on a busy machine, which the next test need not wait for. The
+    drops left are waited for at the end of the session, and the first error raised there.
+    """
+
+    def __init__(self, server_url: str) -> None:
+        self.server_url = server_url
+        self.dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drop-database")
+        self.drops: list[Future[None]] = []
+
+    @contextlib.contextmanager
+    def new(self, template: str | None = None) -> Iterator[str]:
+        """A new database's URL; a copy of ``template``, when given."""
+        later = contextlib.ExitStack()
+        url = later.enter_context(temporary_database(self.server_url, template=template))
+        try:
+            yield url
+        finally:
+            self.drops.append(self.dropper.submit(later.close))
+
+    def close(self) -> None:
+        self.dropper.shutdown()
+        for drop in self.drops:
+            drop.result()
+
+
+@pytest.fixture(scope="session")
+def own_databases(server_url: str) -> Iterator[_OwnDatabases]:
+    databases = _OwnDatabases(server_url)
+    yield databases
+    databases.close()
+
+
 @pytest.fixture
-def empty_database_url(server_url: str) -> Iterator[str]:
+def empty_database_url(own_databases: _OwnDatabases) -> Iterator[str]:
     """A brand-new database with no tables, dropped after the test."""
-    with temporary_database(server_url) as url:
+    with own_databases.new() as url:
         yield url
 
 
@@ -201,23 +240,33 @@ def faults() -> Faults:
 # -- worker tests ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def worker_database_url(server_url: str, layout: str) -> Iterator[str]:
-    """A migrated database of this test alone, with the tables of ``workload.py``.
-
-    Workers act on every row they find, so a test that runs them must neither see other
-    tests' keys and jobs nor leave its own behind.
-    """
+@pytest.fixture(scope="session")
+def worker_template(server_url: str, layout: str) -> Iterator[str]:
+    """The name of a database migrated in :func:`layout`, with the tables of ``workload.py``,
+    which each :func:`worker_database_url` copies: a copy is quicker than a migration."""
     from workload import SCHEMA
 
-    with temporary_database(server_url) as url:
+    with temporary_database(server_url, prefix="rp_template") as url:
         _migrated(url, layout)
         engine = create_engine(url, poolclass=NullPool)
         try:
             with engine.begin() as connection:
                 connection.exec_driver_sql(SCHEMA)
         finally:
-            engine.dispose()
+            engine.dispose()  # nothing may stay connected to a template being copied
+        database = sa.make_url(url).database
+        assert database is not None
+        yield database
+
+
+@pytest.fixture
+def worker_database_url(own_databases: _OwnDatabases, worker_template: str) -> Iterator[str]:
+    """A migrated database of this test alone, with the tables of ``workload.py``.
+
+    Workers act on every row they find, so a test that runs them must neither see other
+    tests' keys and jobs nor leave its own behind.
+    """
+    with own_databases.new(template=worker_template) as url:
         yield url
 
 
@@ -234,6 +283,18 @@ def module_database_url(server_url: str) -> Iterator[str]:
     """A database of one test module alone, with no tables, dropped after the module."""
     with temporary_database(server_url) as url:
         yield url
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of the tests by fixture
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, the tests marked ``slow`` first, in their order.
+
+    xdist hands the tests out to its workers in this order: the slow ones, minutes for some,
+    start at once side by side, and the quick ones fill in around them instead of one slow
+    test running alone at the end.
+    """
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -261,11 +322,18 @@ STILL_RUNNING_EVERY = 30.0
 
 
 class _Narrator:
-    """Says on the terminal what the suite is doing, where pytest alone would not."""
+    """Says on the terminal what the suite is doing, where pytest alone would not.
+
+    Under pytest-xdist the tests run in worker processes, whose terminal output is thrown
+    away; their standard error is the run's own, so a worker says its lines there.
+    """
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.file: str | None = None
+        workerinput = getattr(config, "workerinput", None)
+        self.worker = None if workerinput is None else str(workerinput["workerid"])
+        self.parallel = config.getoption("dist", "no") != "no"
 
     def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
         """Under ``-q`` (CI's), where pytest prints dots only, each test file's name as
@@ -273,6 +341,8 @@ class _Narrator:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None or self.config.get_verbosity() >= 0 or self.file == location[0]:
             return  # without -q, pytest names the file itself
+        if self.parallel:
+            return  # the workers' files interleave: their names would fill the screen
         self.file = location[0]
         reporter.write_ensure_prefix(f"{self.file} ")  # on a line of its own
 
@@ -307,7 +377,10 @@ class _Narrator:
         if reporter is None:
             return
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            reporter.write_line(line)
+            if self.worker is None:
+                reporter.write_line(line)
+            else:  # on a line of its own: the dots on the terminal do not end theirs
+                print(f"\n[{self.worker}] {line.strip()}", file=sys.stderr, flush=True)
         self.file = None  # the dots that follow get their file's name again
 
 

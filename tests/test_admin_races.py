@@ -46,6 +46,7 @@ def charge(recorder: Recorder) -> rp.Operation[Any]:
     return op
 
 
+@pytest.mark.slow
 def test_no_action_races_a_request_into_a_second_effect_or_a_lost_answer(
     worker_db: sa.Engine,
 ) -> None:

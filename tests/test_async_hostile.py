@@ -90,6 +90,7 @@ def twice(loop: Loop, db: sa.Engine, *, key: Any, params: Any, request: rp.Reque
     assert keys_in(db, scope) == 1 and RUNS[scope] == 1
 
 
+@pytest.mark.slow
 @settings(HOSTILE, max_examples=60)
 @given(params=python_params)
 @example(params={"name": "\ud800"})

@@ -15,6 +15,8 @@ import sqlalchemy as sa
 from docs_snippets import Block, blocks, page
 from workload import plant_keys, rows
 
+pytestmark = pytest.mark.slow  # the workers' commands as subprocesses
+
 
 def claimed(name: str) -> list[Block]:
     return [b for b in blocks(page(name)) if b.mark_value == "tests/test_async_readme.py"]

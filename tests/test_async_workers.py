@@ -104,6 +104,7 @@ def client_call(engine: rp.AsyncEngine, call: Any) -> Any:
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("client_env", "client_status", "calls"),
     [
@@ -147,6 +148,7 @@ def test_an_async_request_its_client_left_mid_flow_is_finished_by_the_completer_
     assert len(rows(worker_db, "SELECT 1 FROM staged_jobs")) == 1
 
 
+@pytest.mark.slow
 def test_all_three_workers_of_an_async_app_finish_its_keys_and_publish_each_job_once(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:
@@ -165,6 +167,7 @@ def test_all_three_workers_of_an_async_app_finish_its_keys_and_publish_each_job_
     assert phase_runs(worker_db) == {"finished": len(keys)}
 
 
+@pytest.mark.slow
 def test_the_workers_of_an_application_with_both_engines_are_one_command(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:
@@ -238,6 +241,7 @@ def test_a_running_completer_closes_its_loop_as_it_stops(
     assert rows(worker_db, "SELECT response_status FROM idempotency_keys") == [(201,)]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_workers_of_an_async_app_after_their_batch(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:
@@ -447,6 +451,7 @@ _LEFT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["completer", "enqueuer", "reaper"])
 def test_each_worker_command_runs_alone_on_an_async_app(
     kind: str, worker_db: sa.Engine, worker_database_url: str
@@ -538,6 +543,7 @@ def test_the_console_command_takes_an_async_engine(
     assert "Traceback" not in stderr, stderr
 
 
+@pytest.mark.slow
 def test_the_metrics_command_takes_an_async_engine(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:

@@ -24,6 +24,8 @@ import recoverypoint as rp
 from recoverypoint.jobs import Job
 from recoverypoint.workers import Enqueuer
 
+pytestmark = pytest.mark.slow  # RabbitMQ and a Celery worker process
+
 TESTS = Path(__file__).resolve().parent
 CELERY_WORKER = [
     sys.executable, "-m", "celery", "-A", "celery_app", "worker",

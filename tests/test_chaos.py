@@ -29,6 +29,8 @@ from recoverypoint.demo.report import Report
 from recoverypoint.embedded import embedded_server
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # the demo's processes under faults, tens of seconds each
+
 REQUESTS = 80
 
 MIXES = {

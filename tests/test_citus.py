@@ -34,13 +34,16 @@ from recoverypoint.workers import Completer, Enqueuer, Reaper
 
 CITUS_URL_ENV = "RECOVERYPOINT_CITUS_URL"
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get(CITUS_URL_ENV),
-    reason=(
-        f"not run: no Citus coordinator ({CITUS_URL_ENV} is not set; Citus is in no "
-        "registry this project installs from)"
+pytestmark = [
+    pytest.mark.skipif(
+        not os.environ.get(CITUS_URL_ENV),
+        reason=(
+            f"not run: no Citus coordinator ({CITUS_URL_ENV} is not set; Citus is in no "
+            "registry this project installs from)"
+        ),
     ),
-)
+    pytest.mark.slow,  # a Citus cluster's coordinator and workers
+]
 
 NOTES = """
 CREATE TABLE IF NOT EXISTS citus_notes (

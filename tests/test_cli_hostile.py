@@ -117,6 +117,7 @@ def test_numbers_past_any_column_are_a_usage_error_in_one_line(
     assert status == expected, err
 
 
+@pytest.mark.slow
 @HOSTILE
 @given(command=st.sampled_from(COMMANDS), arguments=ARGUMENTS)
 @example(command=["keys", "list"], arguments=["--since", "0001-01-01T00:00:00+05:00"])

@@ -302,6 +302,7 @@ def test_an_unreachable_database_fails_in_one_line(capsys: pytest.CaptureFixture
     assert status == EXIT_FAILED and "refused" in one_error_line(err, "keys list")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     ["migrate --sql", "keys list --limit 3000", "keys list --limit 3000 --json"],

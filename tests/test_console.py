@@ -510,6 +510,7 @@ def test_the_standalone_console_stays_on_loopback_behind_a_token_unless_told(
     assert refusal in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_templates_and_the_stylesheet(tmp_path: Any) -> None:
     import subprocess
     import sys

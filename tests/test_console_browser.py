@@ -29,6 +29,11 @@ from workload import plant_keys, rows, stage_jobs
 import recoverypoint as rp
 from recoverypoint.workers import Completer
 
+pytestmark = [
+    pytest.mark.slow,  # Chromium
+    pytest.mark.xdist_group("console_browser"),  # started once for the module
+]
+
 db, provider, engine = module_fixtures()
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

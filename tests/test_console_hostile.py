@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from workload import plant_keys
 
+pytestmark = pytest.mark.slow  # hypothesis over the console's forms and queries
+
 HOSTILE = settings(
     deadline=None,
     database=None,  # no .hypothesis directory in the checkout

@@ -68,6 +68,7 @@ def served(module_database_url: str, db: sa.Engine) -> Iterator[str]:
             process.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_rebound_name_gets_neither_a_page_nor_a_token_nor_an_action(
     served: str, db: sa.Engine
 ) -> None:
@@ -164,6 +165,7 @@ def own_host(host: str) -> bool:
     return re.fullmatch(r"(127\.0\.0\.1|localhost)(:\d+)?", host, re.IGNORECASE) is not None
 
 
+@pytest.mark.slow
 @HOSTILE
 @given(host=HOSTS)
 @example(host="rebind.attacker.example:8080")
@@ -175,6 +177,7 @@ def test_only_its_own_names_get_a_page(app: Any, host: str) -> None:
     assert page.status_code == (200 if own_host(host) else 400), (host, page.text[:200])
 
 
+@pytest.mark.slow
 @HOSTILE
 @given(
     host=HOSTS,
@@ -232,6 +235,7 @@ def test_the_login_page_is_styled_before_the_token_is_given(locked: Any) -> None
         assert stranger.head(href).status_code == 200
 
 
+@pytest.mark.slow
 @HOSTILE
 @given(
     path=st.one_of(

@@ -27,6 +27,11 @@ from console_site import MOUNT, app_for, client
 from recoverypoint import admin, migrate
 from recoverypoint.database import create_engine
 
+pytestmark = [
+    pytest.mark.slow,  # a million keys
+    pytest.mark.xdist_group("console_scale"),  # written once for the module
+]
+
 KEYS = 1_000_000
 # Seconds. Not the 200 ms target: a shared, loaded machine took 270 ms for pages that read
 # a few index pages; a page that reads the whole table takes seconds even when idle.

@@ -153,6 +153,7 @@ def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_every_command_takes_a_list_of_hosts(
     server_url: str, empty_database_url: str, tmp_path: Any
 ) -> None:

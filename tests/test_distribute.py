@@ -17,6 +17,8 @@ from recoverypoint.database import create_engine
 from recoverypoint.distribute import parse_colocated, statements
 from recoverypoint.errors import ConfigurationError
 
+pytestmark = pytest.mark.slow  # the command line as subprocesses
+
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
 # A server nobody listens on: a name that passes the check fails on connecting.
 NOWHERE = create_engine("postgresql://nobody@127.0.0.1:1/none", connect_args={"connect_timeout": 1})

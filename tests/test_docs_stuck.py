@@ -29,6 +29,8 @@ from docs_snippets import section
 import recoverypoint as rp
 from recoverypoint.cli import main
 
+pytestmark = pytest.mark.slow  # the page's commands as subprocesses
+
 PAGE = "how-to/operating.md"
 WORKER = "recoverypoint worker completer --once --app myapp.recovery:engine"
 

@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from docs_snippets import section
 from sqlalchemy.engine import make_url
+
+pytestmark = pytest.mark.slow  # pytest run twice on the page's test file
 
 DOC_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 

@@ -31,6 +31,8 @@ from sqlalchemy.engine import make_url
 from recoverypoint.database import create_engine
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # the tutorial's commands in a project of their own
+
 DOC_URL = "postgresql://postgres@127.0.0.1:5432/shop"
 DOC_PORT = "8000"
 # A command whose output is still on its way (the enqueuer sends receipts every second)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # an embedded PostgreSQL started and stopped
+
 SCRIPT = """
 import logging, sys
 from recoverypoint.embedded import embedded_server

@@ -277,8 +277,8 @@ async def test_a_server_side_statement_is_cancelled_with_the_task(
     assert (
         count(
             db,
-            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' "
-            "AND state = 'active'",
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query = 'SELECT pg_sleep(30)' AND state = 'active'",
         )
         == 0
     )

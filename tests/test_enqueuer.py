@@ -100,6 +100,7 @@ def test_an_enqueuer_needs_a_job_backend(worker_db: sa.Engine) -> None:
         Enqueuer(rp.Engine(worker_db))
 
 
+@pytest.mark.slow
 def test_three_enqueuer_processes_publish_10000_jobs_and_a_sigkill_loses_none(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:

@@ -237,6 +237,7 @@ _SET_PARAMS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_set_params_fingerprint_alike_under_different_hash_seeds(
     database_url: str, scope: str, tmp_path: Path
 ) -> None:

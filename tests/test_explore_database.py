@@ -153,6 +153,7 @@ def test_a_phase_that_reads_its_params_passes_every_storm(orders_url: str) -> No
     assert f"every invariant held in {found.schedules} schedules (depth 1)" in found.summary()
 
 
+@pytest.mark.slow
 def test_without_storms_the_mistake_goes_unseen(orders_url: str) -> None:
     """What explore found before storms were a kind of schedule: every crash passes."""
     found = explore_orders(orders_url, pops_the_coupon=True, effects=("raise", "exit"))
@@ -329,6 +330,7 @@ def explore_shipping(
         provider.dispose()
 
 
+@pytest.mark.slow
 def test_connections_ended_during_a_step_are_recovered_from(orders_url: str) -> None:
     found = explore_shipping(orders_url)
 

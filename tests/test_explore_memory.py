@@ -20,6 +20,8 @@ from explored import database_with
 import recoverypoint as rp
 from recoverypoint.explore import Exploration, explore
 
+pytestmark = pytest.mark.slow  # explorations of every schedule
+
 SCHEMA = """
 CREATE TABLE debits (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, key_id bigint NOT NULL);
 CREATE TABLE credits (debit_id bigint NOT NULL);

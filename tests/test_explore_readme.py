@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from docs_snippets import section
 
 from recoverypoint.integrations.pytest_plugin import SERVER_URL_ENV
+
+pytestmark = pytest.mark.slow  # pytest and the explorer as subprocesses
 
 BLOCKS = [b.body for b in section("how-to/testing.md", "Prove your operation crash-safe")]
 

@@ -25,6 +25,8 @@ from recoverypoint.engine.run import _Run
 from recoverypoint.explore import Exploration, Schedule, explore
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # explorations of every schedule
+
 WINDOW = timedelta(hours=24)
 TABLES = ("orders", "order_audit", "charges", "receipts")
 FOUND = "finished: its reconcile hook found the call"

@@ -58,6 +58,8 @@ from recoverypoint import _pooler, migrate
 from recoverypoint.database import create_engine
 from recoverypoint.workers import Completer, CompleterResult
 
+pytestmark = pytest.mark.slow  # clusters and a PgBouncer of its own, failed over under load
+
 T = TypeVar("T")
 
 CLIENTS = 8  # of each engine

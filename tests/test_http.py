@@ -44,6 +44,8 @@ import recoverypoint as rp
 from recoverypoint import admin
 from recoverypoint.integrations import fastapi as rp_fastapi
 
+pytestmark = pytest.mark.xdist_group("http")  # its servers, started once for the module
+
 PHASED = ["fastapi/sync/orders", "fastapi/async/orders", "flask/sync/orders"]
 SINGLE = ["fastapi/sync/single", "fastapi/async/single", "flask/sync/single"]
 ALL = PHASED + SINGLE

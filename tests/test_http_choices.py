@@ -389,6 +389,7 @@ def test_the_docs_choices_example(
     namespace["engine"].dispose()
 
 
+@pytest.mark.slow
 @settings(
     max_examples=40,
     deadline=None,

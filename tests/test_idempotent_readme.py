@@ -91,6 +91,7 @@ def test_the_optional_key_and_replay_hook_example(
     assert len(unprotected) == 1
 
 
+@pytest.mark.slow
 def test_the_celery_example_charges_once_for_a_message_delivered_twice(
     payments: tuple[Payments, str], db: sa.Engine
 ) -> None:

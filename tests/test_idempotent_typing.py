@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mypy import api
+
+pytestmark = pytest.mark.slow  # mypy
 
 SNIPPET = """
 import recoverypoint as rp

@@ -82,6 +82,7 @@ def plain_postgresql(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
+@pytest.mark.slow
 def test_migrate_applies_every_revision_once_then_is_a_no_op(empty_database_url: str) -> None:
     first = run_cli("migrate", "--database-url", plain_postgresql(empty_database_url))
     assert first.returncode == 0, first.stderr
@@ -99,6 +100,7 @@ def test_migrate_applies_every_revision_once_then_is_a_no_op(empty_database_url:
     assert tables(empty_database_url) == {*TABLES, migrate.VERSION_TABLE}
 
 
+@pytest.mark.slow
 def test_migrate_leaves_the_applications_alembic_history_alone(empty_database_url: str) -> None:
     engine = create_engine(empty_database_url, poolclass=NullPool)
     with engine.begin() as connection:
@@ -212,6 +214,7 @@ def _normalise(where: object) -> str | None:
     return None if where is None else str(where).replace("(", "").replace(")", "")
 
 
+@pytest.mark.slow
 def test_concurrent_migrators_apply_the_revision_once(empty_database_url: str) -> None:
     # Instances starting at once: separate processes, serialised by env.py's advisory lock.
     env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": empty_database_url}

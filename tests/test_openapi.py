@@ -48,7 +48,11 @@ from recoverypoint.integrations.fastapi import (
 from recoverypoint.migrate import upgrade
 
 # schemathesis calls an ASGI app through Starlette's TestClient too.
-pytestmark = pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning"),
+    pytest.mark.slow,  # schemathesis over the schemas
+    pytest.mark.xdist_group("openapi"),  # its servers, started once for the module
+]
 
 PROBLEMS = {"400", "409", "413", "422", "423", "503"}
 
@@ -171,7 +175,10 @@ def test_renamed_headers_show_under_their_names(engine: rp.Engine) -> None:
         assert "X-Request-Id header" in op["responses"]["400"]["description"]
 
 
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# deadline=None: an app and its schema are built per example, slower on a busy machine.
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(name=st.from_regex(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}", fullmatch=True))
 def test_any_key_header_name_the_integration_takes_is_declared_as_it_is(
     engine: rp.Engine, name: str

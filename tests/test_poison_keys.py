@@ -25,6 +25,8 @@ import recoverypoint as rp
 from recoverypoint.testing import Clock
 from recoverypoint.workers import ABANDONED_RESPONSE, Completer
 
+pytestmark = pytest.mark.slow  # processes killed again and again
+
 CHILD = Path(__file__).with_name("poison_child.py")
 KINDS = ["step", "phase", "kill"]
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from recoverypoint.integrations.pytest_plugin import SERVER_URL_ENV, SERVER_URL_INI, unique_key
 from recoverypoint.keys import validate_key
 
+pytestmark = pytest.mark.slow  # pytest as a subprocess
+
 # A user's application: an operation that creates a ride and charges a fake provider kept
 # in the same database, which dedupes on the downstream key and records every call. After
 # each test, one charge more and no other ride: whatever the test did, it charged once.

@@ -28,6 +28,8 @@ from rides import count
 from recoverypoint.client import Client, Retry, RetryPolicy
 from recoverypoint.database import create_engine
 
+pytestmark = pytest.mark.xdist_group("rocket_rides")  # its six processes, started once
+
 ROOT = Path(__file__).resolve().parents[1]
 ALICE, DECLINED = "alice@example.com", "declined@example.com"
 RIDE = {"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.79, "target_lon": -122.40}

@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 from docs_snippets import section
 
+pytestmark = [
+    pytest.mark.slow,  # a wheel built and installed in a new virtualenv
+    pytest.mark.xdist_group("wheel"),  # built once for the module
+]
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "install.md"
 

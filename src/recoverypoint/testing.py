@@ -101,9 +101,16 @@ __all__ = [
 
 
 @contextmanager
-def temporary_database(server_url: str, prefix: str = "rp_test") -> Iterator[str]:
+def temporary_database(
+    server_url: str, prefix: str = "rp_test", *, template: str | None = None
+) -> Iterator[str]:
     """Create an empty database ``<prefix>_<hex>`` on the server of ``server_url``, yield
     its URL (``postgresql+psycopg://``, password included), and drop it at the end.
+
+    With ``template``, the name of a database on the same server, the new database is a copy
+    of it (``CREATE DATABASE … TEMPLATE``) instead of empty: migrate one database once and
+    copy it for each test, which is much quicker than migrating each. Nothing may be
+    connected to the template while it is copied.
 
     The database named in ``server_url`` is only used to create and drop the new one, so
     ``…/postgres`` will do; the role needs the CREATEDB privilege.
@@ -114,7 +121,11 @@ def temporary_database(server_url: str, prefix: str = "rp_test") -> Iterator[str
     admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
         with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+            copied = ""
+            if template is not None:
+                quoted = connection.dialect.identifier_preparer.quote_identifier(template)
+                copied = f" TEMPLATE {quoted}"
+            connection.exec_driver_sql(f'CREATE DATABASE "{name}"{copied}')
         try:
             yield url.set(database=name).render_as_string(hide_password=False)
         finally:

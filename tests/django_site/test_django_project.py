@@ -14,12 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 from workload import plant_keys
 
 from recoverypoint.database import create_engine
 from recoverypoint.testing import temporary_database
+
+pytestmark = pytest.mark.slow  # a Django project's commands as subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "how-to" / "django.md"
