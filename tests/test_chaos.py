@@ -27,6 +27,7 @@ from recoverypoint.demo.load import LoadResult, Sent
 from recoverypoint.demo.progress import ProgressBar
 from recoverypoint.demo.report import Report
 from recoverypoint.embedded import embedded_server
+from recoverypoint.keys import derived_key_of, record_material
 from recoverypoint.testing import temporary_database
 
 pytestmark = pytest.mark.slow  # the demo's processes under faults, tens of seconds each
@@ -202,20 +203,37 @@ def test_the_checks_catch_what_they_promise_to(rocket_rides_db: sa.Engine) -> No
     receipt sent twice and one published twice by enqueuers that did not crash; and a
     client that was told 201 about a key that never finished."""
     with rocket_rides_db.begin() as conn:
+        # The ride's request, its charge step called anew once past the provider's window:
+        # two downstream keys, each of which charged.
+        key = conn.execute(
+            sa.text(
+                "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
+                "operation_version, request_method, request_path, request_params, fingerprint, "
+                "window_renewals) SELECT id::text, 'create_ride', 'planted', 1, 'POST', '/rides', "
+                "'{}', 'f', 1 FROM users LIMIT 1 "
+                "RETURNING id, scope, created_at, operation, derivation_seed, generation"
+            )
+        ).one()
         ride = conn.execute(
             sa.text(
-                "INSERT INTO rides (scope, origin_lat, origin_lon, target_lat, target_lon, "
-                "user_id) SELECT id::text, 1, 1, 2, 2, id FROM users LIMIT 1 RETURNING id"
-            )
+                "INSERT INTO rides (scope, idempotency_key_id, origin_lat, origin_lon, "
+                "target_lat, target_lon, user_id) SELECT CAST(:s AS text), :k, 1, 1, 2, 2, CAST(:u AS bigint) "
+                "RETURNING id"
+            ),
+            {"s": key.scope, "k": key.id, "u": int(key.scope)},
         ).scalar_one()
+        material = record_material(
+            key.derivation_seed, key.id, key.created_at, key.operation, key.generation
+        )
+        first = derived_key_of(material, "downstream", "charge_created", "")
+        renewed = derived_key_of(material, "downstream", "charge_created", "", "1")
         conn.execute(
             sa.text(
-                "INSERT INTO provider_charges (id, idempotency_key, amount, currency, customer, "
-                "metadata) VALUES ('ch_1', 'a', 2000, 'usd', 'c', jsonb_build_object('ride_id', "
-                "CAST(:r AS text))), ('ch_2', 'b', 2000, 'usd', 'c', jsonb_build_object("
-                "'ride_id', CAST(:r AS text))), ('ch_3', 'c', 2000, 'usd', 'c', '{}')"
+                "INSERT INTO provider_charges (id, idempotency_key, amount, currency, customer) "
+                "VALUES ('ch_1', :first, 2000, 'usd', 'c'), ('ch_2', :renewed, 2000, 'usd', 'c'), "
+                "('ch_3', 'c', 2000, 'usd', 'c')"
             ),
-            {"r": ride},
+            {"first": first, "renewed": renewed},
         )
         conn.execute(
             sa.text(

@@ -34,6 +34,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ..keys import derived_key_of, record_material
 from .load import FINAL, LoadResult
 
 _KEYS = sa.text(
@@ -42,11 +43,16 @@ _KEYS = sa.text(
     "FROM idempotency_keys WHERE operation = 'create_ride'"
 )
 _RIDES = sa.text(
-    "SELECT r.id, r.charge_id, k.response_status FROM rides AS r "
+    "SELECT r.id, r.charge_id, k.response_status, k.id AS key_id, k.created_at, k.operation, "
+    "k.derivation_seed, k.generation, k.window_renewals FROM rides AS r "
     # On the scope too: on Citus, a join of co-located tables on their distribution column.
     "LEFT JOIN idempotency_keys AS k ON k.id = r.idempotency_key_id AND k.scope = r.scope"
 )
-_CHARGES = sa.text("SELECT id, metadata->>'ride_id' AS ride_id FROM provider_charges")
+_CHARGES = sa.text("SELECT id, idempotency_key FROM provider_charges")
+# The step whose calls charge: a ride's charges are those made with the downstream keys its
+# request derives for it (the charge carries nothing of the ride's, whose id a lossy
+# failover may change: see rocket_rides.api._charge).
+_CHARGE_STEP = "charge_created"
 _RECEIPTS = sa.text("SELECT ride_id, count(*) AS sent FROM receipts GROUP BY ride_id")
 _DELIVERIES = sa.text("SELECT job_key, enqueuer_pid FROM receipt_deliveries")
 
@@ -75,6 +81,20 @@ class Checked:
     @property
     def ok(self) -> bool:
         return all(invariant.count == 0 for invariant in self.invariants.values())
+
+
+def _charge_keys(ride: Any) -> list[str]:
+    """The downstream keys the charge step of ``ride``'s request hands the provider: its
+    first, and one per renewal past the provider's window (none without a key row)."""
+    if ride.key_id is None:
+        return []
+    material = record_material(
+        ride.derivation_seed, ride.key_id, ride.created_at, ride.operation, ride.generation
+    )
+    renewals = [str(n) for n in range(1, ride.window_renewals + 1)]
+    return [derived_key_of(material, "downstream", _CHARGE_STEP, "")] + [
+        derived_key_of(material, "downstream", _CHARGE_STEP, "", n) for n in renewals
+    ]
 
 
 def check(db: sa.Engine, load: LoadResult, crashed_enqueuers: set[int]) -> Checked:
@@ -118,24 +138,24 @@ def check(db: sa.Engine, load: LoadResult, crashed_enqueuers: set[int]) -> Check
         else:
             outcomes["finished by the completer"] += 1
 
-    charged: Counter[int | None] = Counter(
-        int(charge.ride_id) if charge.ride_id else None for charge in charges
-    )
-    ride_ids = {ride.id for ride in rides}
+    charge_of_key = {charge.idempotency_key: charge.id for charge in charges}
+    attributed: set[str] = set()
     for ride in rides:
         expected = 0 if ride.response_status == 402 else 1
-        if charged[ride.id] > 1:
-            invariants["duplicate charges"].add(f"ride {ride.id}: {charged[ride.id]} charges")
-        if charged[ride.id] != expected or (expected and ride.charge_id is None):
+        mine = [charge_of_key[k] for k in _charge_keys(ride) if k in charge_of_key]
+        attributed.update(mine)
+        if len(mine) > 1:
+            invariants["duplicate charges"].add(f"ride {ride.id}: {len(mine)} charges")
+        if len(mine) != expected or (expected and ride.charge_id not in mine):
             invariants["rides without exactly one charge"].add(
-                f"ride {ride.id}: {charged[ride.id]} charges, key answered {ride.response_status}"
+                f"ride {ride.id}: {len(mine)} charges, key answered {ride.response_status}"
             )
         if ride.response_status == 201 and receipts.get(ride.id, 0) == 0:
             invariants["receipts lost"].add(f"ride {ride.id}")
         if receipts.get(ride.id, 0) > 1:
             invariants["receipts sent twice"].add(f"ride {ride.id}: {receipts[ride.id]}")
     for charge in charges:
-        if charge.ride_id is None or int(charge.ride_id) not in ride_ids:
+        if charge.id not in attributed:
             invariants["charges without a ride"].add(charge.id)
 
     by_survivors = Counter(d.job_key for d in deliveries if d.enqueuer_pid not in crashed_enqueuers)
