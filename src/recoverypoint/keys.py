@@ -254,6 +254,14 @@ def derived_key_of(material: str, kind: str, *names: str) -> str:
     return f"rp_{hashlib.sha256(text.encode()).hexdigest()}"
 
 
+def downstream_key_of(material: str, point: str, name: str = "", renewals: int = 0) -> str:
+    """The key a foreign step at ``point`` hands its provider (``StepContext.downstream_key``):
+    of the record's ``material``, the call's ``name``, and a fresh one per renewal past the
+    provider's window (none before the first, so keys from before renewals stay)."""
+    names = (point, name, *((str(renewals),) if renewals else ()))
+    return derived_key_of(material, "downstream", *names)
+
+
 def safe_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     """The headers that may be stored and replayed: a replay repeats the answer, never a
     credential, a session or what concerned one connection (see :data:`_UNSAFE_HEADERS`

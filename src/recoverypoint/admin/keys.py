@@ -15,7 +15,7 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
-from ..keys import derived_key_of, record_material
+from ..keys import downstream_key_of, record_material
 from ..operation import FINISHED as FINISHED_POINT
 from ..operation import STARTED, Operation, Phase
 from ._sql import DETAIL_COLUMNS, KEY_COLUMNS, REGISTERED, STATE, where
@@ -413,8 +413,7 @@ def phases(
         if not phase.atomic:
             # As StepContext.downstream_key() derives it.
             renewed = renewals if renewals and phase is renewed_step(operation, row) else 0
-            names = (phase.point, "", *((str(renewed),) if renewed else ()))
-            downstream = derived_key_of(material, "downstream", *names)
+            downstream = downstream_key_of(material, phase.point, renewals=renewed)
         found.append(PhaseMark(phase.point, phase.kind, mark, downstream))
     return tuple(found)
 

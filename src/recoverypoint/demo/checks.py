@@ -34,7 +34,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..keys import derived_key_of, record_material
+from ..keys import downstream_key_of, record_material
 from .load import FINAL, LoadResult
 
 _KEYS = sa.text(
@@ -91,9 +91,9 @@ def _charge_keys(ride: Any) -> list[str]:
     material = record_material(
         ride.derivation_seed, ride.key_id, ride.created_at, ride.operation, ride.generation
     )
-    renewals = [str(n) for n in range(1, ride.window_renewals + 1)]
-    return [derived_key_of(material, "downstream", _CHARGE_STEP, "")] + [
-        derived_key_of(material, "downstream", _CHARGE_STEP, "", n) for n in renewals
+    return [
+        downstream_key_of(material, _CHARGE_STEP, renewals=n)
+        for n in range(ride.window_renewals + 1)
     ]
 
 

@@ -41,10 +41,9 @@ _PRESENT = sa.text(
     "SELECT t FROM unnest(CAST(:tables AS text[])) AS t WHERE to_regclass(t) IS NOT NULL"
 )
 # Keys or staged jobs, when recoverypoint's tables exist (none yet in a database not
-# migrated): of other operations than the demo's, and of the demo's, which a run cut short
-# (killed before it cleaned up) leaves.
-# Each a query of one table, as Citus plans no EXISTS of its distributed tables in one
-# statement: (others', the demo's).
+# migrated): of other operations than the demo's, then of the demo's, which a run cut short
+# (killed before it cleaned up) leaves. A query per table: Citus plans no EXISTS of two
+# distributed tables in one statement.
 _HELD = (
     (
         sa.text("SELECT 1 FROM idempotency_keys WHERE operation <> :operation LIMIT 1"),

@@ -9,7 +9,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from ...keys import canonical_json, derived_key_of, record_material
+from ...keys import canonical_json, derived_key_of, downstream_key_of, record_material
 from ...observe import NO_OBSERVER, Observer
 
 
@@ -46,6 +46,10 @@ class KeyIdentity:
     def derive(self, kind: str, *names: str) -> str:
         """:func:`~recoverypoint.keys.derived_key_of` this record's material."""
         return derived_key_of(self._material, kind, *names)
+
+    def downstream_key(self, point: str, name: str, renewals: int) -> str:
+        """:func:`~recoverypoint.keys.downstream_key_of` this record's material."""
+        return downstream_key_of(self._material, point, name, renewals)
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,4 @@ class StepContext:
         Pass ``name`` when one step makes several foreign calls. A step called anew after
         its provider forgot the old key (:attr:`renewals`) gets a fresh one.
         """
-        if self.renewals:
-            return self._identity.derive("downstream", self._point, name or "", str(self.renewals))
-        return self._identity.derive("downstream", self._point, name or "")
+        return self._identity.downstream_key(self._point, name or "", self.renewals)
