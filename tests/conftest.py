@@ -293,8 +293,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     start at once side by side, and the quick ones fill in around them instead of one slow
     test running alone at the end.
     """
-    if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    if not hasattr(config, "workerinput"):
+        return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    grouped = [item for item in items if item.get_closest_marker("xdist_group")]
+    if config.getoption("loadgroup", False) and any("@" not in i.nodeid for i in grouped):
+        # xdist groups a test by a suffix of its id; a pytest that keeps ids elsewhere loses
+        # it silently, and each test of a module whose fixtures start servers starts them.
+        # Said on standard error: xdist's controller reports a worker's error as its own.
+        message = (
+            f"pytest {pytest.__version__} with this pytest-xdist ignores xdist_group: "
+            "install the pytest that pyproject.toml's test extra names"
+        )
+        print(message, file=sys.stderr, flush=True)
+        raise pytest.UsageError(message)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -9,7 +9,7 @@ foreign system would), then kills the process: ``step`` (a foreign step) and ``p
 ``first`` is an atomic phase too, the operation's first, which shares the claim's
 transaction (and writes a ``phase_runs`` row in it before it dies).
 The client prints its answer as JSON (the function's caller, the AbandonedCall it got);
-the completer, its pass's counts.
+the completer, its pass's counts. The tests run it through :func:`forked`.
 """
 
 from __future__ import annotations
@@ -159,17 +159,17 @@ def call_idempotent(url: str, flavour: str, kind: str, key: str) -> dict[str, An
         return {"abandoned": str(exc)}
 
 
-def main() -> None:
-    url, role, flavour, kind = sys.argv[1:5]
+def main(args: list[str]) -> None:
+    url, role, flavour, kind = args[:4]
     if role == "idempotent":
-        print(json.dumps(call_idempotent(url, flavour, kind, sys.argv[5])))
+        print(json.dumps(call_idempotent(url, flavour, kind, args[4])))
         return
     engine, poison = engine_with(url, flavour, kind)
     if role == "completer":
         result = Completer(engine, min_age=0).run_once()
         print(json.dumps(dataclasses.asdict(result)))
         return
-    key = sys.argv[5]
+    key = args[4]
     if isinstance(engine, rp.AsyncEngine):
         outcome = asyncio.run(engine.run(poison, key=key, params={}, scope=SCOPE))
     else:
@@ -179,5 +179,17 @@ def main() -> None:
     )
 
 
+def forked(args: list[str], output: str) -> None:
+    """:func:`main` in a process forked from a server that imported this module (a fresh
+    interpreter's imports cost more than the request), its output written to ``output``."""
+    written = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(written, 1)
+    os.dup2(written, 2)
+    try:
+        main(args)
+    finally:
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

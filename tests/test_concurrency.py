@@ -185,7 +185,7 @@ def test_contended_business_row_all_requests_succeed(
 
 
 def test_serialization_failures_beyond_the_retry_budget_surface_as_409(
-    db: sa.Engine, scope: str
+    db: sa.Engine, business_tables: None, scope: str
 ) -> None:
     engine = rp.Engine(db, serialization_retries=2)
     with db.begin() as conn:

@@ -104,17 +104,19 @@ def rr_db(module_database_url: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-@pytest.fixture(scope="module", params=["Engine", "AsyncEngine"])
-def services(
-    request: pytest.FixtureRequest,
-    rr_db: sa.Engine,
-    module_database_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Service]]:
-    """Each test runs against the API on ``rp.Engine``, then on ``rp.AsyncEngine``
-    (``api --async``)."""
+ENGINES = ["Engine", "AsyncEngine"]
+
+
+@pytest.fixture(scope="module")
+def every_service(
+    rr_db: sa.Engine, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, dict[str, Service]]]:
+    """The API on ``rp.Engine`` and on ``rp.AsyncEngine`` (``api --async``), each before
+    a provider of its own per fault, started together once for the module: a module
+    fixture with params would rely on pytest keeping each param's tests together, which it
+    does not promise (in the whole suite it alternated them, starting the six processes
+    for each test)."""
     tmp = tmp_path_factory.mktemp("rocket_rides")
-    on_async = ["--async"] if request.param == "AsyncEngine" else []
     db = ["--database-url", module_database_url]
     faults = {
         "healthy": ["--latency-ms", "200"],
@@ -122,16 +124,40 @@ def services(
         "fails": ["--fail-rate", "1"],
     }
     with ExitStack() as stack:
-        started: dict[str, tuple[Service, subprocess.Popen[bytes]]] = {}
-        for name, knobs in faults.items():
-            provider = _start(stack, tmp, f"{name}-provider", "provider", *db, *knobs)
-            started[f"{name}-provider"] = provider
-            started[name] = _start(
-                stack, tmp, f"{name}-api", "api", *db, "--provider-url", provider[0].url, *on_async
-            )
-        for service, proc in started.values():
-            _wait_ready(service, proc)
-        yield {name: service for name, (service, _) in started.items()}
+        started: dict[str, dict[str, tuple[Service, subprocess.Popen[bytes]]]] = {}
+        for engine in ENGINES:
+            on_async = ["--async"] if engine == "AsyncEngine" else []
+            ours = started[engine] = {}
+            for name, knobs in faults.items():
+                provider = _start(
+                    stack, tmp, f"{engine}-{name}-provider", "provider", *db, *knobs
+                )
+                ours[f"{name}-provider"] = provider
+                ours[name] = _start(
+                    stack,
+                    tmp,
+                    f"{engine}-{name}-api",
+                    "api",
+                    *db,
+                    "--provider-url",
+                    provider[0].url,
+                    *on_async,
+                )
+        for ours in started.values():
+            for service, proc in ours.values():
+                _wait_ready(service, proc)
+        yield {
+            engine: {name: service for name, (service, _) in ours.items()}
+            for engine, ours in started.items()
+        }
+
+
+@pytest.fixture(params=ENGINES)
+def services(
+    request: pytest.FixtureRequest, every_service: dict[str, dict[str, Service]]
+) -> dict[str, Service]:
+    """Each test runs against the API on ``rp.Engine``, then on ``rp.AsyncEngine``."""
+    return every_service[request.param]
 
 
 def book(
