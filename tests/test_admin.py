@@ -88,6 +88,7 @@ def test_each_key_is_in_exactly_one_state(ops: admin.Admin) -> None:
     assert admin.stats(ops).by_state == {s: len(ids) for s, ids in planted.items()}
 
 
+@pytest.mark.slow
 def test_a_lease_is_judged_by_the_lock_timeout_its_holder_stored(ops: admin.Admin) -> None:
     [held] = plant(ops.db, "slow", locked_at="now() - interval '5 minutes'",
                    lock_token="gen_random_uuid()", lock_timeout="600", **OVERDUE)  # fmt: skip
@@ -101,6 +102,7 @@ def test_a_lease_is_judged_by_the_lock_timeout_its_holder_stored(ops: admin.Admi
     assert (row.state, row.lock_timeout, row.live) == ("in-flight", 600.0, True)
 
 
+@pytest.mark.slow
 def test_filters_select_exactly_their_keys_newest_first(ops: admin.Admin) -> None:
     db = ops.db
     old = plant(db, "a", 2, created_at="now() - interval '2 days'")
@@ -126,6 +128,7 @@ def test_filters_select_exactly_their_keys_newest_first(ops: admin.Admin) -> Non
     assert ids(key=row.key) == [new[0]]
 
 
+@pytest.mark.slow
 def test_scopes_and_params_are_masked_unless_revealed(ops: admin.Admin) -> None:
     [key_id] = plant(ops.db, params={"card": "4242424242424242", "n": [7]})
     [masked] = admin.list_keys(ops, admin.KeyFilter(ids=(key_id,)))
@@ -139,6 +142,7 @@ def test_scopes_and_params_are_masked_unless_revealed(ops: admin.Admin) -> None:
     assert admin.find_key(ops, key_id, reveal=True).request_params["card"] == "4242424242424242"
 
 
+@pytest.mark.slow
 def test_show_explains_a_key_as_the_engine_ran_it(ops: admin.Admin, steps: rp.Engine) -> None:
     operation = steps.operation("steps", 1)
     outcome = steps.run(operation, key="k1", scope="alice", params={},
@@ -167,6 +171,7 @@ def test_show_explains_a_key_as_the_engine_ran_it(ops: admin.Admin, steps: rp.En
         admin.find_key(ops, key_id + 1000)
 
 
+@pytest.mark.slow
 def test_show_marks_the_point_of_an_unfinished_key_and_its_lease(
     ops: admin.Admin, steps: rp.Engine
 ) -> None:
@@ -178,6 +183,7 @@ def test_show_marks_the_point_of_an_unfinished_key_and_its_lease(
     assert detail.reaped_after is None
 
 
+@pytest.mark.slow
 def test_stats_count_by_operation_state_and_point(ops: admin.Admin) -> None:
     plant(ops.db, "a", 2, **OVERDUE)
     plant(ops.db, "a", 1, point="charged", **WAITING)
@@ -197,6 +203,7 @@ def test_stats_count_by_operation_state_and_point(ops: admin.Admin) -> None:
 # -- actions -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_retry_makes_unfinished_keys_due_and_nothing_else(ops: admin.Admin) -> None:
     [waiting] = plant(ops.db, attempts="3", next_attempt_at="now() + interval '1 hour'")
     [done] = plant(ops.db, **FINISHED)
@@ -212,6 +219,7 @@ def test_retry_makes_unfinished_keys_due_and_nothing_else(ops: admin.Admin) -> N
         admin.retry(ops, done)
 
 
+@pytest.mark.slow
 def test_a_bulk_retry_takes_the_filters_and_passes_over_finished_keys(ops: admin.Admin) -> None:
     stuck = plant(ops.db, "a", 3, **OVERDUE)
     plant(ops.db, "b", 2, **OVERDUE)
@@ -228,6 +236,7 @@ def test_a_bulk_retry_takes_the_filters_and_passes_over_finished_keys(ops: admin
     assert_only_changed(before, snapshot(ops.db), set(stuck))
 
 
+@pytest.mark.slow
 def test_release_clears_an_expired_lease_and_refuses_a_live_one(ops: admin.Admin) -> None:
     [expired] = plant(ops.db, **EXPIRED)
     [live] = plant(ops.db, **LIVE)
@@ -244,6 +253,7 @@ def test_release_clears_an_expired_lease_and_refuses_a_live_one(ops: admin.Admin
     assert (key(ops.db, live).lock_token, key(ops.db, live).locked_at) == (None, None)
 
 
+@pytest.mark.slow
 def test_an_action_leaves_a_key_whose_lease_changed_since_it_was_read(ops: admin.Admin) -> None:
     """The fence: each UPDATE re-checks the token it was decided on."""
     [key_id] = plant(ops.db, **EXPIRED)
@@ -265,6 +275,7 @@ def test_an_action_leaves_a_key_whose_lease_changed_since_it_was_read(ops: admin
     assert snapshot(ops.db) == before
 
 
+@pytest.mark.slow
 def test_abandon_stores_an_error_response_that_retries_replay(
     ops: admin.Admin, steps: rp.Engine
 ) -> None:
@@ -296,6 +307,7 @@ def test_abandon_refuses_a_live_lease_unless_forced(ops: admin.Admin) -> None:
     assert key(ops.db, live).lock_token is None
 
 
+@pytest.mark.slow
 def test_reopen_gives_an_abandoned_key_back_to_the_completer(
     ops: admin.Admin, steps: rp.Engine
 ) -> None:
@@ -315,6 +327,7 @@ def test_reopen_gives_an_abandoned_key_back_to_the_completer(
     assert key(ops.db, key_id).response_status == 201
 
 
+@pytest.mark.slow
 def test_delete_removes_finished_keys_unlinks_their_jobs_and_refuses_unfinished_ones(
     ops: admin.Admin, steps: rp.Engine
 ) -> None:
@@ -330,6 +343,7 @@ def test_delete_removes_finished_keys_unlinks_their_jobs_and_refuses_unfinished_
     assert rows(ops.db, "SELECT id FROM idempotency_keys") == []
 
 
+@pytest.mark.slow
 def test_purge_deletes_keys_finished_before_the_time(ops: admin.Admin) -> None:
     old = plant(ops.db, count=3, finished_at="now() - interval '4 days'", response_status="200")
     [old_abandoned] = plant(ops.db, **{**ABANDONED, "finished_at": "now() - interval '4 days'"})
@@ -345,6 +359,7 @@ def test_purge_deletes_keys_finished_before_the_time(ops: admin.Admin) -> None:
     assert remaining == sorted(recent + unfinished)
 
 
+@pytest.mark.slow
 def test_purge_goes_through_every_scope_a_page_at_a_time(ops: admin.Admin) -> None:
     """Purge acts scope by scope (on Citus, one shard per statement): scopes are read in
     pages of ``batch_size``, and each scope's keys in batches of it."""
@@ -359,6 +374,7 @@ def test_purge_goes_through_every_scope_a_page_at_a_time(ops: admin.Admin) -> No
     assert rows(ops.db, "SELECT id FROM idempotency_keys") == []
 
 
+@pytest.mark.slow
 def test_every_action_is_logged_with_who_what_and_which(
     ops: admin.Admin, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -372,6 +388,7 @@ def test_every_action_is_logged_with_who_what_and_which(
     )
 
 
+@pytest.mark.slow
 def test_an_action_waits_for_a_running_phase_then_refuses(ops: admin.Admin) -> None:
     [key_id] = plant(ops.db, **EXPIRED)
     quick = dataclasses.replace(ops, lock_wait=0.2)
@@ -387,6 +404,7 @@ def test_an_action_waits_for_a_running_phase_then_refuses(ops: admin.Admin) -> N
 # -- release --force racing a running phase ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_forced_release_racing_a_running_phase_never_charges_twice(
     engine: rp.Engine, provider: Any, faults: Any, scope: str, db: sa.Engine
 ) -> None:

@@ -64,6 +64,7 @@ def held(worker_db: sa.Engine) -> Iterator[Held]:
         request.thread.join(60)
 
 
+@pytest.mark.slow
 def test_a_running_ten_minute_lease_is_live_for_every_operator_path(
     held: Held, worker_db: sa.Engine, worker_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -102,12 +103,14 @@ def test_a_running_ten_minute_lease_is_live_for_every_operator_path(
     assert rows(worker_db, "SELECT count(*) AS n FROM step_calls")[0].n == 1
 
 
+@pytest.mark.slow
 def test_every_claim_stores_the_lock_timeout_it_judges_its_lease_by(
     held: Held, worker_db: sa.Engine
 ) -> None:
     assert [r.lock_timeout for r in rows(worker_db, "SELECT * FROM idempotency_keys")] == [600.0]
 
 
+@pytest.mark.slow
 def test_a_lease_taken_before_0010_is_live_unless_its_operation_is_known(
     worker_db: sa.Engine, worker_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -131,6 +134,7 @@ def test_a_lease_taken_before_0010_is_live_unless_its_operation_is_known(
     assert admin.release(admin.Admin(worker_db, (quick,)), old).changed == (old,)
 
 
+@pytest.mark.slow
 def test_the_stored_timeout_wins_over_the_operation_known_here(worker_db: sa.Engine) -> None:
     """An operator's --app may be another release than the holder's: the holder decides."""
     [key_id] = plant(worker_db, "slow", **EXPIRED, **OVERDUE)  # 90 s, taken an hour ago
@@ -139,6 +143,7 @@ def test_the_stored_timeout_wins_over_the_operation_known_here(worker_db: sa.Eng
     assert (row.state, row.lock_timeout, row.live) == ("stuck", 90.0, False)
 
 
+@pytest.mark.slow
 def test_an_action_leaves_a_lease_its_holder_renewed_since_it_was_read(
     worker_db: sa.Engine,
 ) -> None:
@@ -163,6 +168,7 @@ def test_an_action_leaves_a_lease_its_holder_renewed_since_it_was_read(
     assert key(worker_db, key_id) == before
 
 
+@pytest.mark.slow
 def test_a_takeover_stores_its_own_lock_timeout(worker_db: sa.Engine) -> None:
     """A lease taken over by id (a retry, the completer) is judged by its new holder's
     timeout, here on a row a holder of the previous release left with none."""
@@ -200,6 +206,7 @@ def test_a_takeover_stores_its_own_lock_timeout(worker_db: sa.Engine) -> None:
     ],
     ids=["release", "abandon", "delete"],
 )
+@pytest.mark.slow
 def test_a_forced_action_leaves_a_lease_taken_over_since_it_was_read(
     worker_db: sa.Engine, statement: sa.TextClause, params: dict[str, Any]
 ) -> None:

@@ -123,6 +123,7 @@ def test_no_action_races_a_request_into_a_second_effect_or_a_lost_answer(
 
 
 @pytest.mark.parametrize("action", ["retry", "release", "abandon", "reopen", "delete"])
+@pytest.mark.slow
 def test_an_action_taken_while_the_step_runs_neither_repeats_it_nor_loses_its_answer(
     worker_db: sa.Engine, action: str
 ) -> None:
@@ -158,6 +159,7 @@ def test_an_action_taken_while_the_step_runs_neither_repeats_it_nor_loses_its_an
 
 
 @pytest.mark.parametrize("action", ["abandon", "reopen"])
+@pytest.mark.slow
 def test_a_finished_answer_is_never_replaced(worker_db: sa.Engine, action: str) -> None:
     engine = rp.Engine(worker_db)
     operation = charge(Recorder(worker_db))

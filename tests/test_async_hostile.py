@@ -111,6 +111,7 @@ def test_bad_params_get_a_4xx_and_good_ones_replay(loop: Loop, db: sa.Engine, pa
 @example(key="k" * 256)
 @example(key="\ud800")
 @example(key="k\x00")
+@pytest.mark.slow
 def test_bad_keys_get_a_400(loop: Loop, db: sa.Engine, key: str) -> None:
     twice(loop, db, key=key, params={"n": 1}, request=rp.Request("POST", "/orders"))
 
@@ -120,5 +121,6 @@ def test_bad_keys_get_a_400(loop: Loop, db: sa.Engine, key: str) -> None:
 @example(method="POST", path="/orders/\x00")
 @example(method="\udfff", path="/orders")
 @example(method="POST", path="/" + "x" * 100_000)
+@pytest.mark.slow
 def test_bad_methods_and_paths_get_a_4xx(loop: Loop, db: sa.Engine, method: str, path: str) -> None:
     twice(loop, db, key="k", params={"n": 1}, request=rp.Request(method, path))

@@ -184,6 +184,7 @@ def test_the_workers_of_an_application_with_both_engines_are_one_command(
     assert rows(worker_db, "SELECT count(*), count(DISTINCT job_key) FROM published") == [(7, 7)]
 
 
+@pytest.mark.slow
 def test_the_completer_resumes_a_batch_of_async_keys_at_once(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine
 ) -> None:
@@ -214,6 +215,7 @@ def test_the_completer_resumes_a_batch_of_async_keys_at_once(
     assert step_calls(worker_db) == batch
 
 
+@pytest.mark.slow
 def test_a_running_completer_closes_its_loop_as_it_stops(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine
 ) -> None:
@@ -260,6 +262,7 @@ def test_sigterm_stops_the_workers_of_an_async_app_after_their_batch(
         assert f"event=stopped worker={name}" in stderr
 
 
+@pytest.mark.slow
 def test_one_completer_resumes_the_keys_of_an_application_with_both_engines(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine, worker_database_url: str
 ) -> None:
@@ -298,6 +301,7 @@ def test_a_second_engine_on_another_database_is_refused(
         elsewhere.dispose()
 
 
+@pytest.mark.slow
 def test_engines_that_cannot_serve_together_are_refused(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine, worker_database_url: str
 ) -> None:
@@ -347,6 +351,7 @@ def test_a_failing_async_key_backs_off_then_is_abandoned_with_a_replayed_error(
     assert step_calls(worker_db) == 2
 
 
+@pytest.mark.slow
 def test_an_async_idempotent_key_is_backed_off_and_abandoned_without_rerunning_the_function(
     worker_db: sa.Engine, async_engine: rp.AsyncEngine
 ) -> None:
@@ -390,6 +395,7 @@ def async_app(
     return async_engine
 
 
+@pytest.mark.slow
 def test_the_operator_commands_take_an_async_engine(
     async_app: rp.AsyncEngine,
     worker_db: sa.Engine,
@@ -511,6 +517,7 @@ def _without_database_url() -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_the_console_command_takes_an_async_engine(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:
@@ -607,6 +614,7 @@ def hostile_app() -> Iterator[types.ModuleType]:
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(_SPEC, min_size=1, max_size=4))
+@pytest.mark.slow
 def test_any_app_options_give_engines_on_one_database_or_a_usage_error(
     hostile_app: types.ModuleType, specs: list[str]
 ) -> None:

@@ -109,6 +109,7 @@ def assert_one_line(status: int, err: str) -> None:
         (["keys", "list", "--since", "36500d", "--until", "9999-12-31T23:59:59-05:00"], EXIT_OK),
     ],
 )
+@pytest.mark.slow
 def test_numbers_past_any_column_are_a_usage_error_in_one_line(
     argv: list[str], expected: int, database: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -131,6 +132,7 @@ def test_every_argument_gets_a_status_and_one_line(
     assert_one_line(status, err)
 
 
+@pytest.mark.slow
 def test_a_usage_error_is_one_line_naming_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit:
         main(["keys", "show", "abc"])

@@ -121,6 +121,7 @@ def test_each_logical_request_has_a_new_key_unless_one_is_given(
     assert given == "my-key"
 
 
+@pytest.mark.slow
 def test_retry_after_is_waited_for(script_server: tuple[str, Script]) -> None:
     base_url, script = script_server
     with Client(base_url, policy=FAST) as client:
@@ -138,6 +139,7 @@ def test_attempts_are_bounded(script_server: tuple[str, Script]) -> None:
     assert len(script.attempts[response.request.headers["Idempotency-Key"]]) == 3
 
 
+@pytest.mark.slow
 def test_total_time_is_bounded(script_server: tuple[str, Script]) -> None:
     base_url, script = script_server
     policy = RetryPolicy(max_attempts=10, base_delay=0.01, max_delay=0.01, total_timeout=1.5)

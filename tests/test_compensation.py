@@ -247,6 +247,7 @@ def test_an_operators_abandon_is_compensated_by_the_next_pass(
     assert shown.compensation == f"compensated at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
 
 
+@pytest.mark.slow
 def test_a_failed_compensation_is_counted_and_tried_again_later(
     payments: Callable[..., Payments], worker_db: sa.Engine
 ) -> None:
@@ -319,6 +320,7 @@ def test_a_key_abandoned_before_compensations_existed_is_never_touched(
     assert key_row(worker_db, key_id).compensated_at is None
 
 
+@pytest.mark.slow
 def test_only_compensation_due_at_says_whether_an_abandoned_key_is_compensated(
     payments: Callable[..., Payments], worker_db: sa.Engine
 ) -> None:

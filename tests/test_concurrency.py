@@ -18,6 +18,7 @@ from recoverypoint import admin
 RIDES = rp.Request("POST", "/rides")
 
 
+@pytest.mark.slow
 def test_fifty_threads_racing_one_key_run_each_phase_once(
     engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
 ) -> None:
@@ -106,6 +107,7 @@ def test_lease_takeover_fences_the_old_owner(
     assert engine.run(op, key="k", params=params, scope=scope, request=RIDES).replayed
 
 
+@pytest.mark.slow
 def test_atomic_phase_outliving_its_lease_is_not_taken_over_mid_phase(
     engine: rp.Engine, db: sa.Engine, scope: str
 ) -> None:
@@ -147,6 +149,7 @@ def test_atomic_phase_outliving_its_lease_is_not_taken_over_mid_phase(
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 1
 
 
+@pytest.mark.slow
 def test_contended_business_row_all_requests_succeed(
     engine: rp.Engine, db: sa.Engine, scope: str
 ) -> None:

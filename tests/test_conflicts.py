@@ -67,6 +67,7 @@ def test_no_other_text_is_retried(message: str, state: str | None) -> None:
             assert not retryable(state, text)
 
 
+@pytest.mark.slow
 def test_a_real_serialization_failure_is_recognised_through_sqlalchemy_too(
     db: sa.Engine,
 ) -> None:

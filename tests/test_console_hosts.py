@@ -297,6 +297,7 @@ def test_a_read_only_console_shows_keys_and_changes_none(db: sa.Engine) -> None:
 @given(host=HOSTS)
 @example(host="ops.example.com:443@evil")  # Starlette 0.40's TrustedHostMiddleware took it
 @example(host="OPS.example.com:8443")
+@pytest.mark.slow
 def test_a_console_mounted_behind_own_hosts_answers_only_its_names(
     db: sa.Engine, host: str
 ) -> None:

@@ -120,6 +120,7 @@ def _operation(name: str, asynchronous: bool) -> rp.Operation[Any]:
     return op
 
 
+@pytest.mark.slow
 def test_both_engines_run_requests_through_a_list_of_hosts(
     hosts_url: str, database_url: str, scope: str
 ) -> None:

@@ -356,6 +356,7 @@ def test_a_hook_that_finds_nothing_calls_anew_with_a_fresh_key_that_a_crash_keep
     assert service.row("renewed").window_renewals == 1  # kept with the finished key
 
 
+@pytest.mark.slow
 def test_an_operator_sees_held_keys_and_reconciles_them(
     make: Callable[..., Service],
     database_url: str,

@@ -24,6 +24,8 @@ from recoverypoint.demo.rocket_rides.schema import TABLES
 from recoverypoint.migrate import upgrade
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # the demo's processes, in a database made for it
+
 # recoverypoint's tables the run writes into: empty before, empty after.
 RECOVERYPOINT_ROWS = ("idempotency_keys", "staged_jobs", "processed_messages", "key_generations")
 

@@ -59,6 +59,7 @@ def test_every_block_is_run_or_says_why_not() -> None:
 # and a reader sees only a warning.
 @pytest.mark.filterwarnings("ignore::starlette.exceptions.StarletteDeprecationWarning")
 @pytest.mark.parametrize("page", RUN_HERE, ids=[str(p.relative_to(ROOT)) for p in RUN_HERE])
+@pytest.mark.slow
 def test_the_python_blocks_of_the_page_run(
     page: Path, server_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -103,6 +103,7 @@ def test_one_connection_answered_by_one_backend_is_no_pooler(worker_database_url
     assert check.status == "ok"
 
 
+@pytest.mark.slow
 def test_each_workers_last_pass_is_reported(
     worker_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -147,6 +148,7 @@ def test_each_workers_last_pass_is_reported(
     assert "failing: OperationalError: connection refused" in found["workers"]["detail"]
 
 
+@pytest.mark.slow
 def test_a_worker_is_late_after_a_few_of_its_own_intervals(worker_db: sa.Engine) -> None:
     import threading
 

@@ -582,6 +582,7 @@ def _finished(tx: rp.AtomicContext, params: Any) -> rp.Response:
         st.sampled_from(["'", "\\", "\\'", "''; DROP TABLE x; --", "E'\\x41'", " E'", "$$", "é🚀"]),
     )
 )
+@pytest.mark.slow
 def test_any_scope_the_engine_accepts_is_fenced_and_replayed_in_its_own_scope(
     db: sa.Engine, scope: str
 ) -> None:

@@ -65,6 +65,7 @@ def nested(depth: int) -> Any:
     [{"name": "\ud800"}, {"\udfff": 1}, ["ok", "\ud83d"]],
     ids=["value", "key", "array"],
 )
+@pytest.mark.slow
 def test_lone_surrogates_in_params_are_invalid_params(
     engine: rp.Engine, db: sa.Engine, scope: str, params: Any
 ) -> None:
@@ -85,6 +86,7 @@ def test_lone_surrogates_in_params_are_invalid_params(
     ],
     ids=["nul", "surrogate", "too-long"],
 )
+@pytest.mark.slow
 def test_a_path_that_cannot_be_stored_is_refused_before_the_claim(
     engine: rp.Engine, db: sa.Engine, scope: str, path: str, error: type[Exception]
 ) -> None:
@@ -376,6 +378,7 @@ class Boom:
         return failing()
 
 
+@pytest.mark.slow
 def test_the_lease_of_a_v1_key_is_judged_by_v1s_lock_timeout(
     engine: rp.Engine, db: sa.Engine, scope: str
 ) -> None:
@@ -414,6 +417,7 @@ def test_the_lease_of_a_v1_key_is_judged_by_v1s_lock_timeout(
 # -- 6. a committed phase renews the lease from its commit -----------------------------------
 
 
+@pytest.mark.slow
 def test_a_slow_phase_leaves_its_successor_a_whole_lease(engine: rp.Engine, scope: str) -> None:
     entered, leave = threading.Event(), threading.Event()
     steps: list[str] = []

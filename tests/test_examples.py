@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
+
+pytestmark = pytest.mark.slow  # the examples' commands as subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m examples.quickstart"

@@ -126,6 +126,7 @@ def explore_orders(url: str, *, pops_the_coupon: bool, **options: Any) -> Explor
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_phase_that_changes_its_params_is_found_by_a_storm(orders_url: str) -> None:
     found = explore_orders(orders_url, pops_the_coupon=True)
 
@@ -142,6 +143,7 @@ def test_a_phase_that_changes_its_params_is_found_by_a_storm(orders_url: str) ->
     assert again.schedules == 1 and again.failures[0].invariant == smallest.invariant
 
 
+@pytest.mark.slow
 def test_a_phase_that_reads_its_params_passes_every_storm(orders_url: str) -> None:
     found = explore_orders(orders_url, pops_the_coupon=False)
 
@@ -212,6 +214,7 @@ def explore_placing(url: str, *, outage_means_failure: bool, **options: Any) -> 
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_caller_that_takes_an_outage_for_a_failure_is_found_by_a_lost_answer(
     orders_url: str,
 ) -> None:
@@ -228,6 +231,7 @@ def test_a_caller_that_takes_an_outage_for_a_failure_is_found_by_a_lost_answer(
     assert again.schedules == 1 and again.failures[0].invariant == smallest.invariant
 
 
+@pytest.mark.slow
 def test_a_caller_that_retries_an_outage_passes_every_lost_answer(orders_url: str) -> None:
     found = explore_placing(orders_url, outage_means_failure=False)
 
@@ -239,6 +243,7 @@ def test_a_caller_that_retries_an_outage_passes_every_lost_answer(orders_url: st
     assert found.by_depth[1] == (2 * 2 + 1 + 1 + 1) * 2
 
 
+@pytest.mark.slow
 def test_without_lost_answers_the_mistake_goes_unseen(orders_url: str) -> None:
     found = explore_placing(
         orders_url, outage_means_failure=True, effects=("raise", "exit", "conflict")
@@ -344,6 +349,7 @@ def test_connections_ended_during_a_step_are_recovered_from(orders_url: str) -> 
 
 
 @pytest.mark.parametrize("schedule", [DROP, DROP.replace("client", "completer")])
+@pytest.mark.slow
 def test_a_step_whose_connections_end_is_called_once(orders_url: str, schedule: str) -> None:
     """The phase after the step meets a dead connection: the attempt fails with an outage,
     having recorded the step's result on a new connection, and the recovery goes on from
@@ -375,6 +381,7 @@ def asked_twice(conn: sa.Connection) -> None:
 
 
 @pytest.mark.parametrize("schedule", [TAKEN_OVER, TAKEN_OVER.replace("client", "completer")])
+@pytest.mark.slow
 def test_a_step_whose_lease_runs_out_is_fenced(orders_url: str, schedule: str) -> None:
     """Its step returned, the attempt finds its lease ran out and the key taken over and
     finished meanwhile: recording the step's result, its fence refuses (LockLost), and
@@ -392,6 +399,7 @@ def test_a_step_whose_lease_runs_out_is_fenced(orders_url: str, schedule: str) -
     assert "1. client    failed: LockLost" in story
 
 
+@pytest.mark.slow
 def test_a_key_made_of_the_key_row_is_found_by_a_failover_only(orders_url: str) -> None:
     found = explore_shipping(orders_url, key_of_the_row=True)
 
@@ -435,6 +443,7 @@ def test_a_failover_puts_the_database_back_and_the_provider_dedupes(
     assert found.ok, found.report()
 
 
+@pytest.mark.slow
 def test_an_answer_given_before_a_failover_is_lost_with_it(orders_url: str) -> None:
     """The attempt answered, then its last phase was lost: the retry's answer is the one
     replayed. A lossy failover may lose an answer (docs/how-to/production.md): it is told,
@@ -467,6 +476,7 @@ def labelled(conn: sa.Connection) -> None:
     assert labels == 1, f"{labels} labels"
 
 
+@pytest.mark.slow
 def test_a_failover_loses_a_step_s_result_committed_alone(orders_url: str) -> None:
     """A step that answers finishes the key in a commit of its own, which a failover loses:
     the key is back at the phase before it, and the retry calls the step again with the
@@ -514,6 +524,7 @@ def unprivileged(server_url: str) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("deferrable", [True, False])
+@pytest.mark.slow
 def test_without_privilege_a_deferrable_foreign_key_is_needed(
     unprivileged: str, deferrable: bool
 ) -> None:

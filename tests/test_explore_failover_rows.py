@@ -57,6 +57,7 @@ def fill(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(before=ROWS, after=ROWS)
+@pytest.mark.slow
 def test_rows_put_back_are_the_rows_read(
     notes: psycopg.Connection[Any], before: list[tuple[Any, ...]], after: list[tuple[Any, ...]]
 ) -> None:

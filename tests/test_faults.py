@@ -91,6 +91,7 @@ def test_bad_specs_are_refused_clearly(spec: str) -> None:
         registry.configure(spec)
 
 
+@pytest.mark.slow
 def test_exit_effect_kills_the_process_and_a_retry_takes_over(
     engine: rp.Engine, provider: Provider, database_url: str, db: sa.Engine, scope: str
 ) -> None:

@@ -26,6 +26,7 @@ def key_row(db: sa.Engine) -> Any:
     return row
 
 
+@pytest.mark.slow
 def test_a_step_recorded_after_the_next_phase_committed_does_not_move_the_point_back(
     worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,6 +95,7 @@ def test_a_step_recorded_after_the_next_phase_committed_does_not_move_the_point_
     assert len(rows(worker_db, "SELECT * FROM step_calls")) == 1
 
 
+@pytest.mark.slow
 def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.Engine) -> None:
     """An operator releases A's lease by force while A's foreign step runs (a live holder
     keeps its lease otherwise); B takes the key over (the row moves, so A's address of it
@@ -159,6 +161,7 @@ def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.E
     assert (row.recovery_point, row.attempts, row.last_error) == ("finished", 2, None)
 
 
+@pytest.mark.slow
 def test_a_phase_that_changes_its_own_key_row_commits_nothing_and_is_told_so(
     worker_db: sa.Engine,
 ) -> None:

@@ -18,6 +18,7 @@ import async_to_sync  # noqa: E402
 GENERATED = sorted(async_to_sync.PAIRS.items())
 
 
+@pytest.mark.slow
 def test_the_generated_modules_are_current() -> None:
     check = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "async_to_sync.py"), "--check"],

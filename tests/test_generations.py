@@ -236,6 +236,7 @@ def generation(db: sa.Engine, operation: str) -> int:
 
 
 @pytest.mark.parametrize("rule", ["reaped", "expired"])
+@pytest.mark.slow
 def test_a_key_reused_after_its_retention_is_a_new_request_at_the_provider_too(
     engine: rp.Engine,
     db: sa.Engine,
@@ -290,6 +291,7 @@ def test_the_job_keys_of_a_lost_row_are_the_same_again(
     assert len(provider.charges()) == 2
 
 
+@pytest.mark.slow
 def test_a_generation_is_kept_for_the_generations_retention_then_pruned(
     worker_db: sa.Engine, scope: str
 ) -> None:
@@ -348,6 +350,7 @@ def test_a_generation_is_kept_for_the_longest_registered_dedupe_window(
 
 
 @pytest.mark.parametrize("action", ["delete", "purge"])
+@pytest.mark.slow
 def test_a_key_an_operator_deleted_is_a_new_generation(
     engine: rp.Engine, db: sa.Engine, provider: StrictProvider, scope: str, action: str
 ) -> None:

@@ -123,6 +123,7 @@ def key_row(db: sa.Engine, scope: str) -> Any:
     return one(db, "SELECT *, now() AS db_now FROM idempotency_keys WHERE scope = :s", s=scope)
 
 
+@pytest.mark.slow
 def test_a_step_three_times_longer_than_its_lease_keeps_its_key(driver: Driver, scope: str) -> None:
     """Retries and completer passes beside the step, for three lock timeouts on the
     database's clock: each is refused; the provider is called once."""
@@ -155,6 +156,7 @@ def test_a_step_three_times_longer_than_its_lease_keeps_its_key(driver: Driver, 
     assert key_row(db, scope).lock_token is None
 
 
+@pytest.mark.slow
 def test_a_killed_holder_is_taken_over_within_its_lock_timeout(
     driver: Driver, database_url: str, scope: str
 ) -> None:
@@ -207,6 +209,7 @@ def taken_over_after_death(driver: Driver, scope: str) -> None:
     assert second.sent_at - killed_at < timedelta(seconds=LEASE + 1.0)
 
 
+@pytest.mark.slow
 def test_a_forked_child_renews_none_of_its_parents_leases(
     driver: Driver, database_url: str, scope: str
 ) -> None:
@@ -248,6 +251,7 @@ def refused_for_three_leases(other: rp.Engine, op: rp.Operation[Any], scope: str
         time.sleep(POLL)
 
 
+@pytest.mark.slow
 def test_an_async_step_blocking_its_loop_keeps_its_key(database_url: str, scope: str) -> None:
     """An ``async def`` step making a sync call blocks its event loop for three lock
     timeouts: its renewals, from the heartbeat's thread, go on. A retry from another
@@ -291,6 +295,7 @@ def test_an_async_step_blocking_its_loop_keeps_its_key(database_url: str, scope:
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.slow
 def test_a_step_keeps_its_key_while_the_pool_is_busy(
     kind: str, database_url: str, scope: str
 ) -> None:
@@ -351,6 +356,7 @@ def test_a_step_keeps_its_key_while_the_pool_is_busy(
         other.dispose()
 
 
+@pytest.mark.slow
 def test_a_lease_released_by_force_mid_step_is_lost(
     driver: Driver, scope: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -378,6 +384,7 @@ def test_a_lease_released_by_force_mid_step_is_lost(
     assert len(sends(db, scope)) == 1
 
 
+@pytest.mark.slow
 def test_an_atomic_phase_longer_than_its_lease_keeps_its_key(driver: Driver, scope: str) -> None:
     """No heartbeat needed: the phase's fence locks the key row, so a retry waits for it
     and the completer skips it, however long the phase runs; its commit renews the lease."""
@@ -436,6 +443,7 @@ def test_an_atomic_phase_longer_than_its_lease_keeps_its_key(driver: Driver, sco
     assert calls == [1]
 
 
+@pytest.mark.slow
 def test_an_idempotent_call_longer_than_its_lease_keeps_its_key(driver: Driver, scope: str) -> None:
     """``@idempotent`` is an operation of one foreign step: a call past its lock timeout
     keeps its key; a second call with it gets KeyInUse, and the function runs once."""
@@ -523,6 +531,7 @@ class Freezer:
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_renewal_stuck_on_a_half_open_socket_is_left_behind(
     driver: Driver,
     scope: str,

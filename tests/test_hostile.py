@@ -584,6 +584,7 @@ def assert_engine_twice(
 @example(params=Deep(100_000))
 @example(params=Huge(70_000))
 @example(params=Huge(40_000, "\u00e9"))
+@pytest.mark.slow
 def test_engine_run_refuses_bad_params_with_a_4xx_and_replays_good_ones(
     hostile_engine: rp.Engine, db: sa.Engine, params: Any
 ) -> None:
@@ -606,6 +607,7 @@ def test_engine_run_refuses_bad_params_with_a_4xx_and_replays_good_ones(
 @example(key="\x7f")
 @example(key="clé")
 @example(key=" ")
+@pytest.mark.slow
 def test_engine_run_refuses_bad_keys_with_a_400(
     hostile_engine: rp.Engine, db: sa.Engine, key: str
 ) -> None:
@@ -640,6 +642,7 @@ def test_engine_run_refuses_bad_methods_and_paths_with_a_4xx(
 @example(suffix="\x00")
 @example(suffix="x" * 300)
 @example(suffix="\u00e9\U0001f600")
+@pytest.mark.slow
 def test_engine_run_takes_any_valid_scope_and_refuses_others_with_value_error(
     hostile_engine: rp.Engine, db: sa.Engine, suffix: str
 ) -> None:
@@ -737,6 +740,7 @@ def with_examples(cases: list[tuple[Any, ...]], names: Sequence[str]) -> Any:
 @settings(HOSTILE, max_examples=40)
 @given(body=bodies, content_type=content_types)
 @with_examples(HOSTILE_BODIES, ("body", "content_type"))
+@pytest.mark.slow
 def test_hostile_bodies_get_a_4xx_or_one_run_and_its_replay(
     services: dict[str, Service],
     server_errors: ServerErrors,
@@ -762,6 +766,7 @@ def test_hostile_bodies_get_a_4xx_or_one_run_and_its_replay(
 @settings(HOSTILE, max_examples=30)
 @given(keys=key_headers)
 @with_examples([(k,) for k in HOSTILE_KEY_HEADERS], ("keys",))
+@pytest.mark.slow
 def test_hostile_key_headers_get_a_400_or_one_run_and_its_replay(
     services: dict[str, Service],
     server_errors: ServerErrors,
@@ -811,6 +816,7 @@ PATH_ROUTES = [("fastapi", "/phased"), ("fastapi", "/phased-async"), ("flask", "
 @settings(HOSTILE, max_examples=30)
 @given(tail=tails, query=queries)
 @with_examples(HOSTILE_TARGETS, ("tail", "query"))
+@pytest.mark.slow
 def test_hostile_paths_get_a_4xx_or_one_run_and_its_replay(
     services: dict[str, Service],
     server_errors: ServerErrors,
@@ -842,6 +848,7 @@ SINGLE_QUERY_ROUTES = [("fastapi", "/single/json"), ("flask", "/single/json")]
 @example(query="q=%00")
 @example(query="q=%ED%A0%80")
 @example(query="%ff=%ff")
+@pytest.mark.slow
 def test_hostile_queries_on_single_step_endpoints(
     services: dict[str, Service],
     server_errors: ServerErrors,
@@ -960,6 +967,7 @@ variations = st.sampled_from([_as_json_string, _json_string_content, _with_dupli
 @example(body=b'"abc"', vary=_json_string_content, other=None)
 @example(body=b'{"a": 0, "a": 1}', vary=_as_json_string, other=b'{"a": 1}')
 @example(body=b"{}", vary=_utf16, other=None)
+@pytest.mark.slow
 def test_a_different_payload_with_the_same_key_is_never_replayed(
     services: dict[str, Service],
     server_errors: ServerErrors,

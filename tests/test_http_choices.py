@@ -247,6 +247,7 @@ def test_unscoped_keys_share_one_scope_on_purpose(
 
 @pytest.mark.parametrize("path", ["/empty", "/empty-phased"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.slow
 def test_a_scope_function_that_returns_an_empty_scope_is_refused_and_stores_nothing(
     servers: dict[str, str],
     db: sa.Engine,
@@ -353,6 +354,7 @@ def test_a_chosen_key_header_is_named_in_every_refusal(name: str, lines: list[st
         st.binary(max_size=5),
     )
 )
+@pytest.mark.slow
 def test_a_scope_function_never_raises_and_never_yields_an_empty_scope(returned: Any) -> None:
     engine: Any = rp.Engine.__new__(rp.Engine)
     made: BaseIdempotency[Request] = BaseIdempotency(engine, scope=lambda request: returned)
@@ -366,6 +368,7 @@ def test_a_scope_function_never_raises_and_never_yields_an_empty_scope(returned:
 # -- docs/how-to/http.md, its choices' example, word for word --------------------------------
 
 
+@pytest.mark.slow
 def test_the_docs_choices_example(
     database_url: str, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

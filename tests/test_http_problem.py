@@ -188,6 +188,7 @@ def test_any_sf_string_with_any_parameters_is_the_key(
 
 @PROPERTIES
 @given(bare_items, parameters)
+@pytest.mark.slow
 def test_items_round_trip(value: BareItem, params: dict[str, BareItem]) -> None:
     assert typed(parse_item(serialize_item(value, params))) == typed((value, params))
 

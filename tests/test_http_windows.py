@@ -81,6 +81,7 @@ def charge(base_url: str) -> httpx.Response:
     return httpx.post(f"{base_url}/charges", headers={"Idempotency-Key": "k-1"}, json={})
 
 
+@pytest.mark.slow
 def test_past_the_window_a_retry_answers_423_and_runs_nothing(
     served: tuple[str, Provider], worker_db: sa.Engine
 ) -> None:
@@ -94,6 +95,7 @@ def test_past_the_window_a_retry_answers_423_and_runs_nothing(
     assert provider.calls == 1
 
 
+@pytest.mark.slow
 def test_inside_the_window_a_retry_runs_the_endpoint_again(
     served: tuple[str, Provider], worker_db: sa.Engine
 ) -> None:

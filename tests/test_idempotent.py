@@ -424,6 +424,7 @@ def hostile_function(db: sa.Engine) -> tuple[Any, str, list[Any]]:
 
 @HOSTILE
 @given(value=_hostile)
+@pytest.mark.slow
 def test_hostile_arguments_are_stored_whole_or_refused_clearly_leaving_nothing(
     hostile_function: tuple[Any, str, list[Any]], db: sa.Engine, value: Any
 ) -> None:

@@ -220,6 +220,7 @@ def test_a_cancelled_call_releases_its_lease_and_the_next_call_runs(
     with_engine(database_url, test)
 
 
+@pytest.mark.slow
 def test_context_variables_and_the_downstream_key_reach_the_functions_own_tasks(
     database_url: str,
 ) -> None:
@@ -240,6 +241,7 @@ def test_context_variables_and_the_downstream_key_reach_the_functions_own_tasks(
     with_engine(database_url, test)
 
 
+@pytest.mark.slow
 def test_calls_at_once_are_all_in_flight_together(
     database_url: str, payments: tuple[Payments, str]
 ) -> None:
@@ -282,6 +284,7 @@ def test_a_sync_function_with_an_async_engine_is_a_type_error(database_url: str)
     with_engine(database_url, test)
 
 
+@pytest.mark.slow
 def test_arguments_that_cannot_be_stored_store_nothing(database_url: str, db: sa.Engine) -> None:
     name = unique("refused")
 

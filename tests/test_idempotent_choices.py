@@ -173,6 +173,7 @@ _HOSTILE_SCOPES = st.one_of(
 )
 
 
+@pytest.mark.slow
 def test_any_scope_a_rule_yields_is_used_or_refused_before_the_function_runs(
     engine: rp.Engine, db: sa.Engine
 ) -> None:

@@ -241,6 +241,7 @@ def returning(engine: rp.Engine) -> list[Returning]:
 
 @RETURNS
 @given(data=st.data())
+@pytest.mark.slow
 def test_whatever_a_function_returns_it_runs_once_per_key(
     returning: list[Returning], data: st.DataObject
 ) -> None:

@@ -96,6 +96,7 @@ JSON_VALUES = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(JSON_VALUES)
+@pytest.mark.slow
 def test_canonical_json_is_the_text_json_dumps_gives(value: object) -> None:
     # Fingerprints of keys already stored hash this text: its encoder may change, the text
     # never (a key retried across a deploy would otherwise be refused as another request).

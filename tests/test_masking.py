@@ -69,6 +69,7 @@ def test_a_viewer_gets_nothing_a_guess_can_be_checked_against(db: sa.Engine, key
     assert ops.mask(SCOPE) in page and ops.mask(stored) in page and ops.mask("0420") in page
 
 
+@pytest.mark.slow
 def test_the_cli_masks_what_the_console_masks_unless_revealed(
     db: sa.Engine, key_id: int, module_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -86,6 +87,7 @@ def test_the_cli_masks_what_the_console_masks_unless_revealed(
     assert all(s in shown for s in [*SECRETS, stored, charge])
 
 
+@pytest.mark.slow
 def test_each_installation_masks_with_its_own_secret(db: sa.Engine, worker_db: sa.Engine) -> None:
     here, there = admin.Admin(db).mask, admin.Admin(worker_db).mask
     assert here(SCOPE) == admin.Admin(db).mask(SCOPE)  # stable across processes
@@ -93,6 +95,7 @@ def test_each_installation_masks_with_its_own_secret(db: sa.Engine, worker_db: s
     assert here(SCOPE) != "…#" + hashlib.sha256(SCOPE.encode()).hexdigest()[:10]
 
 
+@pytest.mark.slow
 def test_a_database_without_its_secret_is_told_to_migrate(worker_db: sa.Engine) -> None:
     with worker_db.begin() as conn:
         conn.execute(sa.text("DELETE FROM installation_secrets"))
@@ -102,6 +105,7 @@ def test_a_database_without_its_secret_is_told_to_migrate(worker_db: sa.Engine) 
 
 @settings(database=None, deadline=None, max_examples=300)
 @given(value=st.text(), other=st.text())
+@pytest.mark.slow
 def test_a_masked_value_is_a_keyed_digest_and_nothing_else(value: str, other: str) -> None:
     mask = admin.Mask(b"s" * 32)
     shown = mask(value)
@@ -121,6 +125,7 @@ JSON = st.recursive(
 
 @settings(database=None, deadline=None, max_examples=200)
 @given(value=JSON)
+@pytest.mark.slow
 def test_masked_json_keeps_the_shape_and_masks_every_leaf(value: Any) -> None:
     mask = admin.Mask(b"s" * 32)
 

@@ -54,6 +54,7 @@ def served(worker_db: sa.Engine) -> Iterator[tuple[CollectorRegistry, str]]:
     thread.join(5)
 
 
+@pytest.mark.slow
 def test_a_scrape_after_a_rides_flow_with_faults_counts_everything(
     worker_db: sa.Engine, served: tuple[CollectorRegistry, str]
 ) -> None:
@@ -276,6 +277,7 @@ def test_a_scrape_after_a_rides_flow_with_faults_counts_everything(
     assert not labels & {"k1", "k2", "k3", "k4", "k5", "b1", "b2", "s"}
 
 
+@pytest.mark.slow
 def test_the_collector_reports_down_instead_of_failing_the_scrape(
     served: tuple[CollectorRegistry, str],
 ) -> None:
@@ -287,6 +289,7 @@ def test_the_collector_reports_down_instead_of_failing_the_scrape(
     nowhere.dispose()
 
 
+@pytest.mark.slow
 def test_recoverypoint_metrics_serve_serves_the_gauges(
     worker_db: sa.Engine, worker_database_url: str
 ) -> None:
@@ -320,6 +323,7 @@ def test_recoverypoint_metrics_serve_serves_the_gauges(
         assert server.returncode == 0, errors
 
 
+@pytest.mark.slow
 def test_importing_recoverypoint_imports_neither_extra() -> None:
     code = (
         "import sys, recoverypoint, recoverypoint.workers, recoverypoint.jobs, "
@@ -331,6 +335,7 @@ def test_importing_recoverypoint_imports_neither_extra() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_an_operation_met_once_keeps_its_series_at_zero(
     served: tuple[CollectorRegistry, str], worker_db: sa.Engine
 ) -> None:

@@ -122,6 +122,7 @@ def test_migrate_leaves_the_applications_alembic_history_alone(empty_database_ur
     [([], None), (["--database-url", UNREACHABLE_URL], UNREACHABLE_URL)],
     ids=["no-url", "unreachable-url"],
 )
+@pytest.mark.slow
 def test_sql_prints_the_ddl_without_touching_a_database(
     args: Sequence[str], env_url: str | None
 ) -> None:
@@ -156,6 +157,7 @@ def _schema_diff(connection: sa.Connection) -> list[Any]:
     return diff
 
 
+@pytest.mark.slow
 def test_migrated_schema_matches_the_schema_module(empty_database_url: str) -> None:
     engine = create_engine(empty_database_url, poolclass=NullPool)
     try:
@@ -246,6 +248,7 @@ def test_session_database_is_at_head(database_url: str) -> None:
     assert versions(database_url) == [HEAD]
 
 
+@pytest.mark.slow
 def test_alembic_upgrade_head_from_the_checkout(empty_database_url: str) -> None:
     env = {**os.environ, "RECOVERYPOINT_DATABASE_URL": plain_postgresql(empty_database_url)}
     result = subprocess.run(
@@ -262,6 +265,7 @@ def test_alembic_upgrade_head_from_the_checkout(empty_database_url: str) -> None
     assert tables(empty_database_url) >= TABLES
 
 
+@pytest.mark.slow
 def test_migrate_without_a_url_says_what_to_pass() -> None:
     result = run_cli("migrate")
 
@@ -271,6 +275,7 @@ def test_migrate_without_a_url_says_what_to_pass() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_migrate_on_an_unreachable_database_fails_in_one_line() -> None:
     result = run_cli("migrate", "--database-url", UNREACHABLE_URL)
 
@@ -293,6 +298,7 @@ def _alembic(url: str, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_scope_in_keys_keeps_keys_in_flight_and_the_applications_foreign_keys(
     empty_database_url: str,
 ) -> None:
@@ -358,6 +364,7 @@ _PREVIOUS_MARK_PROCESSED = """
     """
 
 
+@pytest.mark.slow
 def test_the_previous_releases_consumers_keep_working_after_0014(
     empty_database_url: str,
 ) -> None:
@@ -391,6 +398,7 @@ def test_the_previous_releases_consumers_keep_working_after_0014(
         db.dispose()
 
 
+@pytest.mark.slow
 def test_0014s_downgrade_keeps_one_record_per_consumer_and_message(
     empty_database_url: str,
 ) -> None:

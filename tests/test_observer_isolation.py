@@ -191,6 +191,7 @@ ISOLATION = settings(
 
 @ISOLATION
 @given(failing=st.sets(st.sampled_from(HOOKS)), fail_step=st.booleans())
+@pytest.mark.slow
 def test_an_observer_failing_at_any_hook_changes_no_run(
     worker_db: sa.Engine, failing: set[str], fail_step: bool
 ) -> None:

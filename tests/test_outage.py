@@ -169,6 +169,7 @@ def test_a_connection_killed_mid_request_is_database_unavailable_and_the_retry_c
     assert len(set(provider.keys_seen)) == 1
 
 
+@pytest.mark.slow
 def test_a_step_that_cannot_be_recorded_in_an_outage_is_one_warning_and_runs_again_once(
     server_url: str,
     worker_database_url: str,

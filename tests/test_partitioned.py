@@ -173,6 +173,7 @@ def _plan(db: sa.Engine, statement: str, params: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize(("name", "statement"), REQUEST_PATH, ids=[n for n, _ in REQUEST_PATH])
+@pytest.mark.slow
 def test_every_request_path_statement_reads_the_scopes_partition_alone(
     partitioned: sa.Engine, name: str, statement: str
 ) -> None:

@@ -294,6 +294,7 @@ def refused(text: str) -> bool:
 
 @SQL_TEXTS
 @given(text=texts())
+@pytest.mark.slow
 def test_the_guard_reads_sql_as_the_server_does(oracle: psycopg.Connection[Any], text: str) -> None:
     assert refused(text) == ends_on_the_server(oracle, text), text
 
@@ -326,6 +327,7 @@ PHASES = settings(
 
 @PHASES
 @given(text=texts(ends=True, runnable=False))
+@pytest.mark.slow
 def test_any_ending_text_through_a_cursor_of_the_phase_is_refused(
     engine: rp.Engine, db: sa.Engine, wallet: str, text: str
 ) -> None:
@@ -338,6 +340,7 @@ def test_any_ending_text_through_a_cursor_of_the_phase_is_refused(
 
 @PHASES
 @given(statement=ending(runnable=False))
+@pytest.mark.slow
 def test_an_ending_statement_is_refused_through_sqlalchemy(
     engine: rp.Engine, db: sa.Engine, wallet: str, statement: str
 ) -> None:

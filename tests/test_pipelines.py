@@ -18,6 +18,7 @@ import recoverypoint as rp
 from recoverypoint.database import create_engine
 
 
+@pytest.mark.slow
 def test_contention_leaves_no_pipeline_or_transaction_behind(
     database_url: str, business_tables: None, scope: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,9 +15,9 @@ import time
 import uuid
 from typing import Any
 
+import poison_child
 import pytest
 import sqlalchemy as sa
-import poison_child
 from poison_child import DIED, LOCK_TIMEOUT, MAX_ATTEMPTS, SCOPE, engine_with
 from workload import plant_keys
 

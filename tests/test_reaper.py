@@ -23,6 +23,7 @@ def finished(age: str, *, abandoned: bool = False) -> dict[str, str]:
     return {**columns, "abandoned_at": at} if abandoned else columns
 
 
+@pytest.mark.slow
 def test_deletes_exactly_the_eligible_keys_in_batches(worker_db: sa.Engine) -> None:
     doomed = [
         *plant_keys(worker_db, "op", 23, **finished("73 hours")),
@@ -77,6 +78,7 @@ def test_deletes_exactly_the_eligible_keys_in_batches(worker_db: sa.Engine) -> N
     assert not Reaper(rp.Engine(worker_db), batch_size=4).run_once()
 
 
+@pytest.mark.slow
 def test_retentions_are_settable_and_abandoned_keys_are_kept_at_least_as_long(
     worker_db: sa.Engine,
 ) -> None:
@@ -93,6 +95,7 @@ def test_retentions_are_settable_and_abandoned_keys_are_kept_at_least_as_long(
         Reaper(engine, retention=timedelta(days=40))
 
 
+@pytest.mark.slow
 def test_retentions_may_be_zero_or_equal_never_negative(worker_db: sa.Engine) -> None:
     engine = rp.Engine(worker_db)
     Reaper(engine, retention=timedelta(0), abandoned_retention=timedelta(0))
@@ -102,6 +105,7 @@ def test_retentions_may_be_zero_or_equal_never_negative(worker_db: sa.Engine) ->
             Reaper(engine, **{negative: timedelta(seconds=-1)})
 
 
+@pytest.mark.slow
 def test_a_stop_shared_with_other_workers_stops_the_reaper(worker_db: sa.Engine) -> None:
     stop = threading.Event()
     reaper = Reaper(rp.Engine(worker_db), stop_event=stop)
@@ -125,6 +129,7 @@ def _dead_rows_and_manual_vacuums(db: sa.Engine) -> tuple[int, int]:
     return row.n_dead_tup, row.vacuum_count
 
 
+@pytest.mark.slow
 def test_a_big_pass_leaves_the_table_vacuumed_when_autovacuum_is_off(
     worker_db: sa.Engine, layout: str
 ) -> None:
@@ -154,6 +159,7 @@ def test_a_big_pass_leaves_the_table_vacuumed_when_autovacuum_is_off(
     assert [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys ORDER BY id")] == kept
 
 
+@pytest.mark.slow
 def test_vacuum_after_must_be_positive_or_none(worker_db: sa.Engine) -> None:
     with pytest.raises(ValueError, match="vacuum_after"):
         Reaper(rp.Engine(worker_db), vacuum_after=0)

@@ -53,6 +53,7 @@ def stored(db: sa.Engine, scope: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.parametrize("fault", list(BOUNDARIES))
+@pytest.mark.slow
 def test_resume_after_failure_at_every_boundary(
     engine: rp.Engine,
     provider: Provider,
@@ -108,6 +109,7 @@ def test_resume_after_failure_at_every_boundary(
     )
 
 
+@pytest.mark.slow
 def test_retryable_releases_the_lease_keeps_the_point_and_schedules_a_retry(
     engine: rp.Engine, provider: Provider, faults: Faults, db: sa.Engine, scope: str
 ) -> None:

@@ -15,8 +15,11 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
 from docs_snippets import section
+
+pytestmark = pytest.mark.slow  # the package built and read
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_FILES = {"README.md", "LICENSE", "CHANGELOG.md", "SECURITY.md"}

@@ -94,6 +94,7 @@ def test_a_key_replays_within_its_retention_and_is_a_new_request_past_it(
     assert keys_of(db, op) == 1
 
 
+@pytest.mark.slow
 def test_past_its_retention_a_key_may_come_with_other_params(
     engine: rp.Engine, db: sa.Engine
 ) -> None:
@@ -172,6 +173,7 @@ def test_duplicates_racing_past_the_retention_make_one_new_request(
 
 @settings(max_examples=40, deadline=None)
 @given(seconds=st.integers(min_value=1, max_value=10**6), aged=st.integers(0, 2 * 10**6))
+@pytest.mark.slow
 def test_the_rule_at_any_retention_and_age(db: sa.Engine, seconds: int, aged: int) -> None:
     engine = rp.Engine(db)
     op = declared(timedelta(seconds=seconds))

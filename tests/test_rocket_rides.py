@@ -28,7 +28,10 @@ from rides import count
 from recoverypoint.client import Client, Retry, RetryPolicy
 from recoverypoint.database import create_engine
 
-pytestmark = pytest.mark.xdist_group("rocket_rides")  # its six processes, started once
+pytestmark = [
+    pytest.mark.slow,  # twelve processes, the API and its providers on both engines
+    pytest.mark.xdist_group("rocket_rides"),  # started once for the module
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 ALICE, DECLINED = "alice@example.com", "declined@example.com"
@@ -129,9 +132,7 @@ def every_service(
             on_async = ["--async"] if engine == "AsyncEngine" else []
             ours = started[engine] = {}
             for name, knobs in faults.items():
-                provider = _start(
-                    stack, tmp, f"{engine}-{name}-provider", "provider", *db, *knobs
-                )
+                provider = _start(stack, tmp, f"{engine}-{name}-provider", "provider", *db, *knobs)
                 ours[f"{name}-provider"] = provider
                 ours[name] = _start(
                     stack,

@@ -69,6 +69,7 @@ def staged(db: sa.Engine) -> list[Any]:
 
 
 @pytest.mark.parametrize("fail_once", [set(), {"noted"}, {"recorded"}], ids=str)
+@pytest.mark.slow
 def test_jobs_of_every_phase_are_staged_and_published_once(
     worker_db: sa.Engine, fail_once: set[str]
 ) -> None:

@@ -36,6 +36,7 @@ def execute(url: str, *statements: str) -> list[tuple[object, ...]]:
 
 # Names a caller may give: quotes, spaces, a statement's end, case and non-ASCII letters.
 @pytest.mark.parametrize("name", ['rp "tpl"; DROP DATABASE postgres; --', "Rp_Tpl_ß", "tpl"])
+@pytest.mark.slow
 def test_a_copy_has_the_templates_tables_and_rows_and_is_dropped(
     server_url: str, name: str
 ) -> None:

@@ -58,6 +58,7 @@ def parent_id(span: ReadableSpan) -> int | None:
     return span.parent.span_id if span.parent is not None else None
 
 
+@pytest.mark.slow
 def test_a_ride_is_one_trace_from_the_request_to_the_consumer(
     worker_db: sa.Engine, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
@@ -157,6 +158,7 @@ def test_a_ride_is_one_trace_from_the_request_to_the_consumer(
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
+@pytest.mark.slow
 def test_a_failed_attempt_and_its_retry(
     worker_db: sa.Engine, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
@@ -206,6 +208,7 @@ def test_a_failed_attempt_and_its_retry(
     assert refused.status.status_code == StatusCode.UNSET
 
 
+@pytest.mark.slow
 def test_serialization_retries_are_events_on_the_phase(
     worker_db: sa.Engine, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:

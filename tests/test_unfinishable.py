@@ -78,6 +78,7 @@ def samples(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+@pytest.mark.slow
 def test_a_pass_that_meets_what_nobody_can_finish_fails_and_says_what_to_import(
     worker_db: sa.Engine, worker_database_url: str, tmp_path: Path
 ) -> None:
@@ -162,6 +163,7 @@ def test_a_version_another_running_completer_registers_is_left_to_it(
     assert gauge == [2, 0, 2]
 
 
+@pytest.mark.slow
 def test_a_retired_version_s_abandoned_keys_warn_and_fail_nothing(
     worker_db: sa.Engine,
     worker_database_url: str,
@@ -197,6 +199,7 @@ def test_a_retired_version_s_abandoned_keys_warn_and_fail_nothing(
     assert (status, check["status"]) == (1, "fail")
 
 
+@pytest.mark.slow
 def test_doctor_reports_them_without_an_app(
     worker_db: sa.Engine, worker_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -262,6 +265,7 @@ def test_the_console_shows_them(worker_db: sa.Engine) -> None:
         max_size=4,
     )
 )  # fmt: skip
+@pytest.mark.slow
 def test_any_operation_a_key_names_is_reported_whole(
     worker_db: sa.Engine, caplog: pytest.LogCaptureFixture, planted: dict[tuple[str, int], int]
 ) -> None:

@@ -327,6 +327,7 @@ def test_the_channel_and_lock_python_computes_are_the_ones_postgresql_uses(
     assert lock == waits.lock(scope, name, key)
 
 
+@pytest.mark.slow
 def test_a_notify_is_sent_only_while_a_call_waits(engine: rp.Engine, database_url: str) -> None:
     """The NOTIFY of a finish: none for a key nobody waits on (PostgreSQL commits notifying
     transactions one at a time); one for a key whose waiter holds its lock."""

@@ -112,6 +112,7 @@ def test_after_a_not_found_renewal_keys_show_has_the_fresh_downstream_key(
     assert 'id="window"' not in key_page(held, "renewed")
 
 
+@pytest.mark.slow
 def test_an_unfinished_key_says_when_its_steps_window_closes_and_what_comes_after(
     service: Callable[..., Service], show: Callable[..., Any]
 ) -> None:

@@ -14,6 +14,8 @@ import pytest
 import sqlalchemy as sa
 from workload import plant_keys, rows, stage_jobs, wait_for
 
+pytestmark = pytest.mark.slow  # the workers' commands as subprocesses, signalled
+
 TESTS = Path(__file__).resolve().parent
 UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # ts=… level=… logger=… then key=value pairs, quoted when they hold spaces.

@@ -19,6 +19,7 @@ from recoverypoint.jobs import InProcessBackend
 from recoverypoint.workers import Completer, Enqueuer, Reaper, Worker
 
 
+@pytest.mark.slow
 def test_the_completer_and_the_enqueuer_outlive_passes_that_fail(
     server_url: str,
     worker_database_url: str,

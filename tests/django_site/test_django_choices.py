@@ -62,6 +62,7 @@ def keys_of(operation: str) -> int:
 # -- header names --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_key_is_read_from_the_chosen_header_and_the_draft_s_name_is_not(
     client: Client,
 ) -> None:
@@ -82,6 +83,7 @@ def test_the_key_is_read_from_the_chosen_header_and_the_draft_s_name_is_not(
     assert keys_of("django_choice_renamed") == 1  # the draft's name left no key
 
 
+@pytest.mark.slow
 def test_a_replay_is_marked_with_the_chosen_header_only(client: Client) -> None:
     key = str(uuid.uuid4())
     first = post(client, "/choices/renamed", **{KEY_HEADER: key})
@@ -104,6 +106,7 @@ def test_a_key_header_django_cannot_tell_apart_is_refused_when_made() -> None:
 # -- stored status classes -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_answer_of_a_class_not_stored_leaves_no_key_and_the_retry_runs_again(
     client: Client,
 ) -> None:
@@ -120,6 +123,7 @@ def test_an_answer_of_a_class_not_stored_leaves_no_key_and_the_retry_runs_again(
     assert keys_of("django_choice_no_5xx") == 0
 
 
+@pytest.mark.slow
 def test_an_answer_of_a_stored_class_is_still_replayed(client: Client) -> None:
     runs, key = views.RUNS["not_found"], str(uuid.uuid4())
     first = post(client, "/choices/not-found", **{"Idempotency-Key": key})
@@ -150,6 +154,7 @@ def test_stored_classes_and_wait_are_checked_when_made() -> None:
         ("/choices/optional-phased-async", "optional_phased"),
     ],
 )
+@pytest.mark.slow
 def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
     client: Client, url: str, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -185,6 +190,7 @@ def test_an_optional_key_not_sent_runs_unprotected_and_says_so(
         ("/choices/optional-phased-async", "optional_phased"),
     ],
 )
+@pytest.mark.slow
 def test_an_optional_key_sent_protects_as_a_required_one_and_an_empty_one_is_refused(
     client: Client, url: str, kind: str
 ) -> None:
@@ -209,6 +215,7 @@ def test_a_required_key_stays_the_default(client: Client) -> None:
 # -- waiting for the first request's answer --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_duplicate_waits_for_the_first_request_s_answer_instead_of_a_409(
     live_server: Any, client: Client
 ) -> None:
@@ -279,6 +286,7 @@ def test_unscoped_keys_share_one_scope_on_purpose(client: Client) -> None:
     assert count(shared, "django_choice_unscoped") == 1
 
 
+@pytest.mark.slow
 def test_a_scope_function_that_returns_an_empty_scope_is_refused_and_stores_nothing(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -293,6 +301,7 @@ def test_a_scope_function_that_returns_an_empty_scope_is_refused_and_stores_noth
     assert any("empty scope" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_scope_that_is_neither_a_function_nor_unscoped_is_refused() -> None:
     for scope in ("", None, "tenant", 0):
         with pytest.raises(ValueError, match="UNSCOPED"):
@@ -340,6 +349,7 @@ def wire_post(live_server: Any) -> Callable[..., tuple[int, dict[str, str], byte
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(name=_NAMES)
+@pytest.mark.slow
 def test_any_key_header_name_is_read_as_sent_or_refused_when_made(
     live_server: Any, name: str
 ) -> None:

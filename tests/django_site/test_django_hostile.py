@@ -69,6 +69,7 @@ def send(client: Client, url: str, key: str, body: bytes) -> Any:
 @pytest.mark.parametrize("kind", sorted(URLS))
 @HOSTILE
 @given(key=keys, body=bodies)
+@pytest.mark.slow
 def test_hostile_requests_are_answered_once_or_refused_without_a_trace(
     client: Client, kind: str, key: str, body: bytes
 ) -> None:
@@ -89,6 +90,7 @@ def test_hostile_requests_are_answered_once_or_refused_without_a_trace(
 
 @HOSTILE
 @given(origin=odd_text, key=keys)
+@pytest.mark.slow
 def test_hostile_rides_book_at_most_once(client: Client, origin: str, key: str) -> None:
     rides = Ride.objects.count()
     body = json.dumps({"origin": origin, "target": "b"})

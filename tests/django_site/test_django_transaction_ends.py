@@ -193,6 +193,7 @@ PHASES = settings(
 
 @PHASES
 @given(text=texts(ends=True, runnable=False))
+@pytest.mark.slow
 def test_any_ending_statement_through_the_cursor_is_refused(
     user: User, wallet: int, text: str
 ) -> None:
@@ -204,6 +205,7 @@ def test_any_ending_statement_through_the_cursor_is_refused(
 
 @PHASES
 @given(text=texts(ends=False))
+@pytest.mark.slow
 def test_statements_that_end_nothing_run(user: User, wallet: int, text: str) -> None:
     ESCAPE[0] = _cursor(text)
     before = balance(wallet)
