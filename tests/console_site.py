@@ -62,7 +62,8 @@ def engine_for(db: sa.Engine, provider: Provider) -> rp.Engine:
 
 
 def app_for(engine: rp.Engine | Any, **options: Any) -> FastAPI:
-    """The documented mount (docs/how-to/operating.md), in spirit: a FastAPI app with the console in it."""
+    """The documented mount (docs/how-to/operating.md), in spirit: a FastAPI app with the
+    console in it."""
     app = FastAPI()
     app.mount(MOUNT, console(engine, authorize=options.get("authorize", authorize)))
     return app

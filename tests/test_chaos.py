@@ -217,7 +217,8 @@ def test_the_checks_catch_what_they_promise_to(rocket_rides_db: sa.Engine) -> No
         ride = conn.execute(
             sa.text(
                 "INSERT INTO rides (scope, idempotency_key_id, origin_lat, origin_lon, "
-                "target_lat, target_lon, user_id) SELECT CAST(:s AS text), :k, 1, 1, 2, 2, CAST(:u AS bigint) "
+                "target_lat, target_lon, user_id) "
+                "SELECT CAST(:s AS text), :k, 1, 1, 2, 2, CAST(:u AS bigint) "
                 "RETURNING id"
             ),
             {"s": key.scope, "k": key.id, "u": int(key.scope)},

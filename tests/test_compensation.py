@@ -377,6 +377,7 @@ def test_an_abandonment_by_a_clients_claim_is_compensated(
     result = p.completer().run_once()
     assert (result.abandoned, result.compensated) == (0, 1)
     assert counts(worker_db) == (1, 1, 1)
+    assert key_row(worker_db, key_id).compensated_at is not None  # the request's own key
 
 
 def test_a_reopened_key_awaits_no_compensation_and_one_compensated_never_reopens(
@@ -495,9 +496,11 @@ def test_the_reaper_keeps_an_abandoned_key_until_its_compensation_ran(
     testing.Clock(worker_db).advance(days=31)  # past the abandoned keys' retention
     reaper = Reaper(p.engine)
     assert reaper.run_once().abandoned == 0  # its compensation is still to run
+    assert key_row(worker_db, key_id).compensated_at is None
     assert p.completer().run_once().compensated == 1
     assert reaper.run_once().abandoned == 1
     assert counts(worker_db) == (1, 1, 1)
+    assert rows(worker_db, "SELECT id FROM idempotency_keys WHERE id = :k", k=key_id) == []
 
 
 def test_the_reaper_deletes_an_abandoned_key_with_no_compensation_to_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from typing import Any
@@ -483,10 +484,8 @@ def test_downstream_key_does_not_depend_on_the_session_time_zone(
         engine = rp.Engine(zoned)
         op = declare()
         engine.register(op)
-        try:
+        with contextlib.suppress(rp.Retryable):
             engine.run(op, key="k", params={}, scope=scope)
-        except rp.Retryable:
-            pass
         zoned.dispose()
     assert len(keys) == 2 and keys[0] == keys[1]
 

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 from heartbeats import LEASE, SCHEMA, Mailer, operation
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import recoverypoint as rp
 from recoverypoint import admin

@@ -1,5 +1,6 @@
-"""The "How the code is laid out" map (docs/contributing.md) matches the tree: every file and folder it names
-exists, and every module and package of the library and of its request path is named."""
+"""The "How the code is laid out" map (docs/contributing.md) matches the tree: every file and
+folder it names exists, and every module and package of the library and of its request path
+is named."""
 
 from __future__ import annotations
 
@@ -42,4 +43,5 @@ def test_everything_the_map_names_exists() -> None:
 def test_the_map_names_every_module_of_the_library_and_its_request_path() -> None:
     names = named(the_map())
     unnamed = sorted((listed(PACKAGE) | listed(PACKAGE / "engine")) - names)
-    assert not unnamed, f"add these to 'How the code is laid out' in docs/contributing.md: {unnamed}"
+    where = "'How the code is laid out' in docs/contributing.md"
+    assert not unnamed, f"add these to {where}: {unnamed}"

@@ -140,4 +140,5 @@ def test_retryable_releases_the_lease_keeps_the_point_and_schedules_a_retry(
     assert row.scheduled
 
     del faults.hooks["charge_created:before_call"]
-    assert engine.run(op, key="k", params={"scope": scope}, scope=scope, request=RIDES).status == 201
+    outcome = engine.run(op, key="k", params={"scope": scope}, scope=scope, request=RIDES)
+    assert outcome.status == 201

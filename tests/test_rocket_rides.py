@@ -1,5 +1,6 @@
-"""src/recoverypoint/demo/rocket_rides as a user runs it: ``python -m recoverypoint.demo.rocket_rides`` processes
-(migrate, the fake provider, the API, the simulator) on loopback, on a database of their own.
+"""src/recoverypoint/demo/rocket_rides as a user runs it: ``python -m
+recoverypoint.demo.rocket_rides`` processes (migrate, the fake provider, the API, the
+simulator) on loopback, on a database of their own.
 
 Three provider/API pairs share that database: a healthy one (slowed by 200 ms, so that
 concurrent requests overlap), one whose provider fails after every new charge, and one

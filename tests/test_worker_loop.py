@@ -11,8 +11,8 @@ from typing import ClassVar
 import pytest
 
 import recoverypoint as rp
-from recoverypoint.workers import Result, Worker
 from recoverypoint.logfmt import logfmt
+from recoverypoint.workers import Result, Worker
 
 
 class WaitsRecorded(threading.Event):
