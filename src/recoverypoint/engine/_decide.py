@@ -21,6 +21,7 @@ from ..errors import (
     LockLost,
     OperationNotRegistered,
     ParamsMismatch,
+    PhaseLeftScope,
 )
 from ..keys import (
     canonical_json,
@@ -507,3 +508,16 @@ def fingerprint_as(operation: Operation[Any], request: ClaimRequest, params: Any
             continue
         return fingerprint(request.method, request.path, params_json)
     return None
+
+
+def left_scope(operation: str, point: str) -> PhaseLeftScope:
+    """The error for phase ``point`` of ``operation`` that Citus refused to commit, having
+    written outside its scope (see :class:`store.PhaseLeftWorker`)."""
+    return PhaseLeftScope(
+        f"atomic phase {point!r} of {operation} wrote outside its scope (another scope's "
+        "rows, a reference table, every shard of a table): on another Citus worker, Citus "
+        "would have committed it by two-phase commit, where SERIALIZABLE does not hold; on "
+        "its own, it would fail once a rebalance moved the scopes apart. Refused: nothing "
+        "was committed. Name the scope in every statement of the phase; do cross-tenant "
+        "work in a foreign step or in another operation"
+    )

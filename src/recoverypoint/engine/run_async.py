@@ -39,7 +39,6 @@ from ..errors import (
     KeyInUse,
     LockLost,
     NeedsReconciliation,
-    PhaseLeftScope,
 )
 from ..jobs import JobBackend
 from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
@@ -78,6 +77,7 @@ from ._decide import (
     Step,
     as_answered,
     dump_state,
+    left_scope,
     replay,
     step_result,
 )
@@ -728,19 +728,6 @@ class _Settled(Exception):
     """Rolls back the transaction that waited for an interrupted claim's outcome."""
 
 
-def _left_scope(operation: str, point: str) -> PhaseLeftScope:
-    """The error for phase ``point`` of ``operation`` that Citus refused to commit, having
-    written outside its scope (see :class:`store_async.PhaseLeftWorker`)."""
-    return PhaseLeftScope(
-        f"atomic phase {point!r} of {operation} wrote outside its scope (another scope's "
-        "rows, a reference table, every shard of a table): on another Citus worker, Citus "
-        "would have committed it by two-phase commit, where SERIALIZABLE does not hold; on "
-        "its own, it would fail once a rebalance moved the scopes apart. Refused: nothing "
-        "was committed. Name the scope in every statement of the phase; do cross-tenant "
-        "work in a foreign step or in another operation"
-    )
-
-
 class _AsyncRun:
     """One attempt at one key record: runs phases and commits their results, fenced."""
 
@@ -905,7 +892,7 @@ class _AsyncRun:
             # that ended it and began another makes the write miss.
             raise phase_guard.ended(phase.point) from None
         except store_async.PhaseLeftWorker as exc:
-            raise _left_scope(self.operation.name, phase.point) from exc.__cause__
+            raise left_scope(self.operation.name, phase.point) from exc.__cause__
         for job in ctx.staged_jobs:  # committed with the phase's recovery point
             self.engine.observer.job_staged(self.operation.name, job.name)
         return step
@@ -938,7 +925,7 @@ class _AsyncRun:
         except store_async.PhaseEndedTransaction:
             raise phase_guard.ended(phase.point) from None
         except store_async.PhaseLeftWorker as exc:
-            raise _left_scope(self.operation.name, phase.point) from exc.__cause__
+            raise left_scope(self.operation.name, phase.point) from exc.__cause__
         for job in ctx.staged_jobs:  # committed with compensated_at
             self.engine.observer.job_staged(self.operation.name, job.name)
 
