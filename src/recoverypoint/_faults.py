@@ -112,10 +112,15 @@ class Faults:
             self._armed.clear()
             self.active = self._watcher is not None
 
+    def reseed(self, seed: int | None = None) -> None:
+        """Draw from ``seed`` on (from the system's entropy when ``None``)."""
+        with self._lock:
+            self._random.seed(seed)
+
     def configure(self, spec: str, effect: Effect = "raise", seed: int | None = None) -> None:
         """Arm the points of ``"point=probability,…"`` (the environment variable's format)."""
         if seed is not None:
-            self._random.seed(seed)
+            self.reseed(seed)
         for item in filter(None, (part.strip() for part in spec.split(","))):
             point, _, probability = item.rpartition("=")
             try:
@@ -178,20 +183,24 @@ class Faults:
                 self.active = bool(self._armed)
 
 
-def _from_environment() -> Faults:
-    registry = Faults()
+def arm_from_environment(registry: Faults) -> None:
+    """Arm ``registry`` as ``RECOVERYPOINT_FAULTS`` (and its effect and seed) say, and
+    nothing else: what it had armed is dropped, and its draws start from a new seed (or
+    the given one). Run for :data:`faults` when this module loads; and again in a process
+    forked after the environment changed (the demo's, ``recoverypoint.demo.launcher``)."""
+    registry.disarm()
     spec = os.environ.get("RECOVERYPOINT_FAULTS", "")
+    name = os.environ.get("RECOVERYPOINT_FAULT_EFFECT", "raise")
+    if spec and name not in _EFFECTS:
+        raise ValueError(
+            f"RECOVERYPOINT_FAULT_EFFECT must be raise, exit, conflict or lost_answer, got {name!r}"
+        )
+    seed = os.environ.get("RECOVERYPOINT_FAULT_SEED")
+    registry.reseed(int(seed) if spec and seed else None)
     if spec:
-        name = os.environ.get("RECOVERYPOINT_FAULT_EFFECT", "raise")
-        if name not in _EFFECTS:
-            raise ValueError(
-                "RECOVERYPOINT_FAULT_EFFECT must be raise, exit, conflict or lost_answer, "
-                f"got {name!r}"
-            )
-        seed = os.environ.get("RECOVERYPOINT_FAULT_SEED")
-        registry.configure(spec, _EFFECTS[name], int(seed) if seed else None)
-    return registry
+        registry.configure(spec, _EFFECTS[name])
 
 
-faults = _from_environment()
+faults = Faults()
 """The process-wide registry the engine and the enqueuer consult."""
+arm_from_environment(faults)

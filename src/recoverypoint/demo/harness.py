@@ -31,6 +31,7 @@ from sqlalchemy.pool import NullPool
 from ..database import create_engine
 from .checks import check
 from .faults import FaultMix
+from .launcher import Launcher
 from .load import Load, LoadResult
 from .processes import Supervised, python_module, wait_until_serving
 from .report import Report
@@ -179,28 +180,32 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "RECOVERYPOINT_FAULT_SEED": str(seed * 100_003 + salt * 10_007 + start),
         }
 
+    # Every process is forked from one that imported their modules once; it holds the
+    # listening socket for the API processes. Stopped after every group (the stack is LIFO).
+    launcher = Launcher(log=workdir / "launcher.log", pass_fds=(listener.fileno(),))
+    stack.callback(launcher.close)
+
     def group(
         name: str,
         command: Callable[[int], list[str]],
         env: Callable[[int], dict[str, str]],
         count: int = 1,
-        pass_fds: tuple[int, ...] = (),
     ) -> Supervised:
         supervised = Supervised(
             name,
             command,
+            launcher=launcher,
             cwd=workdir,
             log=workdir / f"{name}.log",
             env=env,
             count=count,
-            pass_fds=pass_fds,
         )
         stack.callback(supervised.stop)
         return supervised
 
     provider = group(
         "provider",
-        lambda start: python_module(
+        lambda start: [
             "recoverypoint.demo.rocket_rides",
             "provider",
             *db,
@@ -212,14 +217,14 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             str(faults.provider_after),
             "--seed",
             str(seed + start),
-        ),
+        ],
         env=lambda start: no_faults,
     )
     wait_until_serving(provider_url, provider)
     fd = listener.fileno()
     api = group(
         "API",
-        lambda start: python_module(
+        lambda start: [
             "recoverypoint.demo.rocket_rides",
             "api",
             *db,
@@ -230,10 +235,9 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "--fd",
             str(fd),
             *(["--async"] if config.asynchronous else []),
-        ),
+        ],
         env=faulty(faults.api_spec(), 1),
         count=config.api_processes,
-        pass_fds=(fd,),
     )
     api_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     wait_until_serving(api_url, api)
@@ -245,7 +249,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
     }
     completer = group(
         "completer",
-        lambda start: python_module(
+        lambda start: [
             "recoverypoint",
             "worker",
             "completer",
@@ -255,13 +259,13 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "1",
             "--interval",
             "0.5",
-        ),
+        ],
         env=lambda start: {**worker_env, **no_faults},
     )
     enqueuer_faults = faulty(faults.enqueuer_spec(), 2)
     enqueuer = group(
         "enqueuer",
-        lambda start: python_module(
+        lambda start: [
             "recoverypoint",
             "worker",
             "enqueuer",
@@ -272,7 +276,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "10",
             "--interval",
             "0.2",
-        ),
+        ],
         env=lambda start: {**worker_env, **enqueuer_faults(start)},
     )
     groups = {"provider": provider, "API": api, "completer": completer, "enqueuer": enqueuer}

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 
 from ..testing import FAULT_EXIT_STATUS
+from .launcher import Forked, Launcher
 
 # How long a process that exited for another reason than a fault waits before it is
 # started again: it may be failing at start (its database is restarting), and a hot loop
@@ -37,11 +37,13 @@ class Exits:
 
 
 class Supervised:
-    """``count`` instances of one command, each started again whenever it exits, until
-    :meth:`stop`. Their output goes to ``log``.
+    """``count`` instances of one module run as ``python -m`` would, each forked by
+    ``launcher``, and started again whenever it exits, until :meth:`stop`. Their output
+    goes to ``log``.
 
-    ``command(start)`` and ``env(start)`` give the argv and extra environment of the
-    ``start``-th start (from 0), so that each start can have a seed of its own.
+    ``command(start)`` and ``env(start)`` give the module and its arguments, and the extra
+    environment, of the ``start``-th start (from 0), so that each start can have a seed of
+    its own.
     """
 
     def __init__(
@@ -49,23 +51,22 @@ class Supervised:
         name: str,
         command: Callable[[int], Sequence[str]],
         *,
+        launcher: Launcher,
         cwd: Path,
         log: Path,
         env: Callable[[int], dict[str, str]] = lambda start: {},
         count: int = 1,
-        pass_fds: Sequence[int] = (),
     ) -> None:
         self.name = name
         self.log = log
         self.exits = Exits()
         self._command = command
         self._env = env
+        self._launcher = launcher
         self._cwd = cwd
-        self._pass_fds = tuple(pass_fds)
         self._starts = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._out: IO[bytes] = log.open("ab")
         self._procs = [self._spawn() for _ in range(count)]
         self._watcher = threading.Thread(target=self._watch, name=f"supervise-{name}", daemon=True)
         self._watcher.start()
@@ -77,17 +78,11 @@ class Supervised:
     def alive(self) -> bool:
         return any(proc.poll() is None for proc in self._procs)
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> Forked:
         start, self._starts = self._starts, self._starts + 1
-        return subprocess.Popen(
-            [*self._command(start)],
-            cwd=self._cwd,
-            env={**os.environ, **self._env(start)},
-            stdin=subprocess.DEVNULL,
-            stdout=self._out,
-            stderr=self._out,
-            pass_fds=self._pass_fds,
-        )
+        module, *args = self._command(start)
+        env = {**os.environ, **self._env(start)}
+        return self._launcher.start(module, args, env=env, cwd=self._cwd, log=self.log)
 
     def _watch(self) -> None:
         while not self._stopping.wait(_POLL):
@@ -121,7 +116,6 @@ class Supervised:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self._out.close()
 
 
 def python_module(module: str, *args: str) -> list[str]:

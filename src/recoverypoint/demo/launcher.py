@@ -1,0 +1,235 @@
+"""One process that imports the demo's modules once and forks each of the demo's processes
+from itself, as a server that preloads its application forks its workers.
+
+A new interpreter spends a second or two importing FastAPI, SQLAlchemy, psycopg and
+recoverypoint before it serves anything, and the demo starts its processes again dozens of
+times (every injected fault kills one). Forked from a process that already imported them,
+a restart costs a fork. Each process is still a process of its own, with its own
+connections, killed by its faults (``os._exit``) or by a signal, and its exit status is the
+one a process started from scratch would have.
+
+The parent (:class:`Launcher`) and this process (``python -m recoverypoint.demo.launcher``)
+speak in lines of JSON over the launcher's standard input and output: a start order (a
+module to run as ``python -m`` would, its arguments, its environment, its working folder
+and log), answered with the new process's pid; and, unasked, each process's exit status
+when it ends. The launcher ends, killing what it started, when its standard input closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import queue
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+from .._faults import arm_from_environment, faults
+
+# What the demo's commands import: the Rocket Rides API and provider, and the workers'
+# command line. Not the workers' app module (recoverypoint.demo.rocket_rides.workers),
+# which reads its environment when imported: each process imports it after its own is set.
+PRELOAD = (
+    "fastapi",
+    "httpx",
+    "uvicorn",
+    "sqlalchemy.ext.asyncio",
+    "recoverypoint.migrate",
+    "recoverypoint.cli",
+    "recoverypoint.cli.worker",
+    "recoverypoint.demo.rocket_rides.api",
+    "recoverypoint.demo.rocket_rides.provider",
+    "recoverypoint.demo.rocket_rides.schema",
+)
+# How often the launcher looks for ended processes while some run.
+_POLL = 0.05
+
+
+class Forked:
+    """A process the launcher started: what :class:`subprocess.Popen` offers a supervisor
+    (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``), its status told by the launcher."""
+
+    def __init__(self, pid: int, launcher: Launcher) -> None:
+        self.pid = pid
+        self._launcher = launcher
+
+    def poll(self) -> int | None:
+        return self._launcher.status(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        status = self._launcher.wait(self.pid, timeout)
+        if status is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return status
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile: reported
+                os.kill(self.pid, signum)
+
+
+class Launcher:
+    """The parent's side: starts ``python -m recoverypoint.demo.launcher``, which inherits
+    ``pass_fds``, and forks processes from it (:meth:`start`) until :meth:`close`.
+    ``log`` takes the launcher's own errors."""
+
+    def __init__(self, *, log: Path, pass_fds: Sequence[int] = ()) -> None:
+        self._log = log.open("ab")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            pass_fds=tuple(pass_fds),
+        )
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._orders: IO[bytes] = self._process.stdin
+        self._answers: IO[bytes] = self._process.stdout
+        self._started: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._statuses: dict[int, int] = {}
+        self._ended = threading.Condition()
+        self._starting = threading.Lock()  # one order at a time: answers come in order
+        self._reader = threading.Thread(target=self._read, name="launcher", daemon=True)
+        self._reader.start()
+
+    def start(
+        self, module: str, args: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: Path
+    ) -> Forked:
+        """Fork a process that runs ``python -m module args`` would, with ``env`` as its
+        whole environment, in ``cwd``, its output appended to ``log``."""
+        order = {"module": module, "args": list(args), "env": dict(env)}
+        order |= {"cwd": str(cwd), "log": str(log)}
+        with self._starting:
+            self._orders.write(json.dumps(order).encode() + b"\n")
+            self._orders.flush()
+            answer = self._started.get()
+        if "pid" not in answer:
+            raise RuntimeError(
+                f"the demo's launcher could not start {module}: {answer.get('error')}; "
+                f"its log: {self._log.name}"
+            )
+        return Forked(answer["pid"], self)
+
+    def status(self, pid: int) -> int | None:
+        with self._ended:
+            return self._statuses.get(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self._ended:
+            self._ended.wait_for(lambda: pid in self._statuses, timeout)
+            return self._statuses.get(pid)
+
+    def close(self) -> None:
+        """End the launcher, which kills what it started and is still running."""
+        self._orders.close()
+        self._process.wait()
+        self._reader.join()
+        self._answers.close()
+        self._log.close()
+
+    def _read(self) -> None:
+        for line in self._answers:
+            answer = json.loads(line)
+            if "ended" in answer:
+                with self._ended:
+                    self._statuses[answer["ended"]] = answer["status"]
+                    self._ended.notify_all()
+            else:
+                self._started.put(answer)
+        # The launcher is gone: no start waits for an answer that cannot come.
+        self._started.put({"error": f"the launcher exited ({self._process.wait()})"})
+
+
+def _serve() -> None:
+    """The launcher's loop: a start order in, a fork and its pid out; ended processes out."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    running: set[int] = set()
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], _POLL if running else None)
+        if ready:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                _answer(_fork(json.loads(line), running))
+        while running:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            running.discard(pid)
+            _answer({"ended": pid, "status": os.waitstatus_to_exitcode(wait_status)})
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+    for pid in running:
+        os.waitpid(pid, 0)
+
+
+def _answer(answer: Mapping[str, object]) -> None:
+    os.write(1, json.dumps(answer).encode() + b"\n")
+
+
+def _fork(order: dict[str, Any], running: set[int]) -> dict[str, object]:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        return {"error": str(exc)}
+    if pid == 0:
+        _run(order)
+    running.add(pid)
+    return {"pid": pid}
+
+
+def _run(order: dict[str, Any]) -> NoReturn:
+    """In the forked process: become ``python -m module args`` with its own environment and
+    output, then exit with the status that would have had."""
+    status = 1
+    try:
+        os.chdir(order["cwd"])
+        os.environ.clear()
+        os.environ.update(order["env"])
+        log = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log, 1)  # the launcher's answers went there: they stay the launcher's
+        os.dup2(log, 2)
+        os.close(log)
+        arm_from_environment(faults)  # the launcher's environment armed it, not this one's
+        sys.argv = [order["module"], *order["args"]]
+        try:
+            runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as exit:
+            if exit.code is None or isinstance(exit.code, int):
+                status = exit.code or 0
+            else:  # as the interpreter does: the message to standard error, status 1
+                print(exit.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(status)
+
+
+if __name__ == "__main__":
+    _serve()
