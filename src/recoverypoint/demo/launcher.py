@@ -203,14 +203,15 @@ def _run(order: dict[str, Any]) -> NoReturn:
     output, then exit with the status that would have had."""
     status = 1
     try:
-        os.chdir(order["cwd"])
-        os.environ.clear()
-        os.environ.update(order["env"])
+        # Its output first, so that what goes wrong below is in its log.
         log = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log, 1)  # the launcher's answers went there: they stay the launcher's
         os.dup2(log, 2)
         os.close(log)
+        os.chdir(order["cwd"])
+        os.environ.clear()
+        os.environ.update(order["env"])
         arm_from_environment(faults)  # the launcher's environment armed it, not this one's
         sys.argv = [order["module"], *order["args"]]
         try:

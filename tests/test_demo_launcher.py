@@ -1,0 +1,159 @@
+"""``recoverypoint.demo.launcher``: the demo's processes forked from one that imported their
+modules once. Each runs as ``python -m`` would run its module, with its own environment
+(its faults armed from it, not from the launcher's), arguments, folder and log, and ends
+with the status a new interpreter would have; the launcher kills what still runs when it
+is closed, and a start after it died is an error that says where its log is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from recoverypoint.demo.launcher import Launcher
+from recoverypoint.testing import FAULT_EXIT_STATUS
+
+pytestmark = pytest.mark.slow  # a launcher process per test, its imports a second or two
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """A launcher whose own environment arms a fault point and has a variable of its own,
+    to show that neither reaches what it forks."""
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), saved.get("PYTHONPATH")]))
+    os.environ["RECOVERYPOINT_FAULTS"] = "before_commit:launcher=1"
+    os.environ["LAUNCHER_OWN"] = "the launcher's"
+    try:
+        started = Launcher(log=tmp_path_factory.mktemp("launcher") / "launcher.log")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    yield started
+    started.close()
+
+
+def run(
+    launcher: Launcher, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    log = tmp_path / "child.log"
+    log.unlink(missing_ok=True)
+    process = launcher.start("launcher_child", args, env=env or {}, cwd=tmp_path, log=log)
+    status = process.wait(timeout=60)
+    return status, log.read_text() if log.exists() else ""
+
+
+def test_each_process_has_its_own_environment_faults_arguments_and_folder(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    env = {"LAUNCHER_MINE": "é\u2028", "RECOVERYPOINT_FAULTS": "after_commit:mine=0.5"}
+    env |= {"RECOVERYPOINT_FAULT_EFFECT": "exit"}
+    status, out = run(launcher, tmp_path, "report", "a b", "", env=env)
+
+    assert status == 0, out
+    report = json.loads(out)
+    assert report["args"] == ["a b", ""]
+    assert report["env"] == {"LAUNCHER_MINE": "é\u2028"}  # not LAUNCHER_OWN
+    assert report["armed"] == ["after_commit:mine"]  # not the launcher's before_commit point
+    assert report["cwd"] == str(tmp_path)
+
+    status, out = run(launcher, tmp_path, "report", env={})
+    assert json.loads(out)["armed"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "said"),
+    [
+        (["exit", "0"], 0, ""),
+        (["exit", "3"], 3, ""),
+        (["say", "no such thing"], 1, "no such thing\n"),
+        (["fault"], FAULT_EXIT_STATUS, ""),
+        (["raise"], 1, "LookupError: raised in the forked process"),
+    ],
+    ids=["exit 0", "exit 3", "exit with a message", "injected fault", "uncaught exception"],
+)
+def test_the_exit_status_is_a_new_interpreter_s(
+    launcher: Launcher, tmp_path: Path, args: list[str], status: int, said: str
+) -> None:
+    ended, out = run(launcher, tmp_path, *args)
+
+    assert ended == status, out
+    assert said in out
+
+
+def test_a_signal_ends_it_as_it_ends_any_process(launcher: Launcher, tmp_path: Path) -> None:
+    process = launcher.start(
+        "launcher_child", ["sleep"], env={}, cwd=tmp_path, log=tmp_path / "log"
+    )
+    assert process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.2)
+
+    process.kill()
+
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert process.poll() == -signal.SIGKILL
+    process.terminate()  # ended: nothing to signal, no error
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    args=st.lists(
+        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")), max_size=4
+    ),
+    value=st.text(
+        st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=50
+    ),
+)
+def test_any_arguments_and_environment_arrive_as_sent(
+    launcher: Launcher, tmp_path: Path, args: list[str], value: str
+) -> None:
+    status, out = run(launcher, tmp_path, "report", *args, env={"LAUNCHER_VALUE": value})
+
+    assert status == 0, out
+    report = json.loads(out)
+    assert report["args"] == args
+    assert report["env"] == {"LAUNCHER_VALUE": value}
+
+
+def test_an_environment_with_a_nul_fails_that_process_alone(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    status, out = run(launcher, tmp_path, "report", env={"LAUNCHER_BAD": "a\0b"})
+
+    assert status == 1
+    assert "embedded null byte" in out
+    assert run(launcher, tmp_path, "exit", "0")[0] == 0  # the launcher goes on
+
+
+def test_closing_kills_what_runs_and_a_dead_launcher_says_where_its_log_is(tmp_path: Path) -> None:
+    own = Launcher(log=tmp_path / "launcher.log")
+    process = own.start(
+        "recoverypoint",
+        ["worker", "--help"],
+        env=dict(os.environ),
+        cwd=tmp_path,
+        log=tmp_path / "help.log",
+    )
+    assert process.wait(timeout=60) == 0
+    assert "completer" in (tmp_path / "help.log").read_text()
+    sleeper = own.start(
+        "time", [], env={}, cwd=tmp_path, log=tmp_path / "time.log"
+    )  # no __main__: exits 1
+    assert sleeper.wait(timeout=60) == 1
+
+    own.close()
+
+    with pytest.raises((RuntimeError, ValueError)):
+        own.start("recoverypoint", ["--version"], env={}, cwd=tmp_path, log=tmp_path / "v.log")
