@@ -2,7 +2,7 @@
 argument: ``report`` (print, as one line of JSON, its arguments, its environment's
 ``LAUNCHER_*`` variables, the fault points armed and its working folder), ``exit N``
 (``SystemExit(N)``), ``say TEXT`` (``SystemExit(TEXT)``), ``fault`` (the engine's fault
-exit, ``os._exit``), ``raise``, ``sleep`` (until killed)."""
+exit, ``os._exit``), ``raise``, ``sleep`` (say so, then sleep until killed)."""
 
 from __future__ import annotations
 
@@ -34,4 +34,5 @@ elif command == "fault":
 elif command == "raise":
     raise LookupError("raised in the forked process")
 elif command == "sleep":
+    print("sleeping", flush=True)
     threading.Event().wait()

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from workload import wait_for
 
-from recoverypoint.demo.launcher import Launcher
+from recoverypoint.demo.launcher import Forked, Launcher
 from recoverypoint.testing import FAULT_EXIT_STATUS
 
 pytestmark = pytest.mark.slow  # a launcher process per test, its imports a second or two
@@ -91,10 +92,7 @@ def test_the_exit_status_is_a_new_interpreter_s(
 
 
 def test_a_signal_ends_it_as_it_ends_any_process(launcher: Launcher, tmp_path: Path) -> None:
-    process = launcher.start(
-        "launcher_child", ["sleep"], env={}, cwd=tmp_path, log=tmp_path / "log"
-    )
-    assert process.poll() is None
+    process = sleeping(launcher, tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(timeout=0.2)
 
@@ -157,3 +155,48 @@ def test_closing_kills_what_runs_and_a_dead_launcher_says_where_its_log_is(tmp_p
 
     with pytest.raises((RuntimeError, ValueError)):
         own.start("recoverypoint", ["--version"], env={}, cwd=tmp_path, log=tmp_path / "v.log")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a dead process that its adopter has not reaped (a container's
+    first process may never reap) is a zombie, state Z."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def sleeping(launcher: Launcher, tmp_path: Path) -> Forked:
+    log = tmp_path / "sleeper.log"
+    sleeper = launcher.start("launcher_child", ["sleep"], env={}, cwd=tmp_path, log=log)
+    wait_for(lambda: log.exists() and "sleeping" in log.read_text())
+    assert sleeper.poll() is None
+    return sleeper
+
+
+def test_a_killed_launcher_leaves_nothing_running_and_refuses_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    own = Launcher(log=tmp_path / "launcher.log")
+    env: dict[str, str] = {}
+    sleeper = sleeping(own, tmp_path)
+
+    own._process.kill()  # as the OOM killer would
+
+    assert sleeper.wait(timeout=60) == -signal.SIGKILL
+    wait_for(lambda: not alive(sleeper.pid))  # killed, not left running as an orphan
+    with pytest.raises(RuntimeError, match=r"launcher\.log"):
+        own.start("launcher_child", ["exit", "0"], env=env, cwd=tmp_path, log=tmp_path / "e.log")
+    own.close()
+
+
+def test_closing_reports_what_it_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    own = Launcher(log=tmp_path / "launcher.log")
+    sleeper = sleeping(own, tmp_path)
+
+    own.close()
+
+    assert sleeper.poll() == -signal.SIGKILL

@@ -103,6 +103,7 @@ class Launcher:
         self._answers: IO[bytes] = self._process.stdout
         self._started: queue.Queue[dict[str, Any]] = queue.Queue()
         self._statuses: dict[int, int] = {}
+        self._pids: set[int] = set()  # every process it started
         self._ended = threading.Condition()
         self._starting = threading.Lock()  # one order at a time: answers come in order
         self._reader = threading.Thread(target=self._read, name="launcher", daemon=True)
@@ -116,9 +117,13 @@ class Launcher:
         order = {"module": module, "args": list(args), "env": dict(env)}
         order |= {"cwd": str(cwd), "log": str(log)}
         with self._starting:
-            self._orders.write(json.dumps(order).encode() + b"\n")
-            self._orders.flush()
-            answer = self._started.get()
+            try:
+                self._orders.write(json.dumps(order).encode() + b"\n")
+                self._orders.flush()
+            except (OSError, ValueError) as exc:  # the launcher is gone, or closed
+                answer: dict[str, Any] = {"error": f"the launcher takes no more orders ({exc})"}
+            else:
+                answer = self._started.get()
         if "pid" not in answer:
             raise RuntimeError(
                 f"the demo's launcher could not start {module}: {answer.get('error')}; "
@@ -137,7 +142,8 @@ class Launcher:
 
     def close(self) -> None:
         """End the launcher, which kills what it started and is still running."""
-        self._orders.close()
+        with contextlib.suppress(BrokenPipeError):  # it is gone already
+            self._orders.close()
         self._process.wait()
         self._reader.join()
         self._answers.close()
@@ -151,9 +157,19 @@ class Launcher:
                     self._statuses[answer["ended"]] = answer["status"]
                     self._ended.notify_all()
             else:
+                with self._ended:
+                    self._pids.update([answer["pid"]] if "pid" in answer else [])
                 self._started.put(answer)
-        # The launcher is gone: no start waits for an answer that cannot come.
-        self._started.put({"error": f"the launcher exited ({self._process.wait()})"})
+        # The launcher is gone: no start waits for an answer that cannot come, and nothing
+        # it started runs on unwatched (it kills them when closed; not when killed itself).
+        status = self._process.wait()
+        self._started.put({"error": f"the launcher exited with status {status}"})
+        with self._ended:
+            for pid in self._pids - self._statuses.keys():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self._statuses[pid] = -signal.SIGKILL
+            self._ended.notify_all()
 
 
 def _serve() -> None:
@@ -180,7 +196,7 @@ def _serve() -> None:
     for pid in running:
         os.kill(pid, signal.SIGKILL)
     for pid in running:
-        os.waitpid(pid, 0)
+        _answer({"ended": pid, "status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
 
 
 def _answer(answer: Mapping[str, object]) -> None:
