@@ -1,6 +1,7 @@
 """What a test of ``recoverypoint.demo.launcher`` has a forked process do, by its first
 argument: ``report`` (print, as one line of JSON, its arguments, its environment's
-``LAUNCHER_*`` variables, the fault points armed and its working folder), ``exit N``
+``LAUNCHER_*`` variables, the fault points armed, its working folder and first import
+path, and its descriptors above 2), ``exit N``
 (``SystemExit(N)``), ``say TEXT`` (``SystemExit(TEXT)``), ``fault`` (the engine's fault
 exit, ``os._exit``), ``raise``, ``sleep`` (say so, then sleep until killed)."""
 
@@ -13,6 +14,15 @@ import threading
 
 from recoverypoint._faults import FAULT_EXIT_STATUS, faults
 
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 command, *rest = sys.argv[1:]
 if command == "report":
     print(
@@ -22,6 +32,8 @@ if command == "report":
                 "env": {k: v for k, v in os.environ.items() if k.startswith("LAUNCHER_")},
                 "armed": sorted(faults._armed),
                 "cwd": os.getcwd(),
+                "path0": sys.path[0],
+                "fds": [fd for fd in range(3, 64) if _open(fd)],
             }
         )
     )

@@ -44,11 +44,17 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
 
 
 def run(
-    launcher: Launcher, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+    launcher: Launcher,
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    keep_fds: list[int] | None = None,
 ) -> tuple[int, str]:
     log = tmp_path / "child.log"
     log.unlink(missing_ok=True)
-    process = launcher.start("launcher_child", args, env=env or {}, cwd=tmp_path, log=log)
+    process = launcher.start(
+        "launcher_child", args, env=env or {}, cwd=tmp_path, log=log, keep_fds=keep_fds or []
+    )
     status = process.wait(timeout=60)
     return status, log.read_text() if log.exists() else ""
 
@@ -65,7 +71,7 @@ def test_each_process_has_its_own_environment_faults_arguments_and_folder(
     assert report["args"] == ["a b", ""]
     assert report["env"] == {"LAUNCHER_MINE": "é\u2028"}  # not LAUNCHER_OWN
     assert report["armed"] == ["after_commit:mine"]  # not the launcher's before_commit point
-    assert report["cwd"] == str(tmp_path)
+    assert report["cwd"] == report["path0"] == str(tmp_path)
 
     status, out = run(launcher, tmp_path, "report", env={})
     assert json.loads(out)["armed"] == []
@@ -135,26 +141,43 @@ def test_an_environment_with_a_nul_fails_that_process_alone(
     assert run(launcher, tmp_path, "exit", "0")[0] == 0  # the launcher goes on
 
 
-def test_closing_kills_what_runs_and_a_dead_launcher_says_where_its_log_is(tmp_path: Path) -> None:
+def test_closing_kills_what_still_runs_and_refuses_starts_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
     own = Launcher(log=tmp_path / "launcher.log")
-    process = own.start(
-        "recoverypoint",
-        ["worker", "--help"],
-        env=dict(os.environ),
-        cwd=tmp_path,
-        log=tmp_path / "help.log",
-    )
+    help_log = tmp_path / "help.log"
+    process = own.start("recoverypoint", ["worker", "--help"], env={}, cwd=tmp_path, log=help_log)
     assert process.wait(timeout=60) == 0
-    assert "completer" in (tmp_path / "help.log").read_text()
-    sleeper = own.start(
-        "time", [], env={}, cwd=tmp_path, log=tmp_path / "time.log"
-    )  # no __main__: exits 1
-    assert sleeper.wait(timeout=60) == 1
+    assert "completer" in help_log.read_text()
+    sleeper = sleeping(own, tmp_path)
 
     own.close()
 
-    with pytest.raises((RuntimeError, ValueError)):
+    assert not alive(sleeper.pid)
+    assert sleeper.poll() == -signal.SIGKILL
+    with pytest.raises(RuntimeError, match=r"no more orders; its log: .*launcher\.log"):
         own.start("recoverypoint", ["--version"], env={}, cwd=tmp_path, log=tmp_path / "v.log")
+
+
+def test_a_process_keeps_the_descriptors_it_is_given_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    read, write = os.pipe()
+    try:
+        own = Launcher(log=tmp_path / "launcher.log", pass_fds=(read, write))
+        try:
+            _, kept = run(own, tmp_path, "report", keep_fds=[write])
+            _, none = run(own, tmp_path, "report")
+        finally:
+            own.close()
+    finally:
+        os.close(read)
+        os.close(write)
+
+    assert json.loads(kept)["fds"] == [write]
+    assert json.loads(none)["fds"] == []
 
 
 def alive(pid: int) -> bool:

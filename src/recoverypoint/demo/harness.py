@@ -190,6 +190,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
         command: Callable[[int], list[str]],
         env: Callable[[int], dict[str, str]],
         count: int = 1,
+        keep_fds: tuple[int, ...] = (),
     ) -> Supervised:
         supervised = Supervised(
             name,
@@ -199,6 +200,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             log=workdir / f"{name}.log",
             env=env,
             count=count,
+            keep_fds=keep_fds,
         )
         stack.callback(supervised.stop)
         return supervised
@@ -238,6 +240,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
         ],
         env=faulty(faults.api_spec(), 1),
         count=config.api_processes,
+        keep_fds=(fd,),
     )
     api_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     wait_until_serving(api_url, api)

@@ -10,17 +10,22 @@ one a process started from scratch would have.
 
 The parent (:class:`Launcher`) and this process (``python -m recoverypoint.demo.launcher``)
 speak in lines of JSON over the launcher's standard input and output: a start order (a
-module to run as ``python -m`` would, its arguments, its environment, its working folder
-and log), answered with the new process's pid; and, unasked, each process's exit status
-when it ends. The launcher ends, killing what it started, when its standard input closes.
+module to run as ``python -m`` would, its arguments, its environment, its working folder,
+its log and the inherited descriptors it keeps), answered with the new process's pid; a
+signal order for one of them, sent by the launcher only while it has not reaped it (so
+never to a pid reused since); and, unasked, each process's exit status when it ends. The
+launcher ends, killing what it started, when its standard input closes.
+
+What an interpreter reads of its environment only as it starts (``PYTHONPATH``,
+``PYTHONHASHSEED``, the other ``PYTHON*`` settings) is the launcher's, not a start's.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
-import logging
 import os
 import queue
 import runpy
@@ -73,63 +78,76 @@ class Forked:
         return status
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self._launcher.signal(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, signum: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # ended meanwhile: reported
-                os.kill(self.pid, signum)
+        self._launcher.signal(self.pid, signal.SIGKILL)
 
 
 class Launcher:
-    """The parent's side: starts ``python -m recoverypoint.demo.launcher``, which inherits
-    ``pass_fds``, and forks processes from it (:meth:`start`) until :meth:`close`.
-    ``log`` takes the launcher's own errors."""
+    """The parent's side: starts ``python -m recoverypoint.demo.launcher`` in a session of
+    its own (a Ctrl-C at the terminal reaches this process, which stops the demo's, not
+    them), in the folder of ``log``, which takes its own errors; it inherits ``pass_fds``.
+    Forks processes from it (:meth:`start`) until :meth:`close`."""
 
     def __init__(self, *, log: Path, pass_fds: Sequence[int] = ()) -> None:
         self._log = log.open("ab")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", __name__],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            pass_fds=tuple(pass_fds),
-        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                cwd=log.parent,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                pass_fds=tuple(pass_fds),
+                start_new_session=True,
+            )
+        except BaseException:
+            self._log.close()
+            raise
         assert self._process.stdin is not None and self._process.stdout is not None
         self._orders: IO[bytes] = self._process.stdin
         self._answers: IO[bytes] = self._process.stdout
         self._started: queue.Queue[dict[str, Any]] = queue.Queue()
         self._statuses: dict[int, int] = {}
-        self._pids: set[int] = set()  # every process it started
         self._ended = threading.Condition()
-        self._starting = threading.Lock()  # one order at a time: answers come in order
+        self._ordering = threading.Lock()  # one order at a time: start answers come in order
         self._reader = threading.Thread(target=self._read, name="launcher", daemon=True)
         self._reader.start()
 
     def start(
-        self, module: str, args: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: Path
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        log: Path,
+        keep_fds: Sequence[int] = (),
     ) -> Forked:
-        """Fork a process that runs ``python -m module args`` would, with ``env`` as its
-        whole environment, in ``cwd``, its output appended to ``log``."""
-        order = {"module": module, "args": list(args), "env": dict(env)}
-        order |= {"cwd": str(cwd), "log": str(log)}
-        with self._starting:
-            try:
-                self._orders.write(json.dumps(order).encode() + b"\n")
-                self._orders.flush()
-            except (OSError, ValueError) as exc:  # the launcher is gone, or closed
-                answer: dict[str, Any] = {"error": f"the launcher takes no more orders ({exc})"}
-            else:
+        """Fork a process that runs as ``python -m module args`` would, with ``env`` as its
+        whole environment, in ``cwd``, its output appended to ``log``; of the descriptors
+        the launcher inherited, it keeps ``keep_fds`` alone."""
+        order: dict[str, object] = {"module": module, "args": list(args), "env": dict(env)}
+        order["cwd"] = str(cwd)
+        order |= {"log": str(log), "keep_fds": list(keep_fds)}
+        with self._ordering:
+            if self._send(order):
                 answer = self._started.get()
+            else:
+                answer = {"error": "it takes no more orders"}
         if "pid" not in answer:
             raise RuntimeError(
-                f"the demo's launcher could not start {module}: {answer.get('error')}; "
+                f"the demo's launcher could not start {module}: {answer['error']}; "
                 f"its log: {self._log.name}"
             )
         return Forked(answer["pid"], self)
+
+    def signal(self, pid: int, signum: int) -> None:
+        """Have the launcher send ``signum`` to ``pid`` if it still runs."""
+        if self.status(pid) is None:
+            with self._ordering:
+                self._send({"signal": signum, "pid": pid})
 
     def status(self, pid: int) -> int | None:
         with self._ended:
@@ -142,90 +160,113 @@ class Launcher:
 
     def close(self) -> None:
         """End the launcher, which kills what it started and is still running."""
-        with contextlib.suppress(BrokenPipeError):  # it is gone already
+        with self._ordering, contextlib.suppress(BrokenPipeError):  # gone already
             self._orders.close()
         self._process.wait()
         self._reader.join()
         self._answers.close()
         self._log.close()
 
+    def _send(self, order: Mapping[str, object]) -> bool:
+        try:
+            self._orders.write(json.dumps(order).encode() + b"\n")
+            self._orders.flush()
+        except (OSError, ValueError):  # the launcher is gone, or closed
+            return False
+        return True
+
     def _read(self) -> None:
-        for line in self._answers:
-            answer = json.loads(line)
-            if "ended" in answer:
-                with self._ended:
-                    self._statuses[answer["ended"]] = answer["status"]
-                    self._ended.notify_all()
-            else:
-                with self._ended:
-                    self._pids.update([answer["pid"]] if "pid" in answer else [])
-                self._started.put(answer)
-        # The launcher is gone: no start waits for an answer that cannot come, and nothing
-        # it started runs on unwatched (it kills them when closed; not when killed itself).
-        status = self._process.wait()
-        self._started.put({"error": f"the launcher exited with status {status}"})
-        with self._ended:
-            for pid in self._pids - self._statuses.keys():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                self._statuses[pid] = -signal.SIGKILL
-            self._ended.notify_all()
+        started: set[int] = set()
+        try:
+            for line in self._answers:
+                answer = json.loads(line)
+                if "ended" in answer:
+                    with self._ended:
+                        self._statuses[answer["ended"]] = answer["status"]
+                        self._ended.notify_all()
+                else:
+                    started.update([answer["pid"]] if "pid" in answer else [])
+                    self._started.put(answer)
+        finally:
+            # The launcher is gone (or spoke nonsense): no start waits for an answer that
+            # cannot come, and nothing it started runs on unwatched. Closed, it killed and
+            # reported them; killed, it could not: its process group (its session's, which
+            # they are in) goes now, and they count as killed.
+            status = self._process.wait()
+            self._started.put({"error": f"it exited with status {status}"})
+            with self._ended:
+                if started - self._statuses.keys():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._process.pid, signal.SIGKILL)
+                for pid in started - self._statuses.keys():
+                    self._statuses[pid] = -signal.SIGKILL
+                self._ended.notify_all()
 
 
 def _serve() -> None:
-    """The launcher's loop: a start order in, a fork and its pid out; ended processes out."""
+    """The launcher's loop: orders in, forks and their pids out; ended processes out."""
     for name in PRELOAD:
         importlib.import_module(name)
     running: set[int] = set()
     pending = b""
-    while True:
-        ready, _, _ = select.select([0], [], [], _POLL if running else None)
-        if ready:
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                break
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                _answer(_fork(json.loads(line), running))
-        while running:
-            pid, wait_status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            running.discard(pid)
-            _answer({"ended": pid, "status": os.waitstatus_to_exitcode(wait_status)})
-    for pid in running:
-        os.kill(pid, signal.SIGKILL)
-    for pid in running:
-        _answer({"ended": pid, "status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])})
+    try:
+        while True:
+            ready, _, _ = select.select([0], [], [], _POLL if running else None)
+            if ready:
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    _obey(json.loads(line), running)
+            while running:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                running.discard(pid)
+                _answer({"ended": pid, "status": os.waitstatus_to_exitcode(wait_status)})
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+        for pid in running:
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            _answer({"ended": pid, "status": status})
+
+
+def _obey(order: dict[str, Any], running: set[int]) -> None:
+    if "signal" in order:
+        if order["pid"] in running:  # not reaped: the pid is still that process's
+            os.kill(order["pid"], order["signal"])
+        return
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _answer({"error": str(exc)})
+        return
+    if pid == 0:
+        _run(order)
+    running.add(pid)
+    _answer({"pid": pid})
 
 
 def _answer(answer: Mapping[str, object]) -> None:
     os.write(1, json.dumps(answer).encode() + b"\n")
 
 
-def _fork(order: dict[str, Any], running: set[int]) -> dict[str, object]:
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        return {"error": str(exc)}
-    if pid == 0:
-        _run(order)
-    running.add(pid)
-    return {"pid": pid}
-
-
 def _run(order: dict[str, Any]) -> NoReturn:
-    """In the forked process: become ``python -m module args`` with its own environment and
-    output, then exit with the status that would have had."""
+    """In the forked process: become ``python -m module args`` with its own environment,
+    folder and output, then exit with the status that would have had."""
     status = 1
     try:
         # Its output first, so that what goes wrong below is in its log.
         log = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
         os.dup2(log, 1)  # the launcher's answers went there: they stay the launcher's
         os.dup2(log, 2)
-        os.close(log)
+        _close_fds_but(order["keep_fds"])
         os.chdir(order["cwd"])
+        sys.path[0] = os.getcwd()  # as `python -m` puts the folder it starts in
         os.environ.clear()
         os.environ.update(order["env"])
         arm_from_environment(faults)  # the launcher's environment armed it, not this one's
@@ -241,11 +282,21 @@ def _run(order: dict[str, Any]) -> NoReturn:
     except BaseException:
         traceback.print_exc()
     finally:
-        logging.shutdown()
+        # What an interpreter does as it exits (logging's flush among the handlers).
+        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(status)
+
+
+def _close_fds_but(keep: Sequence[int]) -> None:
+    """Close every descriptor above 2 but ``keep``, as a new process would not have them."""
+    low = 3
+    for fd in sorted(fd for fd in keep if fd >= low):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class Supervised:
 
     ``command(start)`` and ``env(start)`` give the module and its arguments, and the extra
     environment, of the ``start``-th start (from 0), so that each start can have a seed of
-    its own.
+    its own. Of the descriptors the launcher inherited, they keep ``keep_fds``.
     """
 
     def __init__(
@@ -56,6 +56,7 @@ class Supervised:
         log: Path,
         env: Callable[[int], dict[str, str]] = lambda start: {},
         count: int = 1,
+        keep_fds: Sequence[int] = (),
     ) -> None:
         self.name = name
         self.log = log
@@ -64,6 +65,7 @@ class Supervised:
         self._env = env
         self._launcher = launcher
         self._cwd = cwd
+        self._keep_fds = tuple(keep_fds)
         self._starts = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -82,7 +84,9 @@ class Supervised:
         start, self._starts = self._starts, self._starts + 1
         module, *args = self._command(start)
         env = {**os.environ, **self._env(start)}
-        return self._launcher.start(module, args, env=env, cwd=self._cwd, log=self.log)
+        return self._launcher.start(
+            module, args, env=env, cwd=self._cwd, log=self.log, keep_fds=self._keep_fds
+        )
 
     def _watch(self) -> None:
         while not self._stopping.wait(_POLL):
