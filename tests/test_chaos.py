@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -277,7 +279,76 @@ def test_the_progress_names_each_stage_and_steps_through_the_load() -> None:
     bar(Progress("check", 0, 0))
     lines = out.getvalue().splitlines()
     assert [line.split()[0] for line in lines] == [
-        "prepare", "start", *["load"] * 5, "completing", "check"
+        "prepare",
+        "start",
+        *["load"] * 5,
+        "completing",
+        "check",
     ]
     assert "80/80 rides  20 retries" in lines[-3]
     assert "checking the database" in lines[-1]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, with their command lines."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+        state, parent = stat.rpartition(")")[2].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found[int(entry.name)] = command
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_ctrl_c_stops_the_demo_and_every_process_it_started(
+    server_url: str, tmp_path: Path
+) -> None:
+    """The terminal's SIGINT goes to the demo's process group: the demo stops its processes
+    (forked by its launcher, in a session of their own, which the SIGINT does not reach)
+    and says where their logs are; none is left running."""
+    command = [sys.executable, "-m", "recoverypoint", "demo", "--requests", "100000"]
+    command += ["--concurrency", "2", "--database-url", server_url]
+    with (tmp_path / "out").open("w") as out:
+        demo = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        launchers: list[int] = []
+
+        def serving() -> bool:
+            launchers[:] = [
+                pid
+                for pid, line in _children(demo.pid).items()
+                if "recoverypoint.demo.launcher" in line
+            ]
+            # the provider, two API processes, the completer and the enqueuer
+            return len(launchers) == 1 and len(_children(launchers[0])) == 5
+
+        wait_for(serving)
+        forked = list(_children(launchers[0]))
+
+        os.killpg(demo.pid, signal.SIGINT)
+
+        assert demo.wait(timeout=300) == 1
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    said = (tmp_path / "out").read_text()
+    assert "recoverypoint demo: error: interrupted (logs in" in said, said
+    assert "Traceback" not in said, said
+    assert [pid for pid in [*launchers, *forked] if _alive(pid)] == []
