@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
-from workload import wait_for
+from workload import alive, wait_for
 
 from recoverypoint.database import create_engine
 from recoverypoint.demo.checks import check
@@ -306,14 +306,6 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def test_a_ctrl_c_stops_the_demo_and_every_process_it_started(
     server_url: str, tmp_path: Path
 ) -> None:
@@ -351,4 +343,4 @@ def test_a_ctrl_c_stops_the_demo_and_every_process_it_started(
     said = (tmp_path / "out").read_text()
     assert "recoverypoint demo: error: interrupted (logs in" in said, said
     assert "Traceback" not in said, said
-    assert [pid for pid in [*launchers, *forked] if _alive(pid)] == []
+    assert [pid for pid in [*launchers, *forked] if alive(pid)] == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from workload import wait_for
+from workload import alive, wait_for
 
 from recoverypoint.demo.launcher import Forked, Launcher
 from recoverypoint.testing import FAULT_EXIT_STATUS
@@ -178,16 +178,6 @@ def test_a_process_keeps_the_descriptors_it_is_given_alone(
 
     assert json.loads(kept)["fds"] == [write]
     assert json.loads(none)["fds"] == []
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a dead process that its adopter has not reaped (a container's
-    first process may never reap) is a zombie, state Z."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def sleeping(launcher: Launcher, tmp_path: Path) -> Forked:

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -211,6 +212,16 @@ def stage_jobs(db: sa.Engine, count: int, name: str = JOB) -> list[str]:
 def rows(db: sa.Engine, sql: str, **params: Any) -> list[Any]:
     with db.connect() as conn:
         return list(conn.execute(sa.text(sql), params))
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a dead process that its adopter has not reaped (a container's
+    first process may never reap) is a zombie, state Z."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 600.0) -> None:

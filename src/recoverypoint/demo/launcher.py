@@ -128,9 +128,14 @@ class Launcher:
         """Fork a process that runs as ``python -m module args`` would, with ``env`` as its
         whole environment, in ``cwd``, its output appended to ``log``; of the descriptors
         the launcher inherited, it keeps ``keep_fds`` alone."""
-        order: dict[str, object] = {"module": module, "args": list(args), "env": dict(env)}
-        order["cwd"] = str(cwd)
-        order |= {"log": str(log), "keep_fds": list(keep_fds)}
+        order = {
+            "module": module,
+            "args": list(args),
+            "env": dict(env),
+            "cwd": str(cwd),
+            "log": str(log),
+            "keep_fds": list(keep_fds),
+        }
         with self._ordering:
             if self._send(order):
                 answer = self._started.get()
@@ -185,7 +190,8 @@ class Launcher:
                         self._statuses[answer["ended"]] = answer["status"]
                         self._ended.notify_all()
                 else:
-                    started.update([answer["pid"]] if "pid" in answer else [])
+                    if "pid" in answer:
+                        started.add(answer["pid"])
                     self._started.put(answer)
         finally:
             # The launcher is gone (or spoke nonsense): no start waits for an answer that
