@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from rides import Faults, Provider, count, ride_operation
 
 import recoverypoint as rp
+from recoverypoint._faults import arm_from_environment
 from recoverypoint.testing import FAULT_EXIT_STATUS, InjectedFault, faults
 
 
@@ -79,6 +80,23 @@ def test_wildcard_and_probability(engine: rp.Engine, provider: Provider, scope: 
 
 def test_faults_are_off_by_default() -> None:
     assert faults.active is False
+
+
+def test_armed_from_the_environment_a_registry_keeps_nothing_of_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a process forked from the demo's launcher re-arms: what the environment says,
+    and no fault point or count of the process it was forked from."""
+    registry = type(faults)()
+    registry.arm("after_commit:x")
+    with pytest.raises(InjectedFault):
+        registry.hit("after_commit", "x")
+    monkeypatch.setenv("RECOVERYPOINT_FAULTS", "before_commit:y=1")
+    arm_from_environment(registry)
+    registry.hit("after_commit", "x")  # disarmed: nothing happens
+    with pytest.raises(InjectedFault):
+        registry.hit("before_commit", "y")
+    assert registry.fired == {"before_commit:y": 1}
 
 
 @pytest.mark.parametrize(

@@ -185,10 +185,12 @@ class Faults:
 
 def arm_from_environment(registry: Faults) -> None:
     """Arm ``registry`` as ``RECOVERYPOINT_FAULTS`` (and its effect and seed) say, and
-    nothing else: what it had armed is dropped, and its draws start from a new seed (or
-    the given one). Run for :data:`faults` when this module loads; and again in a process
-    forked after the environment changed (the demo's, ``recoverypoint.demo.launcher``)."""
+    nothing else: what it had armed is dropped, its count of faults fired starts at zero,
+    and its draws start from a new seed (or the given one). Run for :data:`faults` when
+    this module loads; and again in a process forked after the environment changed (the
+    demo's, ``recoverypoint.demo.launcher``), which reports only its own faults."""
     registry.disarm()
+    registry.fired.clear()
     spec = os.environ.get("RECOVERYPOINT_FAULTS", "")
     name = os.environ.get("RECOVERYPOINT_FAULT_EFFECT", "raise")
     if spec and name not in _EFFECTS:
