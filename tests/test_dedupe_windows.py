@@ -261,7 +261,7 @@ def test_a_hold_never_leaves_fewer_than_no_attempts(make: Callable[..., Service]
     lost_answer(service, provider, "reset")
     provider.forget()
     service.later("reset")
-    # An operator's `keys retry --reset` between the claim that counts an attempt and the
+    # An operator's `keys retry --reset-attempts` between the claim that counts an attempt and the
     # hold that gives it back: a trigger zeroes what this scope's claim counts.
     name = f"reset_{service.scope}"
     with service.engine.db.begin() as conn:

@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..exits import EXIT_BROKEN_PIPE, EXIT_USAGE, fail
 from ._common import Handler, Subparsers
@@ -45,7 +45,13 @@ _COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
 
 class _Parser(argparse.ArgumentParser):
     """argparse's, with a usage error on one line, as every other error (``--help``
-    shows the usage): its subcommands' parsers are of this class too."""
+    shows the usage), and options taken only as spelled out: a prefix argparse would
+    complete (``--f`` for ``--force``) is refused, so that no abbreviation in a script
+    starts to mean another option when one is added. Its subcommands' parsers are of this
+    class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> NoReturn:
         sys.exit(fail(self.prog.removeprefix("recoverypoint"), EXIT_USAGE, message))

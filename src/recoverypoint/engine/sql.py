@@ -523,7 +523,7 @@ RENEW_WINDOW = _by_ctid_and_by_id(
 # than migration 0013's columns too (the last year Python's datetime holds, not 'infinity',
 # which it cannot read). No claim takes it either. Not an attempt: nothing failed, and no
 # step was called, so the attempt the claim counted is given back (never below 0: an
-# operator's `keys retry --reset` may have zeroed the attempts since the claim).
+# operator's `keys retry --reset-attempts` may have zeroed the attempts since the claim).
 HOLD = _by_ctid_and_by_id(
     """
     UPDATE idempotency_keys
