@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from workload import plant_keys, rows
 
 import recoverypoint as rp
-from recoverypoint.workers import Reaper
+from recoverypoint.workers import Reaper, loop
 
 FINISHED = {"point": "finished", "response_status": "200"}
 
@@ -164,3 +164,45 @@ def test_vacuum_after_must_be_positive_or_none(worker_db: sa.Engine) -> None:
     with pytest.raises(ValueError, match="vacuum_after"):
         Reaper(rp.Engine(worker_db), vacuum_after=0)
     assert Reaper(rp.Engine(worker_db), vacuum_after=None).vacuum_after is None
+
+
+def test_one_pass_reaps_every_scope_however_many_have_keys_due(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one server a batch takes due keys of every scope: a stream of keys finishing in
+    more scopes than a pass lists (here 3 a listing) is reaped in one pass, not a listing's
+    worth of scopes per interval. Each deleted key's generation is recorded in its own
+    scope, and the same key of another scope, not due, stays."""
+    monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
+    with worker_db.begin() as conn:
+        conn.execute(
+            sa.text(
+                """
+                INSERT INTO idempotency_keys (scope, operation, idempotency_key,
+                    operation_version, request_method, request_path, request_params,
+                    fingerprint, recovery_point, response_status, finished_at, created_at)
+                SELECT 's' || s, 'op', 'k' || k, 1, 'POST', '/test', '{}', 'fp', 'finished',
+                    200, now() - make_interval(hours => CASE WHEN k < 3 THEN 73 ELSE 1 END),
+                    now() - interval '80 hours'
+                FROM generate_series(1, 10) AS s, generate_series(1, 3) AS k
+                """
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO staged_jobs (scope, job_name, job_args, job_key, idempotency_key_id) "
+                "SELECT scope, 'notify', '{}', 'job-' || id, id FROM idempotency_keys"
+            )
+        )
+
+    result = Reaper(rp.Engine(worker_db), batch_size=7).run_once()
+
+    assert (result.finished, result.batches) == (20, 3)  # in batches of 7, the 3rd short
+    left = rows(worker_db, "SELECT scope, idempotency_key FROM idempotency_keys ORDER BY 1")
+    assert sorted(left) == sorted((f"s{s}", "k3") for s in range(1, 11))
+    recorded = rows(worker_db, "SELECT scope, idempotency_key, generation FROM key_generations")
+    assert sorted(recorded) == sorted((f"s{s}", f"k{k}", 1) for s in range(1, 11) for k in (1, 2))
+    unlinked = rows(
+        worker_db, "SELECT count(*) AS n FROM staged_jobs WHERE idempotency_key_id IS NULL"
+    )
+    assert unlinked[0].n == 20

@@ -10,12 +10,16 @@ work due, reading without locks; then each scope is claimed with ``FOR UPDATE SK
 LOCKED`` in a statement that names it). On a single server that costs one cheap listing per
 pass; on a database distributed by scope (Citus) each claim runs on the one shard that
 holds the scope, where ``SKIP LOCKED`` works, and the listing is a read, which Citus runs
-on every shard.
+on every shard. The reaper's deletions are the exception on a single server
+(:attr:`Worker.distributed` false): a batch there takes rows of every scope at once
+(:meth:`Worker.in_batches`), as a stream of finished keys spread over many scopes would
+outrun a transaction per scope.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -32,6 +36,7 @@ from typing import ClassVar, Generic, TypeVar
 
 import sqlalchemy as sa
 
+from ..engine import store
 from ..leases import REGISTERED, free
 from ..logfmt import logfmt
 from ..outage import is_outage
@@ -173,10 +178,21 @@ class Worker(ABC, Generic[R]):
         """Run ``batch(scope)`` (one transaction, returning how many rows it claimed) for
         each scope the listing names, again while a batch comes back full, until a stop."""
         for scope in self.scopes_due(listing, params):
-            while not self.stopping and batch(scope) >= self.batch_size:
-                pass
+            self.in_batches(functools.partial(batch, scope))
             if self.stopping:
                 return
+
+    def in_batches(self, batch: Callable[[], int]) -> None:
+        """Run ``batch()`` (one transaction, returning how many rows it claimed) until one
+        comes back short, or a stop."""
+        while not self.stopping and batch() >= self.batch_size:
+            pass
+
+    @functools.cached_property
+    def distributed(self) -> bool:
+        """Whether ``idempotency_keys`` is distributed by scope (Citus): then every batch
+        names its scope, to run on the scope's shard alone. Asked once."""
+        return store.distributed(self.engines.db)
 
     def stop(self) -> None:
         self.stop_event.set()

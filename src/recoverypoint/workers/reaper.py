@@ -54,7 +54,8 @@ _AUTOVACUUM_OFF = text(
     """
 )
 
-# The scopes with finished keys past the shortest retention, the oldest first.
+# The scopes with finished keys past the shortest retention, the oldest first (where the
+# keys are distributed: see _reap_keys).
 _DUE_SCOPES = text(
     """
     SELECT scope FROM idempotency_keys
@@ -63,14 +64,25 @@ _DUE_SCOPES = text(
     """
 )
 
-# One batch of one scope's finished keys past their retention: their operation's own (``Operation(
+
+# One batch of finished keys past their retention: their operation's own (``Operation(
 # retention=...)``, a table from three arrays) or the reaper's. The partial index on
 # finished_at finds them by the shortest retention; each row is then held to its own (a
 # sub-select, not a join: Citus, which runs this batch's CTEs one by one for the INSERT
 # that records generations, reads a locked join's result in the wrong format). Rows
 # locked elsewhere are skipped, so reapers never wait for each other.
-_REAP_KEYS = text(
-    f"""
+#
+# Of one scope where the keys are distributed (Citus), so that the batch runs on the
+# scope's shard alone (its generations too: record_next takes each deleted row's scope);
+# of every scope at once on one server, where a transaction per scope would bound the
+# reaper by the number of scopes rather than of keys (a busy table has keys finishing in
+# more scopes a minute than a pass could take one by one). Key and job ids are unique
+# across scopes: the joins need no scope.
+def _reap_keys(one_scope: bool) -> TextClause:
+    key_in_scope = "k.scope = :scope AND " if one_scope else ""
+    job_in_scope = "scope = :scope AND " if one_scope else ""
+    return text(
+        f"""
     WITH own AS (
         SELECT * FROM unnest(
             CAST(:operations AS text[]), CAST(:versions AS integer[]),
@@ -82,8 +94,7 @@ _REAP_KEYS = text(
         ) AS c(operation, version)
     ), doomed AS (
         SELECT k.id FROM idempotency_keys AS k
-        WHERE k.scope = :scope
-          AND k.finished_at < now() - make_interval(secs => :shortest)
+        WHERE {key_in_scope}k.finished_at < now() - make_interval(secs => :shortest)
           AND k.finished_at < now() - make_interval(secs => coalesce(
               (SELECT min(o.retention) FROM own AS o
                WHERE o.operation = k.operation AND o.version = k.operation_version),
@@ -100,22 +111,26 @@ _REAP_KEYS = text(
         FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
-        WHERE k.scope = :scope AND k.id = doomed.id
+        WHERE {key_in_scope}k.id = doomed.id
         RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned, {generations.DELETED}
     ), {generations.record_next("deleted")}, unlinked AS (
         -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
         -- NULL. A job an enqueuer is publishing right now is skipped, not waited for: it is
         -- about to be deleted, and a stale id there harms nobody.
         UPDATE staged_jobs SET idempotency_key_id = NULL
-        WHERE scope = :scope AND id IN (
+        WHERE {job_in_scope}id IN (
             SELECT id FROM staged_jobs
-            WHERE scope = :scope AND idempotency_key_id IN (SELECT id FROM deleted)
+            WHERE {job_in_scope}idempotency_key_id IN (SELECT id FROM deleted)
             FOR UPDATE SKIP LOCKED
         )
     )
     SELECT abandoned FROM deleted
     """
-)
+    )
+
+
+_REAP_SCOPES_KEYS = _reap_keys(one_scope=True)
+_REAP_KEYS = _reap_keys(one_scope=False)
 
 # The scopes with recorded generations past the generations' retention, the oldest first.
 _DUE_GENERATION_SCOPES = text(
@@ -252,13 +267,18 @@ class Reaper(Worker[ReaperResult]):
             **self._compensating(),
         }
 
-        def reap(scope: str) -> int:
-            abandoned = self._batch(_REAP_KEYS, {**keys, "scope": scope}, result)
+        def reap(statement: TextClause, params: dict[str, Any]) -> int:
+            abandoned = self._batch(statement, params, result)
             result.abandoned += sum(abandoned)
             result.finished += len(abandoned) - sum(abandoned)
             return len(abandoned)
 
-        self.by_scope(_DUE_SCOPES, keys, reap)
+        if self.distributed:
+            self.by_scope(
+                _DUE_SCOPES, keys, lambda scope: reap(_REAP_SCOPES_KEYS, {**keys, "scope": scope})
+            )
+        else:
+            self.in_batches(lambda: reap(_REAP_KEYS, keys))
 
         pruned = {"retention": self._generations_kept().total_seconds()}
 
