@@ -123,7 +123,7 @@ WORKER_CLAIMS = [
     ("enqueuer", enqueuer._CLAIM_JOBS, {"batch_size": 10}),
     (
         "reaper",
-        reaper._REAP_KEYS,
+        reaper._KEYS.in_scope,
         {
             "operations": [],
             "versions": [],
@@ -136,8 +136,12 @@ WORKER_CLAIMS = [
             "batch_size": 10,
         },
     ),
-    ("reaper's pruning", reaper._PRUNE_GENERATIONS, {"retention": 1.0, "batch_size": 10}),
-    ("reaper's consume-once records", reaper._REAP_MESSAGES, {"retention": 1.0, "batch_size": 10}),
+    ("reaper's pruning", reaper._GENERATIONS.in_scope, {"retention": 1.0, "batch_size": 10}),
+    (
+        "reaper's consume-once records",
+        reaper._MESSAGES.in_scope,
+        {"retention": 1.0, "batch_size": 10},
+    ),
     (
         "operator's delete",
         key_actions._DELETE,

@@ -66,8 +66,9 @@ def test_deletes_exactly_the_eligible_keys_in_batches(worker_db: sa.Engine) -> N
     result = Reaper(rp.Engine(worker_db), batch_size=4).run_once()
 
     assert (result.finished, result.abandoned, result.messages) == (23, 4, 9)
-    # 27 keys in batches of 4 (the 7th one short), 9 records (the 3rd one short).
-    assert result.batches == 7 + 3
+    # 27 keys in batches of 4 (the 7th one short), one of generations (none due), 9
+    # records (the 3rd one short).
+    assert result.batches == 7 + 1 + 3
     remaining = [r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys ORDER BY id")]
     assert remaining == sorted(kept)
     [job] = rows(worker_db, "SELECT idempotency_key_id FROM staged_jobs")
@@ -166,13 +167,16 @@ def test_vacuum_after_must_be_positive_or_none(worker_db: sa.Engine) -> None:
     assert Reaper(rp.Engine(worker_db), vacuum_after=None).vacuum_after is None
 
 
-def test_one_pass_reaps_every_scope_however_many_have_keys_due(
-    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("distributed", [False, True], ids=["one server", "by scope"])
+def test_every_scope_is_reaped_however_many_have_rows_due(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch, distributed: bool
 ) -> None:
-    """On one server a batch takes due keys of every scope: a stream of keys finishing in
-    more scopes than a pass lists (here 3 a listing) is reaped in one pass, not a listing's
-    worth of scopes per interval. Each deleted key's generation is recorded in its own
-    scope, and the same key of another scope, not due, stays."""
+    """On one server a batch takes due rows of every scope: keys finishing in more scopes
+    than a pass lists (here 3 a listing) are reaped in one pass, not a listing's worth of
+    scopes per interval. Scope by scope (as on Citus, where each batch names its scope)
+    it takes passes, and deletes the same. Either way a row is matched in its own scope:
+    the same key, generation or message of another scope, not due, stays; each deleted
+    key's generation is recorded in its scope, and only its jobs are unlinked."""
     monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
     with worker_db.begin() as conn:
         conn.execute(
@@ -181,10 +185,13 @@ def test_one_pass_reaps_every_scope_however_many_have_keys_due(
                 INSERT INTO idempotency_keys (scope, operation, idempotency_key,
                     operation_version, request_method, request_path, request_params,
                     fingerprint, recovery_point, response_status, finished_at, created_at)
-                SELECT 's' || s, 'op', 'k' || k, 1, 'POST', '/test', '{}', 'fp', 'finished',
+                SELECT 's' || s, 'op', 'k' || k, 1, 'POST', '/test', '{}'::jsonb, 'fp', 'finished',
                     200, now() - make_interval(hours => CASE WHEN k < 3 THEN 73 ELSE 1 END),
                     now() - interval '80 hours'
                 FROM generate_series(1, 10) AS s, generate_series(1, 3) AS k
+                UNION ALL  -- k1 of another scope, finished an hour ago
+                SELECT 'late', 'op', 'k1', 1, 'POST', '/test', '{}'::jsonb, 'fp', 'finished', 200,
+                    now() - interval '1 hour', now() - interval '1 hour'
                 """
             )
         )
@@ -194,15 +201,60 @@ def test_one_pass_reaps_every_scope_however_many_have_keys_due(
                 "SELECT scope, 'notify', '{}', 'job-' || id, id FROM idempotency_keys"
             )
         )
+        # A generation and a consume-once record per scope past their retentions, and the
+        # same generation, and a record, of another scope within them.
+        conn.execute(
+            sa.text(
+                "INSERT INTO key_generations (scope, operation, idempotency_key, generation, "
+                "deleted_at) SELECT 's' || s, 'op', 'g', 4, now() - interval '31 days' "
+                "FROM generate_series(1, 10) AS s "
+                "UNION ALL SELECT 'late', 'op', 'g', 4, now() - interval '1 day'"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO processed_messages (scope, consumer, message_id, processed_at) "
+                "SELECT 's' || s, 'c', 'm' || s, now() - interval '8 days' "
+                "FROM generate_series(1, 10) AS s "
+                "UNION ALL SELECT 'late', 'c', 'm', now() - interval '1 day'"
+            )
+        )
+    reaper = Reaper(rp.Engine(worker_db), batch_size=7)
+    reaper.distributed = distributed
 
-    result = Reaper(rp.Engine(worker_db), batch_size=7).run_once()
+    passes = [reaper.run_once()]
+    while distributed and passes[-1]:
+        passes.append(reaper.run_once())
 
-    assert (result.finished, result.batches) == (20, 3)  # in batches of 7, the 3rd short
-    left = rows(worker_db, "SELECT scope, idempotency_key FROM idempotency_keys ORDER BY 1")
-    assert sorted(left) == sorted((f"s{s}", "k3") for s in range(1, 11))
+    assert len(passes) == (5 if distributed else 1)  # by scope: 3 scopes a pass, then none
+    assert [sum(getattr(p, what) for p in passes) for what in FIELDS] == [20, 10, 10]
+    left = rows(worker_db, "SELECT scope, idempotency_key FROM idempotency_keys")
+    assert sorted(left) == sorted([*((f"s{s}", "k3") for s in range(1, 11)), ("late", "k1")])
     recorded = rows(worker_db, "SELECT scope, idempotency_key, generation FROM key_generations")
-    assert sorted(recorded) == sorted((f"s{s}", f"k{k}", 1) for s in range(1, 11) for k in (1, 2))
-    unlinked = rows(
-        worker_db, "SELECT count(*) AS n FROM staged_jobs WHERE idempotency_key_id IS NULL"
+    assert sorted(recorded) == sorted(
+        [*((f"s{s}", f"k{k}", 1) for s in range(1, 11) for k in (1, 2)), ("late", "g", 4)]
     )
-    assert unlinked[0].n == 20
+    messages = rows(worker_db, "SELECT scope, message_id FROM processed_messages")
+    assert messages == [("late", "m")]
+    linked = rows(
+        worker_db,
+        "SELECT j.scope, k.idempotency_key FROM staged_jobs AS j "
+        "JOIN idempotency_keys AS k ON k.id = j.idempotency_key_id",
+    )
+    assert sorted(linked) == sorted(left)
+    assert rows(worker_db, "SELECT count(*) AS n FROM staged_jobs")[0].n == 31
+
+
+FIELDS = ("finished", "generations", "messages")
+
+
+def test_a_pass_ends_after_its_most_batches_and_the_next_goes_on(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys falling due as fast as batches take them cannot keep one pass running (never
+    recorded for doctor, its generations and records never reached)."""
+    monkeypatch.setattr(loop, "BATCHES_PER_PASS", 2)
+    plant_keys(worker_db, "op", 9, **finished("73 hours"))
+    reaper = Reaper(rp.Engine(worker_db), batch_size=2)
+
+    assert [reaper.run_once().finished for _ in range(4)] == [4, 4, 1, 0]

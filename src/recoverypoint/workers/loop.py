@@ -47,6 +47,11 @@ logger = logging.getLogger("recoverypoint.workers")
 _HOST = socket.gethostname()
 
 SCOPES_PER_PASS = 1000
+
+# Full batches a pass takes across scopes at most (Worker.in_batches): a stream of rows
+# falling due as fast as a batch takes them would otherwise keep one pass running, never
+# recorded for doctor, the pass's other work never reached. The next pass goes on.
+BATCHES_PER_PASS = 1000
 """The scopes a pass works through at most; the next pass takes the rest."""
 _RECORD_PASS = sa.text(
     """
@@ -176,7 +181,8 @@ class Worker(ABC, Generic[R]):
         self, listing: sa.TextClause, params: Mapping[str, object], batch: Callable[[str], int]
     ) -> None:
         """Run ``batch(scope)`` (one transaction, returning how many rows it claimed) for
-        each scope the listing names, again while a batch comes back full, until a stop."""
+        each scope the listing names, again while a batch comes back full (see
+        :meth:`in_batches`), until a stop."""
         for scope in self.scopes_due(listing, params):
             self.in_batches(functools.partial(batch, scope))
             if self.stopping:
@@ -184,14 +190,16 @@ class Worker(ABC, Generic[R]):
 
     def in_batches(self, batch: Callable[[], int]) -> None:
         """Run ``batch()`` (one transaction, returning how many rows it claimed) until one
-        comes back short, or a stop."""
-        while not self.stopping and batch() >= self.batch_size:
-            pass
+        comes back short, a stop, or :data:`BATCHES_PER_PASS` full ones."""
+        for _ in range(BATCHES_PER_PASS):
+            if self.stopping or batch() < self.batch_size:
+                return
 
     @functools.cached_property
     def distributed(self) -> bool:
-        """Whether ``idempotency_keys`` is distributed by scope (Citus): then every batch
-        names its scope, to run on the scope's shard alone. Asked once."""
+        """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper
+        too deletes scope by scope, each batch on its scope's shard. Asked once: a worker
+        started before ``recoverypoint migrate --citus`` is restarted after it."""
         return store.distributed(self.engines.db)
 
     def stop(self) -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import TextClause, text
 
@@ -54,8 +54,36 @@ _AUTOVACUUM_OFF = text(
     """
 )
 
-# The scopes with finished keys past the shortest retention, the oldest first (where the
-# keys are distributed: see _reap_keys).
+
+@dataclass(frozen=True)
+class _Rows:
+    """Whose rows a batch takes. Of one scope (``:scope``) where the keys are distributed
+    (Citus), so that the batch runs on the scope's shard alone; of every scope at once on
+    one server, where a transaction per scope would bound the reaper by the number of
+    scopes rather than of rows (a busy table has keys finishing in more scopes a minute
+    than a pass could take one by one). A deleted row is matched by its scope too, never
+    on the word of another scope's row."""
+
+    one_scope: bool
+
+    @property
+    def only(self) -> str:
+        """The condition that keeps a batch in its scope, to prefix others with."""
+        return "scope = :scope AND " if self.one_scope else ""
+
+    @property
+    def scope(self) -> str:
+        """The scope among the columns of the rows chosen (each row's own, if needed)."""
+        return "" if self.one_scope else ", scope"
+
+    def same(self, alias: str) -> str:
+        """The scope condition of the rows deleted, ``alias``: the chosen rows'."""
+        return f"{alias}.scope = {':scope' if self.one_scope else 'doomed.scope'}"
+
+
+IN_SCOPE, EVERY_SCOPE = _Rows(one_scope=True), _Rows(one_scope=False)
+
+# The scopes with finished keys past the shortest retention, the oldest first (IN_SCOPE).
 _DUE_SCOPES = text(
     """
     SELECT scope FROM idempotency_keys
@@ -70,17 +98,9 @@ _DUE_SCOPES = text(
 # finished_at finds them by the shortest retention; each row is then held to its own (a
 # sub-select, not a join: Citus, which runs this batch's CTEs one by one for the INSERT
 # that records generations, reads a locked join's result in the wrong format). Rows
-# locked elsewhere are skipped, so reapers never wait for each other.
-#
-# Of one scope where the keys are distributed (Citus), so that the batch runs on the
-# scope's shard alone (its generations too: record_next takes each deleted row's scope);
-# of every scope at once on one server, where a transaction per scope would bound the
-# reaper by the number of scopes rather than of keys (a busy table has keys finishing in
-# more scopes a minute than a pass could take one by one). Key and job ids are unique
-# across scopes: the joins need no scope.
-def _reap_keys(one_scope: bool) -> TextClause:
-    key_in_scope = "k.scope = :scope AND " if one_scope else ""
-    job_in_scope = "scope = :scope AND " if one_scope else ""
+# locked elsewhere are skipped, so reapers never wait for each other. Each deleted key's
+# generation is recorded in its own scope (record_next).
+def _reap_keys(rows: _Rows) -> TextClause:
     return text(
         f"""
     WITH own AS (
@@ -93,8 +113,8 @@ def _reap_keys(one_scope: bool) -> TextClause:
             CAST(:compensating_operations AS text[]), CAST(:compensating_versions AS integer[])
         ) AS c(operation, version)
     ), doomed AS (
-        SELECT k.id FROM idempotency_keys AS k
-        WHERE {key_in_scope}k.finished_at < now() - make_interval(secs => :shortest)
+        SELECT k.id{rows.scope} FROM idempotency_keys AS k
+        WHERE {rows.only}k.finished_at < now() - make_interval(secs => :shortest)
           AND k.finished_at < now() - make_interval(secs => coalesce(
               (SELECT min(o.retention) FROM own AS o
                WHERE o.operation = k.operation AND o.version = k.operation_version),
@@ -111,16 +131,17 @@ def _reap_keys(one_scope: bool) -> TextClause:
         FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
-        WHERE {key_in_scope}k.id = doomed.id
+        WHERE {rows.same("k")} AND k.id = doomed.id
         RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned, {generations.DELETED}
     ), {generations.record_next("deleted")}, unlinked AS (
         -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
-        -- NULL. A job an enqueuer is publishing right now is skipped, not waited for: it is
-        -- about to be deleted, and a stale id there harms nobody.
+        -- NULL, by the key's id (an identity, unique across scopes). A job an enqueuer is
+        -- publishing right now is skipped, not waited for: it is about to be deleted, and
+        -- a stale id there harms nobody.
         UPDATE staged_jobs SET idempotency_key_id = NULL
-        WHERE {job_in_scope}id IN (
+        WHERE {rows.only}id IN (
             SELECT id FROM staged_jobs
-            WHERE {job_in_scope}idempotency_key_id IN (SELECT id FROM deleted)
+            WHERE {rows.only}idempotency_key_id IN (SELECT id FROM deleted)
             FOR UPDATE SKIP LOCKED
         )
     )
@@ -129,10 +150,8 @@ def _reap_keys(one_scope: bool) -> TextClause:
     )
 
 
-_REAP_SCOPES_KEYS = _reap_keys(one_scope=True)
-_REAP_KEYS = _reap_keys(one_scope=False)
-
-# The scopes with recorded generations past the generations' retention, the oldest first.
+# The scopes with recorded generations past the generations' retention, the oldest first
+# (IN_SCOPE).
 _DUE_GENERATION_SCOPES = text(
     """
     SELECT scope FROM key_generations
@@ -141,24 +160,27 @@ _DUE_GENERATION_SCOPES = text(
     """
 )
 
-# One batch of one scope's recorded generations past the generations' retention: a reuse
-# of their key is generation 0 again (recoverypoint.generations).
-_PRUNE_GENERATIONS = text(
-    """
+
+# One batch of recorded generations past the generations' retention: a reuse of their key
+# is generation 0 again (recoverypoint.generations).
+def _prune_generations(rows: _Rows) -> TextClause:
+    return text(
+        f"""
     WITH doomed AS (
-        SELECT operation, idempotency_key FROM key_generations
-        WHERE scope = :scope AND deleted_at < now() - make_interval(secs => :retention)
+        SELECT operation, idempotency_key{rows.scope} FROM key_generations
+        WHERE {rows.only}deleted_at < now() - make_interval(secs => :retention)
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM key_generations AS g USING doomed
-    WHERE g.scope = :scope AND g.operation = doomed.operation
+    WHERE {rows.same("g")} AND g.operation = doomed.operation
       AND g.idempotency_key = doomed.idempotency_key
     RETURNING 1
     """
-)
+    )
 
-# The scopes with consume-once records past their retention, the oldest first.
+
+# The scopes with consume-once records past their retention, the oldest first (IN_SCOPE).
 _DUE_MESSAGE_SCOPES = text(
     """
     SELECT scope FROM processed_messages
@@ -167,21 +189,41 @@ _DUE_MESSAGE_SCOPES = text(
     """
 )
 
-# One batch of one scope's consume-once records past their retention.
-_REAP_MESSAGES = text(
-    """
+
+# One batch of consume-once records past their retention.
+def _reap_messages(rows: _Rows) -> TextClause:
+    return text(
+        f"""
     WITH doomed AS (
-        SELECT consumer, message_id FROM processed_messages
-        WHERE scope = :scope AND processed_at < now() - make_interval(secs => :retention)
+        SELECT consumer, message_id{rows.scope} FROM processed_messages
+        WHERE {rows.only}processed_at < now() - make_interval(secs => :retention)
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM processed_messages AS p USING doomed
-    WHERE p.scope = :scope AND p.consumer = doomed.consumer
+    WHERE {rows.same("p")} AND p.consumer = doomed.consumer
       AND p.message_id = doomed.message_id
     RETURNING 1
     """
+    )
+
+
+class _Deletion(NamedTuple):
+    """One of the reaper's deletions, in batches."""
+
+    listing: TextClause
+    """The scopes with rows due (:data:`IN_SCOPE`)."""
+    in_scope: TextClause
+    """A batch of one scope's rows."""
+    every_scope: TextClause
+    """A batch of rows of every scope."""
+
+
+_KEYS = _Deletion(_DUE_SCOPES, _reap_keys(IN_SCOPE), _reap_keys(EVERY_SCOPE))
+_GENERATIONS = _Deletion(
+    _DUE_GENERATION_SCOPES, _prune_generations(IN_SCOPE), _prune_generations(EVERY_SCOPE)
 )
+_MESSAGES = _Deletion(_DUE_MESSAGE_SCOPES, _reap_messages(IN_SCOPE), _reap_messages(EVERY_SCOPE))
 
 
 @dataclass
@@ -267,35 +309,23 @@ class Reaper(Worker[ReaperResult]):
             **self._compensating(),
         }
 
-        def reap(statement: TextClause, params: dict[str, Any]) -> int:
-            abandoned = self._batch(statement, params, result)
+        def reap(abandoned: Sequence[Any]) -> None:
             result.abandoned += sum(abandoned)
             result.finished += len(abandoned) - sum(abandoned)
-            return len(abandoned)
 
-        if self.distributed:
-            self.by_scope(
-                _DUE_SCOPES, keys, lambda scope: reap(_REAP_SCOPES_KEYS, {**keys, "scope": scope})
-            )
-        else:
-            self.in_batches(lambda: reap(_REAP_KEYS, keys))
+        def prune(deleted: Sequence[Any]) -> None:
+            result.generations += len(deleted)
 
-        pruned = {"retention": self._generations_kept().total_seconds()}
+        def forget(deleted: Sequence[Any]) -> None:
+            result.messages += len(deleted)
 
-        def prune(scope: str) -> int:
-            deleted = len(self._batch(_PRUNE_GENERATIONS, {**pruned, "scope": scope}, result))
-            result.generations += deleted
-            return deleted
-
-        self.by_scope(_DUE_GENERATION_SCOPES, pruned, prune)
-        messages = {"retention": self.processed_retention.total_seconds()}
-
-        def forget(scope: str) -> int:
-            deleted = len(self._batch(_REAP_MESSAGES, {**messages, "scope": scope}, result))
-            result.messages += deleted
-            return deleted
-
-        self.by_scope(_DUE_MESSAGE_SCOPES, messages, forget)
+        self._delete(_KEYS, keys, reap, result)
+        self._delete(
+            _GENERATIONS, {"retention": self._generations_kept().total_seconds()}, prune, result
+        )
+        self._delete(
+            _MESSAGES, {"retention": self.processed_retention.total_seconds()}, forget, result
+        )
         for table, deleted in (
             ("idempotency_keys", result.finished + result.abandoned),
             ("processed_messages", result.messages),
@@ -305,6 +335,31 @@ class Reaper(Worker[ReaperResult]):
         self.engines.observer.reaped(result.finished, result.abandoned, result.messages)
         self.engines.observer.worker_pass(self.name)
         return result
+
+    def _delete(
+        self,
+        deletion: _Deletion,
+        params: dict[str, Any],
+        count: Callable[[Sequence[Any]], None],
+        result: ReaperResult,
+    ) -> None:
+        """Run ``deletion`` in batches, scope by scope where the keys are distributed, of
+        every scope at once otherwise (see :class:`_Rows`); ``count`` is told each batch's
+        rows."""
+
+        def batch(statement: TextClause, params: dict[str, Any]) -> int:
+            rows = self._batch(statement, params, result)
+            count(rows)
+            return len(rows)
+
+        if self.distributed:
+            self.by_scope(
+                deletion.listing,
+                params,
+                lambda scope: batch(deletion.in_scope, {**params, "scope": scope}),
+            )
+        else:
+            self.in_batches(lambda: batch(deletion.every_scope, params))
 
     def _generations_kept(self) -> timedelta:
         """How long a deleted key's generation is kept: ``generations_retention``, or the
