@@ -6,8 +6,12 @@ live and dead rows, the keys past their retention still there (the reaper's back
 autovacuum's runs, and ``key_generations``, which records each deleted key's next
 generation for 30 days.
 
-    .venv/bin/python benchmarks/reaper_soak.py \\
-        --database-url postgresql://postgres@127.0.0.1:5432/postgres --minutes 20
+    .venv/bin/python benchmarks/reaper_soak.py --minutes 20
+
+Without ``--database-url`` it runs on a private PostgreSQL of this machine's binaries with
+PostgreSQL's defaults (autovacuum on), started and removed here; with one, on that
+server, whose autovacuum setting the report shows (where it is off, the reaper vacuums
+the table itself after a pass that deleted 10,000 keys).
 
 The keys are copies of one a real request finished (the Rocket Rides shape: its params,
 state and response), inserted in batches ten times a second: the engine on this machine
@@ -20,14 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import facts as machine
 import sqlalchemy as sa
+from claims import binaries, free_port, initdb
 
 import recoverypoint as rp
 from recoverypoint import migrate
@@ -54,7 +63,8 @@ SELECT pg_total_relation_size('idempotency_keys'), pg_relation_size('idempotency
     (SELECT count(*) FROM idempotency_keys
      WHERE finished_at < now() - make_interval(secs => :retention)),
     pg_total_relation_size('key_generations'),
-    (SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = 'key_generations')
+    (SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = 'key_generations'),
+    s.vacuum_count
 FROM pg_stat_user_tables AS s WHERE s.relname = 'idempotency_keys'
 """
 FIELDS = (
@@ -66,6 +76,7 @@ FIELDS = (
     "backlog",
     "generations_bytes",
     "generations_live",
+    "vacuums",
 )
 
 
@@ -150,15 +161,19 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
         "",
         *machine.markdown(facts),
         "",
+        f"The server's autovacuum: {args.autovacuum}.",
+        "",
         "| minute | inserted a second | key table MiB (heap) | live rows | dead rows | "
-        "past retention (backlog) | autovacuums | key_generations MiB · rows |",
+        "past retention (backlog) | vacuums: autovacuum · the reaper's | "
+        "key_generations MiB · rows |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in samples:
         lines.append(
             f"| {s['t'] / 60:.1f} | {s['rate']:,.0f} | {mib(s['keys_total_bytes'])} "
             f"({mib(s['keys_heap_bytes'])}) | {s['live']:,} | {s['dead']:,} | "
-            f"{s['backlog']:,} | {s['autovacuums']} | {mib(s['generations_bytes'])} · "
+            f"{s['backlog']:,} | {s['autovacuums']} · {s['vacuums']} | "
+            f"{mib(s['generations_bytes'])} · "
             f"{s['generations_live']:,} |"
         )
     if len(steady) >= 2:
@@ -177,7 +192,7 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--database-url", help="a server to run on (default: a private one)")
     parser.add_argument("--rate", type=int, default=2000, help="finished keys a second")
     parser.add_argument("--scopes", type=int, default=10_000, help="scopes they spread over")
     parser.add_argument("--minutes", type=float, default=20.0)
@@ -188,9 +203,40 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=30.0, help="seconds between samples")
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    facts = machine.collect(HERE.parent, args.database_url, None)
+    with ExitStack() as stack:
+        server = args.database_url or stack.enter_context(private_server())
+        soak(args, server)
+
+
+@contextmanager
+def private_server() -> Iterator[str]:
+    """A PostgreSQL of this machine's binaries with PostgreSQL's defaults, in a temporary
+    folder; its admin URL; stopped and removed at the end."""
+    bindir, as_user = binaries()
+    with tempfile.TemporaryDirectory(prefix="rp-soak-") as folder:
+        Path(folder).chmod(0o755)  # the server's user reaches its data through it
+        data = Path(folder) / "data"
+        data.mkdir()
+        initdb(data)
+        port = free_port()
+        options = f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={data}"
+        ctl = [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-w"]
+        log = str(data / "server.log")
+        subprocess.run([*ctl, "-l", log, "-o", options, "start"], check=True, capture_output=True)
+        try:
+            yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        finally:
+            subprocess.run([*ctl, "-m", "fast", "stop"], check=True, capture_output=True)
+
+
+def soak(args: argparse.Namespace, server: str) -> None:
+    facts = machine.collect(HERE.parent, server, None)
+    admin = create_engine(server)
+    with admin.connect() as conn:
+        args.autovacuum = conn.execute(sa.text("SHOW autovacuum")).scalar_one()
+    admin.dispose()
     samples: list[dict[str, Any]] = []
-    with temporary_database(args.database_url, prefix="rp_soak") as url:
+    with temporary_database(server, prefix="rp_soak") as url:
         migrate.upgrade(url)
         db = create_engine(url, pool_size=4)
         engine = rp.Engine(db)
