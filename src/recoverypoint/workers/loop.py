@@ -47,12 +47,14 @@ logger = logging.getLogger("recoverypoint.workers")
 _HOST = socket.gethostname()
 
 SCOPES_PER_PASS = 1000
-
-# Full batches a pass takes across scopes at most (Worker.in_batches): a stream of rows
-# falling due as fast as a batch takes them would otherwise keep one pass running, never
-# recorded for doctor, the pass's other work never reached. The next pass goes on.
-BATCHES_PER_PASS = 1000
 """The scopes a pass works through at most; the next pass takes the rest."""
+
+# Full batches a pass takes in a row at most (Worker.in_batches), of every scope or of one:
+# a stream of rows falling due as fast as a batch takes them would otherwise keep one pass
+# running, never recorded for doctor, the pass's other work never reached. The next pass
+# goes on.
+BATCHES_PER_PASS = 1000
+
 _RECORD_PASS = sa.text(
     """
     INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error, interval_seconds)
