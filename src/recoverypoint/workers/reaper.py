@@ -61,8 +61,9 @@ class _Rows:
     (Citus), so that the batch runs on the scope's shard alone; of every scope at once on
     one server, where a transaction per scope would bound the reaper by the number of
     scopes rather than of rows (a busy table has keys finishing in more scopes a minute
-    than a pass could take one by one). A deleted row is matched by its scope too, never
-    on the word of another scope's row."""
+    than a pass could take one by one). A deleted row is matched in its own scope, never on
+    the word of another scope's row; a staged job is unlinked by its key's id, an identity
+    unique across scopes."""
 
     one_scope: bool
 
