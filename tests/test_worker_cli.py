@@ -156,10 +156,11 @@ def test_every_flag_of_a_pass_reaches_its_worker(
     assert (passes["enqueuer"]["published"], passes["enqueuer"]["batches"]) == ("10", "6")
     published = {r.job_key for r in rows(worker_db, "SELECT job_key FROM published")}
     assert published.issuperset(jobs) and len(published) == 10
-    # --retention 2h and --abandoned-retention 5h; 4 keys, 2 a batch, the last one empty (no
-    # scope has consume-once records to forget: no batch for them).
+    # --retention 2h and --abandoned-retention 5h; 4 keys, 2 a batch, the last one empty;
+    # then one batch each, empty, of generations and of consume-once records (across
+    # scopes on one server, they are asked for whether or not any is due).
     reaper = passes["reaper"]
-    assert (reaper["finished"], reaper["abandoned"], reaper["batches"]) == ("3", "1", "3")
+    assert (reaper["finished"], reaper["abandoned"], reaper["batches"]) == ("3", "1", "5")
     remaining = {r.id for r in rows(worker_db, "SELECT id FROM idempotency_keys")}
     assert remaining == {*waiting, *due, *kept}
 
