@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from console_site import TestClient  # imported there without Starlette's warning
 from test_admin import OVERDUE, plant
-from workload import stage_jobs
+from workload import one_recorded_pass, stage_jobs
 
 from recoverypoint import admin
 from recoverypoint.admin import doctor as doctor_module
@@ -107,8 +107,6 @@ def test_one_connection_answered_by_one_backend_is_no_pooler(worker_database_url
 def test_each_workers_last_pass_is_reported(
     worker_database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import threading
-
     import recoverypoint as rp
     from recoverypoint.jobs import InProcessBackend
     from recoverypoint.workers import Completer, Enqueuer, Reaper
@@ -121,9 +119,7 @@ def test_each_workers_last_pass_is_reported(
     engine = rp.Engine(worker_database_url, jobs=InProcessBackend())
     try:
         for worker in (Completer(engine), Enqueuer(engine), Reaper(engine)):
-            # run_forever records each pass; stop it after the first.
-            threading.Timer(0.5, worker.stop).start()
-            worker.run_forever(interval=0.1)
+            one_recorded_pass(worker)
     finally:
         engine.dispose()
     _, found = checks(worker_database_url, capsys)
@@ -153,20 +149,9 @@ def test_a_worker_is_late_after_a_few_of_its_own_intervals(worker_db: sa.Engine)
     import recoverypoint as rp
     from recoverypoint.console import console
     from recoverypoint.workers import Completer
-    from recoverypoint.workers.completer import CompleterResult
 
     engine = rp.Engine(worker_db)
-    completer = Completer(engine)
-    one_pass = completer.run_once
-
-    def then_stop() -> CompleterResult:  # one pass, recorded, then the stop: not a timer's
-        try:
-            return one_pass()
-        finally:
-            completer.stop()
-
-    completer.run_once = then_stop  # type: ignore[method-assign]
-    completer.run_forever(interval=5.0, jitter=0.5)
+    one_recorded_pass(Completer(engine), interval=5.0, jitter=0.5)
     ops = admin.Admin(worker_db)
     [recorded] = [w for k, w in admin.overview(ops).workers.items() if k == "completer"]
     assert recorded.interval_seconds == 5.5 and not recorded.late

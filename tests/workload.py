@@ -22,6 +22,7 @@ import sqlalchemy as sa
 import recoverypoint as rp
 from recoverypoint.jobs import Job
 from recoverypoint.keys import canonical_json
+from recoverypoint.workers.loop import Worker
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS phase_runs (
@@ -232,3 +233,19 @@ def wait_for(condition: Callable[[], bool], timeout: float = 600.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout} s"
         time.sleep(0.05)
+
+
+def one_recorded_pass(worker: Worker[Any], interval: float = 0.1, jitter: float = 0.0) -> None:
+    """Run ``worker.run_forever(interval, jitter)`` for exactly one pass, recorded as every
+    pass is (with ``interval + jitter`` as its longest wait), then stop: stopped by the pass
+    itself, where a timer could fire before a busy machine began it."""
+    one_pass = worker.run_once
+
+    def then_stop() -> Any:
+        try:
+            return one_pass()
+        finally:
+            worker.stop()
+
+    worker.run_once = then_stop  # type: ignore[method-assign]
+    worker.run_forever(interval, jitter)
