@@ -1,0 +1,260 @@
+"""The key table's size against a request's cost: the claim of a fresh key and the replay
+of a finished one, in a table of ``--keys`` finished keys (10,000,000 by default) against
+the same in a table of 1,000.
+
+    .venv/bin/python benchmarks/scale.py [--keys 10000000] [--ops 20000] [--runs 3]
+
+Both tables are databases of a private server of this machine's PostgreSQL, configured as
+the README's table of database settings says (``claims.sized_server``: ``shared_buffers``
+that hold the key table's indexes), and filled once by ``claims.ensure_filled`` (kept
+between runs). Each operation is the engine's own statement in the engine's own
+transaction: the claim as ``claims.Claimer`` runs it, the replay as ``Engine.run`` reads a
+finished key before anything else (``store.finished_key``). A replay asks for a key drawn
+at random from the whole table: at 10 M keys the rows (about 7 GB) do not fit in
+``shared_buffers`` and a replay may read its row's page from the operating system's cache,
+as a service's replays of keys of the last days would. The two tables are measured in
+turns, in blocks of 500, so that drift of this shared machine falls on both; the claims'
+rows are deleted after each run. Prints and writes ``results/scale.md`` and ``.json``;
+nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import claims
+import facts
+import psycopg
+import sqlalchemy as sa
+from measure import every_postgres_cpu, percentile
+
+from recoverypoint.engine import store
+from recoverypoint.keys import key_seed
+
+HERE = Path(__file__).resolve().parent
+SMALL = 1_000
+BLOCK = 500
+# A minute of keys at 2,000 finished a second: the keys a client's retry asks for.
+RECENT = 120_000
+
+
+def fill_key(i: int, count: int) -> str:
+    """The key string ``claims.FILL`` stores as its ``i``-th of ``count``."""
+    return f"{i * 4294967296 // count:08x}-0000-4000-8000-{i:012x}"
+
+
+class Replayer(claims.Claimer):
+    """The replay's read of a finished key (``store.finished_key``), as ``Engine.run``
+    makes it before anything else, in the engine's transaction."""
+
+    def run(self, key: str) -> Any:
+        request = store.ClaimRequest(
+            scope=claims.SCOPE,
+            operation=claims.OPERATION,
+            key=key,
+            version=1,
+            method="POST",
+            path="/x",
+            params_json="{}",
+            fingerprint="fill",
+            seed=key_seed("bench", claims.SCOPE, claims.OPERATION, key),
+            token=uuid.uuid4(),
+            lock_timeout=90.0,
+        )
+        finished, _ = self.engine._transact(store.finished_key, request, 10 * 365 * 86400.0)
+        assert finished is not None, f"{key} is not a finished key of the table"
+        return finished
+
+
+def prewarm_recent(url: str, count: int) -> None:
+    """Read the heap pages of the table's last RECENT keys into ``shared_buffers``, as a
+    server holds the rows it wrote in the last minute."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_prewarm('idempotency_keys', 'buffer', 'main', "
+            "greatest(0, pages - ceil(pages * %(share)s)::bigint), pages - 1) "
+            "FROM (SELECT pg_relation_size('idempotency_keys') / 8192 AS pages) AS heap",
+            {"share": min(1.0, RECENT / count)},
+        )
+
+
+def timed(op: Callable[[str], Any], keys: list[str]) -> tuple[list[float], float, float]:
+    """Latencies of ``op`` over ``keys``, with the client's and every PostgreSQL process's
+    CPU seconds spent meanwhile."""
+    latencies = []
+    cpu, server = time.process_time(), every_postgres_cpu()
+    for key in keys:
+        began = time.perf_counter()
+        op(key)
+        latencies.append(time.perf_counter() - began)
+    return latencies, time.process_time() - cpu, every_postgres_cpu() - server
+
+
+def measure(
+    name: str, ops: dict[str, tuple[Callable[[str], Any], Callable[[], str]]], count: int
+) -> dict[str, dict[str, float]]:
+    """``count`` operations of each of ``ops``, in turns, blocks of BLOCK."""
+    latencies: dict[str, list[float]] = {table: [] for table in ops}
+    cpu = dict.fromkeys(ops, 0.0)
+    server = dict.fromkeys(ops, 0.0)
+    for block in range(0, count, BLOCK):
+        order = list(ops) if block // BLOCK % 2 == 0 else list(reversed(ops))
+        for table in order:
+            op, key = ops[table]
+            took, client, pg = timed(op, [key() for _ in range(min(BLOCK, count - block))])
+            latencies[table] += took
+            cpu[table] += client
+            server[table] += pg
+        print(f"\r  {name}: {min(block + BLOCK, count):,}/{count:,}", end="", flush=True)
+    print()
+    return {
+        table: {
+            "p50_ms": percentile(took, 0.5) * 1e3,
+            "p99_ms": percentile(took, 0.99) * 1e3,
+            "client_cpu_ms": cpu[table] / len(took) * 1e3,
+            "server_cpu_ms": server[table] / len(took) * 1e3,
+        }
+        for table, took in latencies.items()
+    }
+
+
+def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str, Any]:
+    claimers = {table: claims.Claimer(url) for table, url in urls.items()}
+    replayers = {table: Replayer(url) for table, url in urls.items()}
+    draw = random.Random()
+    try:
+        for table in urls:  # warm: caches, prepared statements, the indexes' upper levels
+            for _ in range(300):
+                claimers[table].run(str(uuid.uuid4()))
+                replayers[table].run(fill_key(draw.randrange(counts[table]), counts[table]))
+        claimed = measure(
+            "claims",
+            {t: (c.run, lambda: str(uuid.uuid4())) for t, c in claimers.items()},
+            ops,
+        )
+        big = counts["big"]
+        recent = big - min(big, RECENT)
+        replayed = measure(
+            "replays",
+            {
+                "small": (replayers["small"].run, lambda: fill_key(draw.randrange(SMALL), SMALL)),
+                "big, finished in the last minute": (
+                    replayers["big"].run,
+                    lambda: fill_key(draw.randrange(recent, big), big),
+                ),
+                "big, any": (replayers["big"].run, lambda: fill_key(draw.randrange(big), big)),
+            },
+            ops,
+        )
+    finally:
+        for worker in [*claimers.values(), *replayers.values()]:
+            worker.close()
+        for url in urls.values():
+            claims.forget_claims(url, big=True)
+    return {"claim": claimed, "replay": replayed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=10_000_000, help="finished keys stored")
+    parser.add_argument("--ops", type=int, default=20_000, help="claims and replays per table")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    counts = {"small": SMALL, "big": args.keys}
+    with claims.sized_server(args.keys, print) as admin:
+        urls = {
+            table: sa.make_url(admin)
+            .set(database=claims.big_database_name(n))
+            .render_as_string(hide_password=False)
+            for table, n in counts.items()
+        }
+        for table, n in counts.items():
+            seconds = claims.ensure_filled(admin, urls[table], n, False, print)
+            if seconds:
+                print(f"stored {n:,} keys in {seconds:.0f} s")
+            claims.prewarm(urls[table])
+            prewarm_recent(urls[table], n)
+        machine = facts.collect(HERE.parent, admin, None)
+        with sa.create_engine(
+            sa.make_url(urls["big"]).set(drivername="postgresql+psycopg")
+        ).connect() as c:
+            sizes: dict[str, int] = dict(
+                c.execute(
+                    sa.text(
+                        "SELECT 'table', pg_table_size('idempotency_keys') UNION ALL "
+                        "SELECT 'indexes', pg_indexes_size('idempotency_keys')"
+                    )
+                ).all()
+            )
+        runs = []
+        for r in range(args.runs):
+            print(f"run {r + 1}/{args.runs}")
+            runs.append(one_run(urls, counts, args.ops))
+        machine["loadavg_at_end"] = facts.loadavg()
+    write(args, machine, sizes, runs)
+
+
+def write(
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    sizes: dict[str, int],
+    runs: list[dict[str, Any]],
+) -> None:
+    rows = []
+    summary: dict[str, Any] = {}
+    for op in ("claim", "replay"):
+        for series in [s for s in runs[0][op] if s != "small"]:
+            what = op if series == "big" else f"{op} of a key {series.removeprefix('big, ')}"
+            for figure in ("p50_ms", "p99_ms", "client_cpu_ms", "server_cpu_ms"):
+                small = [run[op]["small"][figure] for run in runs]
+                big = [run[op][series][figure] for run in runs]
+                change = [100 * (b / s - 1) for b, s in zip(big, small, strict=True)]
+                summary[f"{what} {figure}"] = {"small": small, "big": big, "change_pct": change}
+                rows.append(
+                    f"| {what} | {figure.removesuffix('_ms').replace('_', ' ')} | "
+                    f"{statistics.median(small):.3f} | {statistics.median(big):.3f} | "
+                    f"{statistics.median(change):+.1f} % "
+                    f"({min(change):+.1f} to {max(change):+.1f}) |"
+                )
+    lines = [
+        f"# The key table at {args.keys:,} keys against {SMALL:,}",
+        "",
+        f"`benchmarks/scale.py --keys {args.keys} --ops {args.ops} --runs {args.runs}`: "
+        f"{args.ops:,} claims and {args.ops:,} replays per table per run, in turns; "
+        "milliseconds, median of the runs (range of the change). CPU is per operation: "
+        "the client's, and every PostgreSQL process's on the machine.",
+        "",
+        f"The big table: {sizes['table'] / 2**30:.1f} GiB of rows, "
+        f"{sizes['indexes'] / 2**30:.2f} GiB of indexes.",
+        "",
+        f"| operation | figure | {SMALL:,} keys | {args.keys:,} keys | change |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        *facts.markdown(machine),
+        "",
+    ]
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "scale.md").write_text("\n".join(lines))
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "facts": machine,
+        "sizes": sizes,
+        "runs": runs,
+        "summary": summary,
+    }
+    (args.results / "scale.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
