@@ -10,12 +10,15 @@ that hold the key table's indexes), and filled once by ``claims.ensure_filled`` 
 between runs). Each operation is the engine's own statement in the engine's own
 transaction: the claim as ``claims.Claimer`` runs it, the replay as ``Engine.run`` reads a
 finished key before anything else (``store.finished_key``). A replay asks for a key drawn
-at random from the whole table: at 10 M keys the rows (about 7 GB) do not fit in
-``shared_buffers`` and a replay may read its row's page from the operating system's cache,
-as a service's replays of keys of the last days would. The two tables are measured in
-turns, in blocks of 500, so that drift of this shared machine falls on both; the claims'
-rows are deleted after each run. Prints and writes ``results/scale.md`` and ``.json``;
-nothing here asserts a speed.
+at random from the last RECENT the fill stored (a minute of keys at 2,000 a second, the
+keys a client's retry asks for; their rows are read into ``shared_buffers`` first, as a
+server holds the rows it has just written), or from the whole table, whose rows do not
+all fit in ``shared_buffers`` beside the indexes (a replay may then read its row's page
+from the operating system's cache). The tables are measured in turns, in blocks of 500,
+so that drift of this shared machine falls on both; the claims' rows are deleted (and
+vacuumed away) before the replays, which run on the tables as filled. Prints and writes
+``results/scale.md`` and ``.json``; the change shown is that of the medians, with the
+range of the runs' own changes. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import psycopg
 import sqlalchemy as sa
 from measure import every_postgres_cpu, percentile
 
-from recoverypoint.engine import store
+from recoverypoint.engine import sql, store
 from recoverypoint.keys import key_seed
 
 HERE = Path(__file__).resolve().parent
@@ -74,16 +77,58 @@ class Replayer(claims.Claimer):
         return finished
 
 
-def prewarm_recent(url: str, count: int) -> None:
-    """Read the heap pages of the table's last RECENT keys into ``shared_buffers``, as a
+def prewarm_recent(url: str) -> None:
+    """Read the heap pages of the fill's last RECENT keys into ``shared_buffers``, as a
     server holds the rows it wrote in the last minute."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
-            "SELECT pg_prewarm('idempotency_keys', 'buffer', 'main', "
-            "greatest(0, pages - ceil(pages * %(share)s)::bigint), pages - 1) "
-            "FROM (SELECT pg_relation_size('idempotency_keys') / 8192 AS pages) AS heap",
-            {"share": min(1.0, RECENT / count)},
+            "SELECT pg_prewarm('idempotency_keys', 'buffer', 'main', min(page), max(page)) "
+            "FROM (SELECT (ctid::text::point)[0]::bigint AS page FROM idempotency_keys "
+            f"      WHERE id > (SELECT last_id FROM {claims.MARKER}) - %(recent)s "
+            f"        AND id <= (SELECT last_id FROM {claims.MARKER})) AS recent",
+            {"recent": RECENT},
         )
+
+
+def forget_claims(url: str) -> None:
+    """The table as filled again: the claims' rows deleted, and vacuumed away."""
+    claims.forget_claims(url, big=True)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM idempotency_keys")
+
+
+def server_side(url: str, keys: list[str]) -> dict[str, float]:
+    """The replay's statement under ``EXPLAIN (ANALYZE, BUFFERS)`` for each of ``keys``:
+    its execution time on the server (p50, p99) and the pages it found in
+    ``shared_buffers`` or read from the operating system, per replay."""
+    took, hit, read = [], 0, 0
+    explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql.FIND_FINISHED.text
+    with psycopg.connect(url, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        for key in keys:
+            params = {"scope": claims.SCOPE, "operation": claims.OPERATION, "key": key}
+            row = conn.execute(explain, {**params, "retention": 1e9}).fetchone()
+            assert row is not None
+            (plan,) = row[0]
+            took.append(plan["Execution Time"])
+            hit += plan["Plan"]["Shared Hit Blocks"]
+            read += plan["Plan"]["Shared Read Blocks"]
+    return {
+        "execution_p50_ms": percentile(took, 0.5),
+        "execution_p99_ms": percentile(took, 0.99),
+        "pages_hit": hit / len(keys),
+        "pages_read": read / len(keys),
+    }
+
+
+def index_levels(url: str) -> int:
+    """The levels of the key table's unique index (root to leaves)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        row = conn.execute(
+            "SELECT level + 1 FROM bt_metap('idempotency_keys_scope_operation_key')"
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
 
 
 def timed(op: Callable[[str], Any], keys: list[str]) -> tuple[list[float], float, float]:
@@ -134,12 +179,16 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
         for table in urls:  # warm: caches, prepared statements, the indexes' upper levels
             for _ in range(300):
                 claimers[table].run(str(uuid.uuid4()))
-                replayers[table].run(fill_key(draw.randrange(counts[table]), counts[table]))
         claimed = measure(
             "claims",
             {t: (c.run, lambda: str(uuid.uuid4())) for t, c in claimers.items()},
             ops,
         )
+        for table, url in urls.items():
+            forget_claims(url)
+            prewarm_recent(url)
+            for _ in range(300):
+                replayers[table].run(fill_key(draw.randrange(counts[table]), counts[table]))
         big = counts["big"]
         recent = big - min(big, RECENT)
         replayed = measure(
@@ -154,12 +203,21 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
             },
             ops,
         )
+        explained = {
+            "small": server_side(urls["small"], [fill_key(i, SMALL) for i in range(SMALL)][:500]),
+            "big, finished in the last minute": server_side(
+                urls["big"], [fill_key(draw.randrange(recent, big), big) for _ in range(500)]
+            ),
+            "big, any": server_side(
+                urls["big"], [fill_key(draw.randrange(big), big) for _ in range(500)]
+            ),
+        }
     finally:
         for worker in [*claimers.values(), *replayers.values()]:
             worker.close()
         for url in urls.values():
-            claims.forget_claims(url, big=True)
-    return {"claim": claimed, "replay": replayed}
+            forget_claims(url)
+    return {"claim": claimed, "replay": replayed, "replay_explained": explained}
 
 
 def main() -> None:
@@ -181,13 +239,14 @@ def main() -> None:
             seconds = claims.ensure_filled(admin, urls[table], n, False, print)
             if seconds:
                 print(f"stored {n:,} keys in {seconds:.0f} s")
+            forget_claims(urls[table])  # left by a run that was stopped
             claims.prewarm(urls[table])
-            prewarm_recent(urls[table], n)
         machine = facts.collect(HERE.parent, admin, None)
+        levels = {table: index_levels(url) for table, url in urls.items()}
         with sa.create_engine(
             sa.make_url(urls["big"]).set(drivername="postgresql+psycopg")
         ).connect() as c:
-            sizes: dict[str, int] = dict(
+            sizes: dict[str, Any] = dict(
                 c.execute(
                     sa.text(
                         "SELECT 'table', pg_table_size('idempotency_keys') UNION ALL "
@@ -195,6 +254,7 @@ def main() -> None:
                     )
                 ).all()
             )
+        sizes["unique_index_levels"] = levels
         runs = []
         for r in range(args.runs):
             print(f"run {r + 1}/{args.runs}")
@@ -203,10 +263,24 @@ def main() -> None:
     write(args, machine, sizes, runs)
 
 
+def explained_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for series in runs[0]["replay_explained"]:
+        figures = [
+            statistics.median(run["replay_explained"][series][figure] for run in runs)
+            for figure in ("execution_p50_ms", "execution_p99_ms", "pages_hit", "pages_read")
+        ]
+        rows.append(
+            f"| {series} | {figures[0]:.3f} | {figures[1]:.3f} | "
+            f"{figures[2]:.2f} | {figures[3]:.2f} |"
+        )
+    return rows
+
+
 def write(
     args: argparse.Namespace,
     machine: dict[str, Any],
-    sizes: dict[str, int],
+    sizes: dict[str, Any],
     runs: list[dict[str, Any]],
 ) -> None:
     rows = []
@@ -218,11 +292,12 @@ def write(
                 small = [run[op]["small"][figure] for run in runs]
                 big = [run[op][series][figure] for run in runs]
                 change = [100 * (b / s - 1) for b, s in zip(big, small, strict=True)]
+                medians = statistics.median(small), statistics.median(big)
                 summary[f"{what} {figure}"] = {"small": small, "big": big, "change_pct": change}
                 rows.append(
                     f"| {what} | {figure.removesuffix('_ms').replace('_', ' ')} | "
-                    f"{statistics.median(small):.3f} | {statistics.median(big):.3f} | "
-                    f"{statistics.median(change):+.1f} % "
+                    f"{medians[0]:.3f} | {medians[1]:.3f} | "
+                    f"{100 * (medians[1] / medians[0] - 1):+.1f} % "
                     f"({min(change):+.1f} to {max(change):+.1f}) |"
                 )
     lines = [
@@ -230,15 +305,28 @@ def write(
         "",
         f"`benchmarks/scale.py --keys {args.keys} --ops {args.ops} --runs {args.runs}`: "
         f"{args.ops:,} claims and {args.ops:,} replays per table per run, in turns; "
-        "milliseconds, median of the runs (range of the change). CPU is per operation: "
+        "milliseconds, median of the runs; the change of the medians (the range of the "
+        "runs' own changes). CPU is per operation: "
         "the client's, and every PostgreSQL process's on the machine.",
         "",
         f"The big table: {sizes['table'] / 2**30:.1f} GiB of rows, "
-        f"{sizes['indexes'] / 2**30:.2f} GiB of indexes.",
+        f"{sizes['indexes'] / 2**30:.2f} GiB of indexes. The unique index's levels: "
+        + ", ".join(
+            f"{n} on the {table} table" for table, n in sizes["unique_index_levels"].items()
+        )
+        + ".",
         "",
         f"| operation | figure | {SMALL:,} keys | {args.keys:,} keys | change |",
         "|---|---|---|---|---|",
         *rows,
+        "",
+        "The replay's statement on the server, `EXPLAIN (ANALYZE, BUFFERS)` of 500 keys of "
+        "each kind after each run (median of the runs): its execution, and the pages a "
+        "replay found in `shared_buffers` or read from the operating system.",
+        "",
+        "| replay of | execution p50, ms | p99, ms | pages found | pages read |",
+        "|---|---|---|---|---|",
+        *explained_rows(runs),
         "",
         *facts.markdown(machine),
         "",
