@@ -1,5 +1,6 @@
 """Real HTTP servers on loopback, each in a thread of the test process: uvicorn for ASGI
-applications, werkzeug's threaded server for WSGI ones. Ports are picked by the kernel."""
+applications, werkzeug's threaded server for WSGI ones. Ports are picked by the kernel.
+:data:`client` sends the tests' requests to them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 from werkzeug.serving import make_server
+
+# One client for the tests' requests: httpx reads its CA bundle into a new SSL context for
+# each client (about 20 ms of CPU, for plain HTTP too), and httpx.post() makes a client per
+# call. Without keep-alive, each request still opens a connection of its own, as one of
+# httpx.post() did.
+client = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from http_apps import (
     flask_app,
     order_operation,
 )
-from http_servers import serve_asgi, serve_wsgi
+from http_servers import client, serve_asgi, serve_wsgi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rides import count
@@ -101,7 +101,7 @@ def post(
         sent["X-Tenant"] = tenant
     if content is None:
         content = json.dumps({"item": item, "note": note}).encode()
-    return httpx.post(target, content=content, headers=sent, timeout=60)
+    return client.post(target, content=content, headers=sent, timeout=60)
 
 
 def new_item(prefix: str = "item") -> str:
@@ -174,7 +174,7 @@ def test_a_missing_or_invalid_key_is_a_400_and_stores_nothing(
     item = new_item()
     if key is not None and not key.isascii():
         # httpx refuses to send non-ASCII header text; send its UTF-8 bytes as a client could.
-        response = httpx.post(
+        response = client.post(
             url(servers, route),
             json={"item": item},
             headers=[(b"Idempotency-Key", key.encode()), (b"X-Tenant", scope.encode())],
@@ -190,7 +190,7 @@ def test_a_missing_or_invalid_key_is_a_400_and_stores_nothing(
 
 @pytest.mark.parametrize("route", ALL)
 def test_two_key_headers_are_a_400(servers: dict[str, str], scope: str, route: str) -> None:
-    response = httpx.post(
+    response = client.post(
         url(servers, route),
         json={"item": new_item()},
         headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b"), ("X-Tenant", scope)],
@@ -425,7 +425,7 @@ def test_a_single_step_endpoint_refuses_to_run_without_the_middleware(
         return {}
 
     with serve_asgi(app) as base_url:
-        response = httpx.post(f"{base_url}/unprotected", headers={"Idempotency-Key": "k"})
+        response = client.post(f"{base_url}/unprotected", headers={"Idempotency-Key": "k"})
     assert response.status_code == 500
     assert runs(db, scope) == 0
 

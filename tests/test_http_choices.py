@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 from choices_apps import HOLDS, KEY_HEADER, REPLAYED_HEADER, SCHEMA, fastapi_app, flask_app
 from docs_snippets import blocks, page
-from http_servers import serve_asgi, serve_wsgi
+from http_servers import client, serve_asgi, serve_wsgi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rides import count
@@ -49,7 +49,7 @@ def post(
     item: str,
     headers: dict[str, str] | None = None,
 ) -> httpx.Response:
-    return httpx.post(
+    return client.post(
         servers[framework] + path, json={"item": item}, headers=headers or {}, timeout=60
     )
 
@@ -383,8 +383,8 @@ def test_the_docs_choices_example(
     with serve_wsgi(namespace["app"]) as base_url:
         key = uuid.uuid4().hex
         sent = {"X-Request-Id": key}
-        first, again = (httpx.post(f"{base_url}/pings", headers=sent) for _ in "ab")
-        keyless = httpx.post(f"{base_url}/pings")
+        first, again = (client.post(f"{base_url}/pings", headers=sent) for _ in "ab")
+        keyless = client.post(f"{base_url}/pings")
     assert first.json() == again.json() == keyless.json() == {"pong": "yes"}
     assert again.headers["X-Replayed"] == "true" and "x-replayed" not in first.headers
     assert keyless.headers["Idempotent-Unprotected"] == "true"
@@ -419,7 +419,7 @@ def test_any_value_of_the_renamed_key_header_is_answered_never_a_500(
     # (HTTP/1.1 drops a value's surrounding whitespace; h11 refuses to send it).
     headers = [(KEY_HEADER.encode(), v.strip(" \t").encode("latin-1")) for v in values]
     headers.append((b"X-Tenant", item.encode()))
-    answer = httpx.post(
+    answer = client.post(
         servers[framework] + "/answer/201", json={"item": item}, headers=headers, timeout=60
     )
     assert answer.status_code in (201, 400), answer.text

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import http_servers
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -85,7 +86,7 @@ def _wait_ready(service: Service, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"{service.log.name} exited:\n{service.log_text()}")
         try:
-            httpx.get(service.url, timeout=1)
+            http_servers.client.get(service.url, timeout=1)
             return
         except httpx.TransportError:
             time.sleep(0.1)
@@ -168,7 +169,7 @@ def book(
     headers = {"Authorization": f"Bearer {email}"} if email else {}
     if key is not None:
         headers["Idempotency-Key"] = key
-    return httpx.post(f"{api.url}/rides", json=body, headers=headers, timeout=30)
+    return http_servers.client.post(f"{api.url}/rides", json=body, headers=headers, timeout=30)
 
 
 def key_count(db: sa.Engine, key: str) -> int:
