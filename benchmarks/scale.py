@@ -199,7 +199,10 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
                     replayers["big"].run,
                     lambda: fill_key(draw.randrange(recent, big), big),
                 ),
-                "big, any": (replayers["big"].run, lambda: fill_key(draw.randrange(big), big)),
+                "big, of any age": (
+                    replayers["big"].run,
+                    lambda: fill_key(draw.randrange(big), big),
+                ),
             },
             ops,
         )
@@ -208,7 +211,7 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
             "big, finished in the last minute": server_side(
                 urls["big"], [fill_key(draw.randrange(recent, big), big) for _ in range(500)]
             ),
-            "big, any": server_side(
+            "big, of any age": server_side(
                 urls["big"], [fill_key(draw.randrange(big), big) for _ in range(500)]
             ),
         }
