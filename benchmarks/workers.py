@@ -46,9 +46,10 @@ class Case:
     backend: str
     """Where the enqueuer publishes: "in-process" (a no-op handler) or "celery"."""
     plant: str
-    """SQL that plants the rows to handle; %s is their number."""
+    """SQL that plants the rows to handle: %(rows)s of them over %(scopes)s scopes."""
     rows: int
     batch_size: int
+    scopes: int = 1
 
 
 @dataclass(frozen=True)
@@ -81,25 +82,27 @@ def noop_operation() -> rp.Operation[Any]:
     return op
 
 
-def plant(url: str, sql: str, count: int) -> None:
+def plant(url: str, sql: str, count: int, scopes: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql, (count,))
+        conn.execute(sql, {"rows": count, "scopes": scopes})
         conn.execute("VACUUM ANALYZE")
 
 
+# Row n is in scope bench-<n modulo the scopes>.
 STAGE_JOBS = """
-    INSERT INTO staged_jobs (job_name, job_args, job_key)
-    SELECT 'bench', jsonb_build_object('n', n), 'bench-' || gen_random_uuid()
-    FROM generate_series(1, %s) AS n
+    INSERT INTO staged_jobs (scope, job_name, job_args, job_key)
+    SELECT 'bench-' || n %% %(scopes)s, 'bench', jsonb_build_object('n', n),
+           'bench-' || gen_random_uuid()
+    FROM generate_series(1, %(rows)s) AS n
 """
 
 # Keys as clients left them: never resumed, last run an hour ago.
 UNFINISHED_KEYS = """
     INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version,
         request_method, request_path, request_params, fingerprint, last_run_at)
-    SELECT 'bench', 'bench', gen_random_uuid()::text, 1, 'POST', '/bench', '{}', 'fp',
-           now() - interval '1 hour'
-    FROM generate_series(1, %s)
+    SELECT 'bench-' || n %% %(scopes)s, 'bench', gen_random_uuid()::text, 1, 'POST',
+           '/bench', '{}', 'fp', now() - interval '1 hour'
+    FROM generate_series(1, %(rows)s) AS n
 """
 
 # Keys finished four days ago, with a response as the engine stores it.
@@ -107,9 +110,10 @@ FINISHED_KEYS = """
     INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version,
         request_method, request_path, request_params, fingerprint, recovery_point,
         response_status, response_headers, response_body, finished_at)
-    SELECT 'bench', 'bench', gen_random_uuid()::text, 1, 'POST', '/bench', '{}', 'fp',
-           'finished', 201, '{}', '{"charge": "ch_1"}', now() - interval '4 days'
-    FROM generate_series(1, %s)
+    SELECT 'bench-' || n %% %(scopes)s, 'bench', gen_random_uuid()::text, 1, 'POST',
+           '/bench', '{}', 'fp', 'finished', 201, '{}', '{"charge": "ch_1"}',
+           now() - interval '4 days'
+    FROM generate_series(1, %(rows)s) AS n
 """
 
 
@@ -131,7 +135,7 @@ def timed(workers: list[Worker[Any]], handled: Callable[[Any], int]) -> tuple[in
 
 
 def bench(url: str, case: Case, instances: int, broker_url: str) -> Run:
-    plant(url, case.plant, case.rows)
+    plant(url, case.plant, case.rows, case.scopes)
     with ExitStack() as stack:
         workers: list[Worker[Any]] = []
         for _ in range(instances):
@@ -228,8 +232,9 @@ def markdown(runs: list[Run], server_version: str) -> str:
         "one interpreter lock, so the completer, mostly Python, gains little from them: run "
         "completer instances as processes to use more cores.",
         "",
-        "| worker | measures | job backend | instances | batch size | rows | seconds | rows/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| worker | measures | job backend | instances | batch size | rows | scopes | seconds "
+        "| rows/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     what = {
         "enqueuer": "staged jobs published and deleted",
@@ -241,7 +246,8 @@ def markdown(runs: list[Run], server_version: str) -> str:
         lines.append(
             f"| {case.worker} | {what[case.worker]} | "
             f"{case.backend if case.worker == 'enqueuer' else ''} | {run.instances} | "
-            f"{case.batch_size} | {case.rows:,} | {run.seconds:.2f} | {run.rate:,.0f} |"
+            f"{case.batch_size} | {case.rows:,} | {case.scopes:,} | {run.seconds:.2f} | "
+            f"{run.rate:,.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -254,6 +260,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100_000, help="finished keys to reap")
     parser.add_argument("--resumes", type=int, default=2_000, help="unfinished keys to resume")
     parser.add_argument("--instances", type=int, default=3, help="for the side-by-side runs")
+    parser.add_argument(
+        "--scopes",
+        type=int,
+        default=10_000,
+        help="the rows of each worker spread over this many scopes too (users, tenants)",
+    )
     args = parser.parse_args()
 
     cases = [
@@ -266,6 +278,11 @@ def main() -> None:
         ),
         Case("reaper", "in-process", FINISHED_KEYS, args.keys, 1000),
         Case("completer", "in-process", UNFINISHED_KEYS, args.resumes, 10),
+        # The same rows spread over many scopes: the enqueuer and the completer claim scope
+        # by scope, a transaction per scope; the reaper takes every scope in one batch.
+        Case("enqueuer", "in-process", STAGE_JOBS, args.jobs, 100, args.scopes),
+        Case("reaper", "in-process", FINISHED_KEYS, args.keys, 1000, args.scopes),
+        Case("completer", "in-process", UNFINISHED_KEYS, args.resumes, 10, args.scopes),
     ]
     runs: list[Run] = []
     with database(args.database_url) as url:

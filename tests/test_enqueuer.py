@@ -18,7 +18,7 @@ from workload import JOB, Recorder, rows, stage_jobs, wait_for
 import recoverypoint as rp
 from recoverypoint.jobs import InProcessBackend, Job
 from recoverypoint.testing import InjectedFault, faults
-from recoverypoint.workers import Enqueuer
+from recoverypoint.workers import Enqueuer, loop
 
 TESTS = Path(__file__).resolve().parent
 
@@ -169,3 +169,52 @@ def test_a_fault_between_publish_and_delete_republishes_the_batch(worker_db: sa.
     published = [r.job_key for r in rows(worker_db, "SELECT job_key FROM published")]
     assert len(published) == 4  # the first job, once before the fault and once after
     assert sorted(set(published)) == keys
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one server", "by scope"])
+def test_jobs_of_every_scope_are_published_however_many_scopes_have_jobs(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch, distributed: bool
+) -> None:
+    """On one server a batch takes due jobs of every scope: jobs staged in more scopes than
+    a pass lists (here 3 a listing) are published in one pass, not a listing's worth of
+    scopes per interval. Scope by scope (as on Citus, where each batch names its scope) it
+    takes passes, and publishes the same. Either way each job is published with its own
+    scope and deleted in it; another scope's job, not due, and a job whose publish failed
+    (backed off), stay."""
+    monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
+    with worker_db.begin() as conn:
+        conn.execute(
+            sa.text(
+                """
+                INSERT INTO staged_jobs (scope, job_name, job_args, job_key, next_attempt_at)
+                SELECT 's' || s, :job, jsonb_build_object('n', n), 's' || s || '-' || n, now()
+                FROM generate_series(1, 10) AS s, generate_series(1, 2) AS n
+                UNION ALL  -- another scope's job, due in an hour
+                SELECT 'later', :job, '{"n": 1}', 'later-1', now() + interval '1 hour'
+                UNION ALL  -- a job whose publish fails
+                SELECT 's1', 'broken', '{"n": 3}', 's1-3', now()
+                """
+            ),
+            {"job": JOB},
+        )
+    published: list[tuple[str | None, str]] = []
+
+    def publish(job: Job) -> None:
+        published.append((job.scope, job.job_key))
+
+    def broken(job: Job) -> None:
+        raise ConnectionError("no broker for this one")
+
+    engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: publish, "broken": broken}))
+    enqueuer = Enqueuer(engine, batch_size=7)
+    enqueuer.distributed = distributed
+
+    passes = [enqueuer.run_once()]
+    while distributed and passes[-1].published:
+        passes.append(enqueuer.run_once())
+
+    assert len(passes) == (5 if distributed else 1)  # by scope: 3 scopes a pass, then none
+    assert sum(p.published for p in passes) == 20
+    assert sorted(published) == sorted((f"s{s}", f"s{s}-{n}") for s in range(1, 11) for n in (1, 2))
+    left = rows(worker_db, "SELECT scope, job_key, attempts FROM staged_jobs ORDER BY job_key")
+    assert [tuple(r) for r in left] == [("later", "later-1", 0), ("s1", "s1-3", 1)]

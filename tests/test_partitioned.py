@@ -118,9 +118,9 @@ WORKER_CLAIMS = [
         compensator._FAILED,
         {"id": 1, "error": "e", "retry_in": 1.0},
     ),
-    ("enqueuer's delete", enqueuer._DELETE_PUBLISHED, {"ids": [1, 2]}),
+    ("enqueuer's delete", enqueuer._DELETE_PUBLISHED_IN_SCOPE, {"ids": [1, 2]}),
     ("enqueuer's postponement", enqueuer._POSTPONE, {"id": 1, "error": "e", "retry_in": 1.0}),
-    ("enqueuer", enqueuer._CLAIM_JOBS, {"batch_size": 10}),
+    ("enqueuer", enqueuer._CLAIM_IN_SCOPE, {"batch_size": 10}),
     (
         "reaper",
         reaper._KEYS.in_scope,

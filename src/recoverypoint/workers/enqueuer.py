@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 
 from .._faults import faults
 from ..backoff import backoff_delay
@@ -31,7 +31,7 @@ from ..jobs import Job, JobBackend, UnknownJob
 from .engines import AnyEngine
 from .loop import Result, Worker, describe
 
-# The scopes with jobs due, those waiting longest first.
+# The scopes with jobs due, those waiting longest first (where the keys are distributed).
 _DUE_SCOPES = text(
     """
     SELECT scope FROM staged_jobs WHERE next_attempt_at <= now()
@@ -39,22 +39,39 @@ _DUE_SCOPES = text(
     """
 )
 
-# Due jobs of one scope, oldest first; jobs another enqueuer holds are skipped, not waited
-# for.
-_CLAIM_JOBS = text(
-    """
-    SELECT id, job_name, job_args, job_key, attempts, trace_context,
+
+def _claim_jobs(one_scope: bool) -> TextClause:
+    """Due jobs, oldest first, of ``:scope`` where the keys are distributed (Citus: the
+    batch runs on the scope's shard alone), of every scope at once on one server, where a
+    transaction per scope would bound the enqueuer by the number of scopes with jobs rather
+    than by the jobs (a service stages its jobs in as many scopes as it has users). Jobs
+    another enqueuer holds are skipped, not waited for."""
+    return text(
+        f"""
+    SELECT id, scope, job_name, job_args, job_key, attempts, trace_context,
            extract(epoch FROM clock_timestamp() - created_at)::float8 AS age
     FROM staged_jobs
-    WHERE scope = :scope AND next_attempt_at <= now()
+    WHERE {"scope = :scope AND " if one_scope else ""}next_attempt_at <= now()
     ORDER BY next_attempt_at, id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
     """
-)
+    )
 
-# Exactly the jobs this batch published, all of them locked by this transaction.
+
+_CLAIM_IN_SCOPE, _CLAIM_EVERY_SCOPE = _claim_jobs(one_scope=True), _claim_jobs(one_scope=False)
+
+# Exactly the jobs this batch published, all of them locked by this transaction, each
+# matched in its own scope.
 _DELETE_PUBLISHED = text(
+    """
+    DELETE FROM staged_jobs AS j
+    USING unnest(CAST(:scopes AS text[]), CAST(:ids AS bigint[])) AS published (scope, id)
+    WHERE j.scope = published.scope AND j.id = published.id
+    """
+)
+# The same, in one scope: a statement Citus routes to the scope's shard alone.
+_DELETE_PUBLISHED_IN_SCOPE = text(
     "DELETE FROM staged_jobs WHERE scope = :scope AND id = ANY(CAST(:ids AS bigint[]))"
 )
 
@@ -124,24 +141,28 @@ class Enqueuer(Worker[EnqueuerResult]):
 
     def run_once(self) -> EnqueuerResult:
         result = EnqueuerResult()
-        self.by_scope(_DUE_SCOPES, {}, lambda scope: self._batch(scope, result))
+        if self.distributed:
+            self.by_scope(_DUE_SCOPES, {}, lambda scope: self._batch(scope, result))
+        else:
+            self.in_batches(lambda: self._batch(None, result))
         self.engines.observer.worker_pass(self.name)
         return result
 
-    def _batch(self, scope: str, result: EnqueuerResult) -> int:
-        """Publish one batch of ``scope``'s jobs in one transaction; returns how many jobs
-        it claimed."""
+    def _batch(self, scope: str | None, result: EnqueuerResult) -> int:
+        """Publish one batch of jobs, of ``scope`` or of every scope (``None``: see
+        :func:`_claim_jobs`), in one transaction; returns how many jobs it claimed."""
         with self.db.begin() as conn:
             params = {"scope": scope, "batch_size": self.batch_size}
-            rows = conn.execute(_CLAIM_JOBS, params).all()
+            claim = _CLAIM_EVERY_SCOPE if scope is None else _CLAIM_IN_SCOPE
+            rows = conn.execute(claim, params).all()
             claimed_at = time.monotonic()  # a job's lag: its age at the claim, plus since
             observer = self.engines.observer
-            published: list[int] = []
+            published: list[tuple[str, int]] = []
             failures: list[dict[str, object]] = []
             first_failure: dict[str, object] = {}
             unknown: dict[str, int] = {}  # jobs of each name the backend has no handler for
             for row in rows:
-                job = Job(row.job_name, row.job_args, row.job_key, row.trace_context, scope)
+                job = Job(row.job_name, row.job_args, row.job_key, row.trace_context, row.scope)
                 try:
                     with observer.publishing(job.name, job.job_key, job.trace_context):
                         self.backend.publish(job)
@@ -149,7 +170,7 @@ class Enqueuer(Worker[EnqueuerResult]):
                     error = describe(exc)
                     delay = backoff_delay(row.attempts, base=self.retry_base, cap=self.retry_cap)
                     failures.append(
-                        {"scope": scope, "id": row.id, "error": error[:2000], "retry_in": delay}
+                        {"scope": row.scope, "id": row.id, "error": error[:2000], "retry_in": delay}
                     )
                     if isinstance(exc, UnknownJob):
                         observer.job_unknown(job.name)
@@ -165,13 +186,17 @@ class Enqueuer(Worker[EnqueuerResult]):
                         "error": error,
                     }
                 else:
-                    published.append(row.id)
+                    published.append((row.scope, row.id))
                     observer.job_published(job.name, row.age + time.monotonic() - claimed_at)
                     if faults.active:
                         # Published, not yet deleted: a crash here re-publishes the batch.
                         faults.hit("after_publish", row.job_name)
             if published:
-                conn.execute(_DELETE_PUBLISHED, {"scope": scope, "ids": published})
+                scopes, ids = map(list, zip(*published, strict=True))
+                if scope is None:
+                    conn.execute(_DELETE_PUBLISHED, {"scopes": scopes, "ids": ids})
+                else:
+                    conn.execute(_DELETE_PUBLISHED_IN_SCOPE, {"scope": scope, "ids": ids})
             if failures:
                 conn.execute(_POSTPONE, failures)
             failed = len(failures) - sum(unknown.values())

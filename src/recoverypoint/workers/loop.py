@@ -10,10 +10,10 @@ work due, reading without locks; then each scope is claimed with ``FOR UPDATE SK
 LOCKED`` in a statement that names it). On a single server that costs one cheap listing per
 pass; on a database distributed by scope (Citus) each claim runs on the one shard that
 holds the scope, where ``SKIP LOCKED`` works, and the listing is a read, which Citus runs
-on every shard. The reaper's deletions are the exception on a single server
-(:attr:`Worker.distributed` false): a batch there takes rows of every scope at once
-(:meth:`Worker.in_batches`), as a stream of finished keys spread over many scopes would
-outrun a transaction per scope.
+on every shard. The reaper's deletions and the enqueuer's claims are the exceptions on a
+single server (:attr:`Worker.distributed` false): a batch there takes rows of every scope
+at once (:meth:`Worker.in_batches`), as a stream of finished keys, or of staged jobs,
+spread over many scopes would outrun a transaction per scope.
 """
 
 from __future__ import annotations
@@ -200,8 +200,9 @@ class Worker(ABC, Generic[R]):
     @functools.cached_property
     def distributed(self) -> bool:
         """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper
-        too deletes scope by scope, each batch on its scope's shard. Asked once: a worker
-        started before ``recoverypoint migrate --citus`` is restarted after it."""
+        and the enqueuer too take rows scope by scope, each batch on its scope's shard.
+        Asked once: a worker started before ``recoverypoint migrate --citus`` is restarted
+        after it."""
         return store.distributed(self.engines.db)
 
     def stop(self) -> None:
