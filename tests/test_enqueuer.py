@@ -180,7 +180,7 @@ def test_jobs_of_every_scope_are_published_however_many_scopes_have_jobs(
     scopes per interval. Scope by scope (as on Citus, where each batch names its scope) it
     takes passes, and publishes the same. Either way each job is published with its own
     scope and deleted in it; another scope's job, not due, and a job whose publish failed
-    (backed off), stay."""
+    (backed off for a minute), stay."""
     monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
     with worker_db.begin() as conn:
         conn.execute(
@@ -206,7 +206,7 @@ def test_jobs_of_every_scope_are_published_however_many_scopes_have_jobs(
         raise ConnectionError("no broker for this one")
 
     engine = rp.Engine(worker_db, jobs=InProcessBackend({JOB: publish, "broken": broken}))
-    enqueuer = Enqueuer(engine, batch_size=7)
+    enqueuer = Enqueuer(engine, batch_size=7, retry_base=60.0)
     enqueuer.distributed = distributed
 
     passes = [enqueuer.run_once()]

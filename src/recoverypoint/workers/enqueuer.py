@@ -61,13 +61,13 @@ def _claim_jobs(one_scope: bool) -> TextClause:
 
 _CLAIM_IN_SCOPE, _CLAIM_EVERY_SCOPE = _claim_jobs(one_scope=True), _claim_jobs(one_scope=False)
 
-# Exactly the jobs this batch published, all of them locked by this transaction, each
-# matched in its own scope.
+# Exactly the jobs this batch published, all of them locked by this transaction: by their
+# ids, an identity unique across scopes, in the batch's scopes. (A join with the pairs
+# instead reads the whole table into a hash when the planner thinks it small.)
 _DELETE_PUBLISHED = text(
     """
-    DELETE FROM staged_jobs AS j
-    USING unnest(CAST(:scopes AS text[]), CAST(:ids AS bigint[])) AS published (scope, id)
-    WHERE j.scope = published.scope AND j.id = published.id
+    DELETE FROM staged_jobs
+    WHERE id = ANY(CAST(:ids AS bigint[])) AND scope = ANY(CAST(:scopes AS text[]))
     """
 )
 # The same, in one scope: a statement Citus routes to the scope's shard alone.
