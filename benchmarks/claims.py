@@ -214,6 +214,23 @@ def forget_claims(url: str, big: bool) -> None:
             conn.execute("TRUNCATE idempotency_keys")
 
 
+def claim_request(key: str) -> store.ClaimRequest:
+    """What the engine asks the key table for ``key`` of the measured scope and operation."""
+    return store.ClaimRequest(
+        scope=SCOPE,
+        operation=OPERATION,
+        key=key,
+        version=1,
+        method="POST",
+        path="/x",
+        params_json="{}",
+        fingerprint="f",
+        seed=key_seed("bench", SCOPE, OPERATION, key),
+        token=uuid.uuid4(),
+        lock_timeout=90.0,
+    )
+
+
 class Claimer:
     """The claim statement in its own SERIALIZABLE transaction (the engine's own retry
     loop), fresh key each time, through the engine's internals (``store.claim``)."""
@@ -225,19 +242,7 @@ class Claimer:
             pass  # open the connection before anything is timed
 
     def run(self, key: str) -> Any:
-        request = store.ClaimRequest(
-            scope=SCOPE,
-            operation=OPERATION,
-            key=key,
-            version=1,
-            method="POST",
-            path="/x",
-            params_json="{}",
-            fingerprint="f",
-            seed=key_seed("bench", SCOPE, OPERATION, key),
-            token=uuid.uuid4(),
-            lock_timeout=90.0,
-        )
+        request = claim_request(key)
         schedule = self.engine._schedule()  # a fresh key: generation 0
         return self.engine._transact(lambda conn: store.claim(conn, request, 0, schedule))
 

@@ -40,7 +40,6 @@ import sqlalchemy as sa
 from measure import every_postgres_cpu, percentile
 
 from recoverypoint.engine import sql, store
-from recoverypoint.keys import key_seed
 
 HERE = Path(__file__).resolve().parent
 SMALL = 1_000
@@ -59,19 +58,7 @@ class Replayer(claims.Claimer):
     makes it before anything else, in the engine's transaction."""
 
     def run(self, key: str) -> Any:
-        request = store.ClaimRequest(
-            scope=claims.SCOPE,
-            operation=claims.OPERATION,
-            key=key,
-            version=1,
-            method="POST",
-            path="/x",
-            params_json="{}",
-            fingerprint="fill",
-            seed=key_seed("bench", claims.SCOPE, claims.OPERATION, key),
-            token=uuid.uuid4(),
-            lock_timeout=90.0,
-        )
+        request = claims.claim_request(key)
         finished, _ = self.engine._transact(store.finished_key, request, 10 * 365 * 86400.0)
         assert finished is not None, f"{key} is not a finished key of the table"
         return finished
