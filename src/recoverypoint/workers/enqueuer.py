@@ -29,7 +29,7 @@ from .._faults import faults
 from ..backoff import backoff_delay
 from ..jobs import Job, JobBackend, UnknownJob
 from .engines import AnyEngine
-from .loop import Result, Worker, describe
+from .loop import EVERY_SCOPE, IN_SCOPE, Result, Rows, Worker, describe
 
 # The scopes with jobs due, those waiting longest first (where the keys are distributed).
 _DUE_SCOPES = text(
@@ -40,18 +40,15 @@ _DUE_SCOPES = text(
 )
 
 
-def _claim_jobs(one_scope: bool) -> TextClause:
-    """Due jobs, oldest first, of ``:scope`` where the keys are distributed (Citus: the
-    batch runs on the scope's shard alone), of every scope at once on one server, where a
-    transaction per scope would bound the enqueuer by the number of scopes with jobs rather
-    than by the jobs (a service stages its jobs in as many scopes as it has users). Jobs
-    another enqueuer holds are skipped, not waited for."""
+def _claim_jobs(rows: Rows) -> TextClause:
+    """Due jobs, oldest first, of ``:scope`` or of every scope (see :class:`.loop.Rows`).
+    Jobs another enqueuer holds are skipped, not waited for."""
     return text(
         f"""
     SELECT id, scope, job_name, job_args, job_key, attempts, trace_context,
            extract(epoch FROM clock_timestamp() - created_at)::float8 AS age
     FROM staged_jobs
-    WHERE {"scope = :scope AND " if one_scope else ""}next_attempt_at <= now()
+    WHERE {rows.only}next_attempt_at <= now()
     ORDER BY next_attempt_at, id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -59,7 +56,7 @@ def _claim_jobs(one_scope: bool) -> TextClause:
     )
 
 
-_CLAIM_IN_SCOPE, _CLAIM_EVERY_SCOPE = _claim_jobs(one_scope=True), _claim_jobs(one_scope=False)
+_CLAIM_IN_SCOPE, _CLAIM_EVERY_SCOPE = _claim_jobs(IN_SCOPE), _claim_jobs(EVERY_SCOPE)
 
 # Exactly the jobs this batch published, all of them locked by this transaction: by their
 # ids, an identity unique across scopes, in the batch's scopes. (A join with the pairs

@@ -55,6 +55,37 @@ SCOPES_PER_PASS = 1000
 # goes on.
 BATCHES_PER_PASS = 1000
 
+
+@dataclass(frozen=True)
+class Rows:
+    """Whose rows a batch of the reaper or the enqueuer takes. Of one scope (``:scope``)
+    where the keys are distributed (Citus), so that the batch runs on the scope's shard
+    alone; of every scope at once on one server, where a transaction per scope would bound
+    the worker by the number of scopes rather than of rows (a busy table has keys finishing,
+    and jobs staged, in more scopes a minute than a pass could take one by one). A row the
+    reaper deletes is matched in its own scope, never on the word of another scope's row; a
+    staged job is unlinked, or deleted once published, by its id, an identity unique across
+    scopes."""
+
+    one_scope: bool
+
+    @property
+    def only(self) -> str:
+        """The condition that keeps a batch in its scope, to prefix others with."""
+        return "scope = :scope AND " if self.one_scope else ""
+
+    @property
+    def scope(self) -> str:
+        """The scope among the columns of the rows chosen (each row's own, if needed)."""
+        return "" if self.one_scope else ", scope"
+
+    def same(self, alias: str) -> str:
+        """The scope condition of the rows deleted, ``alias``: the chosen rows'."""
+        return f"{alias}.scope = {':scope' if self.one_scope else 'doomed.scope'}"
+
+
+IN_SCOPE, EVERY_SCOPE = Rows(one_scope=True), Rows(one_scope=False)
+
 _RECORD_PASS = sa.text(
     """
     INSERT INTO worker_passes (worker, host, pid, last_pass_at, last_error, interval_seconds)

@@ -34,7 +34,7 @@ from .. import generations
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..generations import DEFAULT_GENERATIONS_RETENTION
 from .engines import AnyEngine
-from .loop import Result, Worker
+from .loop import EVERY_SCOPE, IN_SCOPE, Result, Rows, Worker
 
 # A duplicate delivery can come late (a broker outage, a consumer down for a weekend), and
 # a record is small: keep them longer than the keys.
@@ -55,35 +55,6 @@ _AUTOVACUUM_OFF = text(
 )
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """Whose rows a batch takes. Of one scope (``:scope``) where the keys are distributed
-    (Citus), so that the batch runs on the scope's shard alone; of every scope at once on
-    one server, where a transaction per scope would bound the reaper by the number of
-    scopes rather than of rows (a busy table has keys finishing in more scopes a minute
-    than a pass could take one by one). A deleted row is matched in its own scope, never on
-    the word of another scope's row; a staged job is unlinked by its key's id, an identity
-    unique across scopes."""
-
-    one_scope: bool
-
-    @property
-    def only(self) -> str:
-        """The condition that keeps a batch in its scope, to prefix others with."""
-        return "scope = :scope AND " if self.one_scope else ""
-
-    @property
-    def scope(self) -> str:
-        """The scope among the columns of the rows chosen (each row's own, if needed)."""
-        return "" if self.one_scope else ", scope"
-
-    def same(self, alias: str) -> str:
-        """The scope condition of the rows deleted, ``alias``: the chosen rows'."""
-        return f"{alias}.scope = {':scope' if self.one_scope else 'doomed.scope'}"
-
-
-IN_SCOPE, EVERY_SCOPE = _Rows(one_scope=True), _Rows(one_scope=False)
-
 # The scopes with finished keys past the shortest retention, the oldest first (IN_SCOPE).
 _DUE_SCOPES = text(
     """
@@ -101,7 +72,7 @@ _DUE_SCOPES = text(
 # that records generations, reads a locked join's result in the wrong format). Rows
 # locked elsewhere are skipped, so reapers never wait for each other. Each deleted key's
 # generation is recorded in its own scope (record_next).
-def _reap_keys(rows: _Rows) -> TextClause:
+def _reap_keys(rows: Rows) -> TextClause:
     return text(
         f"""
     WITH own AS (
@@ -164,7 +135,7 @@ _DUE_GENERATION_SCOPES = text(
 
 # One batch of recorded generations past the generations' retention: a reuse of their key
 # is generation 0 again (recoverypoint.generations).
-def _prune_generations(rows: _Rows) -> TextClause:
+def _prune_generations(rows: Rows) -> TextClause:
     return text(
         f"""
     WITH doomed AS (
@@ -192,7 +163,7 @@ _DUE_MESSAGE_SCOPES = text(
 
 
 # One batch of consume-once records past their retention.
-def _reap_messages(rows: _Rows) -> TextClause:
+def _reap_messages(rows: Rows) -> TextClause:
     return text(
         f"""
     WITH doomed AS (
@@ -345,7 +316,7 @@ class Reaper(Worker[ReaperResult]):
         result: ReaperResult,
     ) -> None:
         """Run ``deletion`` in batches, scope by scope where the keys are distributed, of
-        every scope at once otherwise (see :class:`_Rows`); ``count`` is told each batch's
+        every scope at once otherwise (see :class:`Rows`); ``count`` is told each batch's
         rows."""
 
         def batch(statement: TextClause, params: dict[str, Any]) -> int:
