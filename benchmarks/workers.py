@@ -278,9 +278,8 @@ def main() -> None:
         ),
         Case("reaper", "in-process", FINISHED_KEYS, args.keys, 1000),
         Case("completer", "in-process", UNFINISHED_KEYS, args.resumes, 10),
-        # The same rows spread over many scopes: the completer claims scope by scope, a
-        # transaction per scope; on one server the enqueuer and the reaper take rows of
-        # every scope in one batch.
+        # The same rows spread over many scopes: on one server each worker's batch takes
+        # rows of every scope at once (on Citus, a transaction per scope).
         Case("enqueuer", "in-process", STAGE_JOBS, args.jobs, 100, args.scopes),
         Case("reaper", "in-process", FINISHED_KEYS, args.keys, 1000, args.scopes),
         Case("completer", "in-process", UNFINISHED_KEYS, args.resumes, 10, args.scopes),

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from workload import PHASES, Recorder, plant_keys, rows, steps_operation
 
 import recoverypoint as rp
-from recoverypoint.workers import ABANDONED_RESPONSE, Completer
+from recoverypoint.workers import ABANDONED_RESPONSE, Completer, loop
 
 TESTS = Path(__file__).resolve().parent
 ACCEPTED = rp.Request("POST", "/test")
@@ -340,6 +340,57 @@ def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(
     )[0]
     # One attempt, the resumed key's, counted at its claim; the keys handed back count none.
     assert (states.finished, states.leased, states.attempts) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one server", "by scope"])
+def test_keys_of_every_scope_are_resumed_however_many_scopes_have_keys(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch, distributed: bool
+) -> None:
+    """On one server a batch reserves due keys of every scope: keys left in more scopes than
+    a listing names (here 3) are finished in one pass. Scope by scope (as on Citus, where
+    each claim names its scope) it takes a pass per listing, and finishes the same. Either
+    way each key is resumed in its own scope, once; another scope's key that is not due,
+    and one whose lease is held, stay."""
+    monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
+    recorder = Recorder(worker_db)
+    engine = rp.Engine(worker_db, retry_base=2.0)
+    engine.register(steps_operation("steps", recorder))
+    left = plant_keys(worker_db, "steps", 20, last_run_at=OLD)
+    [later] = plant_keys(worker_db, "steps", 1, next_attempt_at="now() + interval '1 hour'")
+    [held] = plant_keys(worker_db, "steps", 1, locked_at="now()", lock_token="gen_random_uuid()")
+    with worker_db.begin() as conn:  # two keys in each of 10 scopes; the others, 's1' too
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET scope = 's' || (1 + (id - :first) % 10) "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"first": left[0], "ids": [*left, later, held]},
+        )
+    completer = Completer(engine, min_age=0, batch_size=7)
+    completer.distributed = distributed
+
+    passes = [completer.run_once()]
+    while distributed and passes[-1].finished:
+        passes.append(completer.run_once())
+
+    assert len(passes) == (5 if distributed else 1)  # by scope: 3 scopes a pass, then none
+    assert sum(p.finished for p in passes) == 20
+    finished = rows(
+        worker_db,
+        "SELECT id, scope, response_status, attempts FROM idempotency_keys "
+        "WHERE finished_at IS NOT NULL ORDER BY id",
+    )
+    assert [(r.id, r.scope, r.response_status, r.attempts) for r in finished] == [
+        (key_id, f"s{1 + (key_id - left[0]) % 10}", 201, 1) for key_id in left
+    ]
+    runs = rows(worker_db, "SELECT key_id, phase FROM phase_runs ORDER BY key_id, phase")
+    assert [(r.key_id, r.phase) for r in runs] == [
+        (key_id, phase) for key_id in left for phase in ("finished", "reserved")
+    ]
+    calls = rows(worker_db, "SELECT key_id FROM step_calls ORDER BY key_id")
+    assert [r.key_id for r in calls] == left  # the foreign step, once each
+    assert key(worker_db, later).finished_at is None
+    assert key(worker_db, held).finished_at is None
 
 
 @pytest.mark.slow

@@ -103,7 +103,7 @@ _REGISTERED = leases.registered([])
 WORKER_CLAIMS = [
     (
         "completer",
-        completer._CLAIM_DUE,
+        completer._CLAIM_IN_SCOPE,
         {**_REGISTERED, "min_age": 0, "batch_size": 10, "reservation": 30.0},
     ),
     ("completer's release", completer._RELEASE_UNSTARTED, {"ids": [1, 2]}),

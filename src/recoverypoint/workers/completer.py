@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 
 from ..admin.key_actions import abandon_exhausted
 from ..engine import ABANDONED_RESPONSE, AsyncEngine, Engine
@@ -50,7 +50,7 @@ from ..outage import is_outage
 from . import compensator
 from .compensator import Compensator, run_on
 from .engines import AnyEngine
-from .loop import Result, Worker, registered_scopes
+from .loop import EVERY_SCOPE, IN_SCOPE, Result, Rows, Worker, registered_scopes
 from .unregistered import Unregistered, listing
 
 # A key whose client has had :min_age seconds since its last run to come back on its own,
@@ -74,24 +74,26 @@ _DUE = f"""
 # The scopes with due keys of registered operations whose lease is free, longest due first.
 _DUE_SCOPES = registered_scopes(_DUE, "k.next_attempt_at")
 
-# Reserve a batch of one scope's due keys with a free or expired lease, under one token.
-# SKIP LOCKED: rows another completer (or a client's claim) holds are passed over. The
-# reservation is a lease that runs out :reservation seconds from now (taken as if that much
-# less than the lock timeout remained, so that every reader of the lease rule agrees),
-# stored with the version's lock timeout as every lease is; the resume of each key renews
-# it in full. A key whose lease was still set (its last holder died without releasing it)
-# is returned as unreleased. Returned longest due first, the order the keys resumed one by
-# one are resumed in: a key whose attempt killed the process was backed off by its claim,
-# so the keys due before it are resumed before it is.
-_CLAIM_DUE = text(
-    f"""
+
+def _claim_due(rows: Rows) -> TextClause:
+    """Reserve a batch of due keys, of ``:scope`` or of every scope (see
+    :class:`.loop.Rows`), with a free or expired lease, under one token. SKIP LOCKED: rows
+    another completer (or a client's claim) holds are passed over. The reservation is a
+    lease that runs out :reservation seconds from now (taken as if that much less than the
+    lock timeout remained, so that every reader of the lease rule agrees), stored with the
+    version's lock timeout as every lease is; the resume of each key renews it in full. A
+    key whose lease was still set (its last holder died without releasing it) is returned
+    as unreleased. Returned longest due first, the order the keys resumed one by one are
+    resumed in: a key whose attempt killed the process was backed off by its claim, so the
+    keys due before it are resumed before it is."""
+    return text(
+        f"""
     WITH {REGISTERED},
     due AS (
-        SELECT k.id, r.lock_timeout, k.locked_at IS NOT NULL AS unreleased
+        SELECT k.id, k.scope, r.lock_timeout, k.locked_at IS NOT NULL AS unreleased
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
-        WHERE k.scope = :scope
-          AND {_DUE}
+        WHERE {rows.only}{_DUE}
           AND {free("r.lock_timeout")}
         ORDER BY k.next_attempt_at
         LIMIT :batch_size
@@ -102,14 +104,17 @@ _CLAIM_DUE = text(
         SET locked_at = {from_now("least(due.lock_timeout, :reservation) - due.lock_timeout")},
             lock_token = :token, lock_timeout = due.lock_timeout
         FROM due
-        WHERE k.scope = :scope AND k.id = due.id
+        WHERE {rows.same("k", "due")} AND k.id = due.id
         RETURNING k.id, k.scope, k.operation, k.operation_version, k.attempts,
                   due.unreleased, k.next_attempt_at
     )
     SELECT id, scope, operation, operation_version, attempts, unreleased FROM reserved
     ORDER BY next_attempt_at
     """
-)
+    )
+
+
+_CLAIM_IN_SCOPE, _CLAIM_EVERY_SCOPE = _claim_due(IN_SCOPE), _claim_due(EVERY_SCOPE)
 
 # Due keys, and abandoned ones awaiting a compensation, that no registered operation can
 # resume, per operation and version: read only.
@@ -371,16 +376,20 @@ class Completer(Worker[CompleterResult]):
     def _claim_due(
         self, operations: list[Operation[Any]], token: uuid.UUID, limit: int
     ) -> list[_Claimed]:
-        """Take the leases of up to ``limit`` due keys of ``operations``, one transaction
-        per scope."""
+        """Take the leases of up to ``limit`` due keys of ``operations``: of every scope in
+        one transaction, or where the keys are distributed, one transaction per scope."""
         params = {**self._registered(operations), "token": token, "reservation": self.reservation}
+        if not self.distributed:
+            with self.db.begin() as conn:
+                rows = conn.execute(_CLAIM_EVERY_SCOPE, {**params, "batch_size": limit})
+                return [_Claimed(*row) for row in rows]
         claimed: list[_Claimed] = []
         for scope in self.scopes_due(_DUE_SCOPES, params):
             if len(claimed) == limit or self.stopping:
                 break
             room = {**params, "scope": scope, "batch_size": limit - len(claimed)}
             with self.db.begin() as conn:
-                claimed += [_Claimed(*row) for row in conn.execute(_CLAIM_DUE, room)]
+                claimed += [_Claimed(*row) for row in conn.execute(_CLAIM_IN_SCOPE, room)]
         return claimed
 
     def _complete(self, key: _Claimed, token: uuid.UUID, result: CompleterResult) -> None:

@@ -5,15 +5,15 @@ A pass (``run_once``) works in batches, one transaction each, until a batch come
 short or a stop is requested; a stop is only looked at between batches, so a batch always
 commits or rolls back whole. Log lines are ``key=value`` pairs (logfmt), one event each.
 
-Every claim a worker makes is in one scope (:meth:`Worker.scopes_due` lists the scopes with
-work due, reading without locks; then each scope is claimed with ``FOR UPDATE SKIP
-LOCKED`` in a statement that names it). On a single server that costs one cheap listing per
-pass; on a database distributed by scope (Citus) each claim runs on the one shard that
-holds the scope, where ``SKIP LOCKED`` works, and the listing is a read, which Citus runs
-on every shard. The reaper's deletions and the enqueuer's claims are the exceptions on a
-single server (:attr:`Worker.distributed` false): a batch there takes rows of every scope
-at once (:meth:`Worker.in_batches`), as a stream of finished keys, or of staged jobs,
-spread over many scopes would outrun a transaction per scope.
+Where the keys are distributed by scope (Citus), every claim a worker makes is in one
+scope: :meth:`Worker.scopes_due` lists the scopes with work due, reading without locks (a
+read, which Citus runs on every shard), then each scope is claimed with ``FOR UPDATE SKIP
+LOCKED`` in a statement that names it, which runs on the one shard that holds the scope,
+where ``SKIP LOCKED`` works. On a single server (:attr:`Worker.distributed` false) the
+reaper's deletions and the enqueuer's and the completer's claims take rows of every scope
+at once instead (:class:`Rows`), as a stream of finished keys, of keys their clients left,
+or of staged jobs, spread over many scopes would outrun a transaction per scope (the
+compensator, whose keys are few, still goes scope by scope).
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ BATCHES_PER_PASS = 1000
 
 @dataclass(frozen=True)
 class Rows:
-    """Whose rows a batch of the reaper or the enqueuer takes. Of one scope (``:scope``)
-    where the keys are distributed (Citus), so that the batch runs on the scope's shard
-    alone; of every scope at once on one server, where a transaction per scope would bound
-    the worker by the number of scopes rather than of rows (a busy table has keys finishing,
-    and jobs staged, in more scopes a minute than a pass could take one by one). A row the
-    reaper deletes is matched in its own scope, never on the word of another scope's row; a
-    staged job is unlinked, or deleted once published, by its id, an identity unique across
-    scopes."""
+    """Whose rows a batch of the reaper, the enqueuer or the completer takes. Of one scope
+    (``:scope``) where the keys are distributed (Citus), so that the batch runs on the
+    scope's shard alone; of every scope at once on one server, where a transaction per scope
+    would bound the worker by the number of scopes rather than of rows (a busy table has
+    keys finishing, keys left unfinished, and jobs staged, in more scopes a minute than a
+    pass could take one by one). A key row the reaper deletes or the completer reserves is
+    matched in its own scope, never on the word of another scope's row; a staged job is
+    unlinked, or deleted once published, by its id, an identity unique across scopes."""
 
     one_scope: bool
 
@@ -79,9 +79,10 @@ class Rows:
         """The scope among the columns of the rows chosen (each row's own, if needed)."""
         return "" if self.one_scope else ", scope"
 
-    def same(self, alias: str) -> str:
-        """The scope condition of the rows deleted, ``alias``: the chosen rows'."""
-        return f"{alias}.scope = {':scope' if self.one_scope else 'doomed.scope'}"
+    def same(self, alias: str, chosen: str) -> str:
+        """The scope condition of the rows written, ``alias``: those ``chosen`` (the
+        statement's choosing CTE) had."""
+        return f"{alias}.scope = {':scope' if self.one_scope else f'{chosen}.scope'}"
 
 
 IN_SCOPE, EVERY_SCOPE = Rows(one_scope=True), Rows(one_scope=False)

@@ -103,7 +103,7 @@ def _reap_keys(rows: Rows) -> TextClause:
         FOR UPDATE OF k SKIP LOCKED
     ), deleted AS (
         DELETE FROM idempotency_keys AS k USING doomed
-        WHERE {rows.same("k")} AND k.id = doomed.id
+        WHERE {rows.same("k", "doomed")} AND k.id = doomed.id
         RETURNING k.id, k.abandoned_at IS NOT NULL AS abandoned, {generations.DELETED}
     ), {generations.record_next("deleted")}, unlinked AS (
         -- staged_jobs has no foreign key (see recoverypoint.schema): do its ON DELETE SET
@@ -145,7 +145,7 @@ def _prune_generations(rows: Rows) -> TextClause:
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM key_generations AS g USING doomed
-    WHERE {rows.same("g")} AND g.operation = doomed.operation
+    WHERE {rows.same("g", "doomed")} AND g.operation = doomed.operation
       AND g.idempotency_key = doomed.idempotency_key
     RETURNING 1
     """
@@ -173,7 +173,7 @@ def _reap_messages(rows: Rows) -> TextClause:
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM processed_messages AS p USING doomed
-    WHERE {rows.same("p")} AND p.consumer = doomed.consumer
+    WHERE {rows.same("p", "doomed")} AND p.consumer = doomed.consumer
       AND p.message_id = doomed.message_id
     RETURNING 1
     """
