@@ -342,39 +342,82 @@ def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(
     assert (states.finished, states.leased, states.attempts) == (1, 0, 1)
 
 
+def test_a_pass_ends_after_its_most_batches_and_the_next_goes_on(
+    worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys falling due as fast as batches take them cannot keep one pass running, its
+    compensations never reached and the pass never recorded: it ends after its most full
+    batches, and the next pass goes on."""
+    monkeypatch.setattr(loop, "BATCHES_PER_PASS", 2)
+    engine = make_engine(worker_db)
+    plant_keys(worker_db, "steps", 9, last_run_at=OLD)
+    completer = Completer(engine, min_age=0, batch_size=2)
+
+    passes = [completer.run_once() for _ in range(4)]
+
+    assert [(p.finished, p.batches) for p in passes] == [(4, 2), (4, 2), (1, 1), (0, 1)]
+
+
+class InOrder(Recorder):
+    """Records too the order the keys' steps are called in, which is the order of resume."""
+
+    def __init__(self, db: sa.Engine) -> None:
+        super().__init__(db)
+        self.order: list[int] = []
+
+    def step_called(self, key_id: int) -> None:
+        self.order.append(key_id)
+        super().step_called(key_id)
+
+
 @pytest.mark.parametrize("distributed", [False, True], ids=["one server", "by scope"])
 def test_keys_of_every_scope_are_resumed_however_many_scopes_have_keys(
     worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch, distributed: bool
 ) -> None:
-    """On one server a batch reserves due keys of every scope: keys left in more scopes than
-    a listing names (here 3) are finished in one pass. Scope by scope (as on Citus, where
-    each claim names its scope) it takes a pass per listing, and finishes the same. Either
-    way each key is resumed in its own scope, once; another scope's key that is not due,
-    and one whose lease is held, stay."""
+    """On one server a batch reserves due keys of every scope, longest due first across
+    them: keys left in more scopes than a listing names (here 3) are finished in one pass.
+    Scope by scope (as on Citus, where each claim names its scope) it takes a pass per
+    listing, and finishes the same. Either way each key is reserved and resumed in its own
+    scope, once: not another scope's row of the same id (not due), nor another scope's key
+    that is not due, nor one whose lease is held."""
     monkeypatch.setattr(loop, "SCOPES_PER_PASS", 3)
-    recorder = Recorder(worker_db)
+    recorder = InOrder(worker_db)
     engine = rp.Engine(worker_db, retry_base=2.0)
     engine.register(steps_operation("steps", recorder))
     left = plant_keys(worker_db, "steps", 20, last_run_at=OLD)
     [later] = plant_keys(worker_db, "steps", 1, next_attempt_at="now() + interval '1 hour'")
     [held] = plant_keys(worker_db, "steps", 1, locked_at="now()", lock_token="gen_random_uuid()")
-    with worker_db.begin() as conn:  # two keys in each of 10 scopes; the others, 's1' too
+    with worker_db.begin() as conn:
+        # Two keys in each of 10 scopes, each due a second before the one planted before
+        # it: the last planted is the longest due. The other two keys go to s1 and s2.
         conn.execute(
             sa.text(
-                "UPDATE idempotency_keys SET scope = 's' || (1 + (id - :first) % 10) "
+                "UPDATE idempotency_keys SET scope = 's' || (1 + (id - :first) % 10), "
+                "next_attempt_at = next_attempt_at - make_interval(secs => id - :first) "
                 "WHERE id = ANY(:ids)"
             ),
             {"first": left[0], "ids": [*left, later, held]},
+        )
+        # Another scope's key with the first key's id, not due: the same id, another row.
+        conn.execute(
+            sa.text(
+                "INSERT INTO idempotency_keys (id, scope, operation, idempotency_key, "
+                "operation_version, request_method, request_path, request_params, "
+                "fingerprint, recovery_point, last_run_at, next_attempt_at) "
+                "OVERRIDING SYSTEM VALUE VALUES (:id, 'twin', 'steps', 'twin', 1, 'POST', "
+                f"'/test', '{{}}', 'fp', 'started', {OLD}, now() + interval '1 hour')"
+            ),
+            {"id": left[0]},
         )
     completer = Completer(engine, min_age=0, batch_size=7)
     completer.distributed = distributed
 
     passes = [completer.run_once()]
-    while distributed and passes[-1].finished:
+    while passes[-1].finished:
         passes.append(completer.run_once())
 
-    assert len(passes) == (5 if distributed else 1)  # by scope: 3 scopes a pass, then none
-    assert sum(p.finished for p in passes) == 20
+    # One server: batches of 7, 7 and 6, then a pass with none. By scope: 3 scopes a pass.
+    assert [p.finished for p in passes] == ([20, 0] if not distributed else [6, 6, 6, 2, 0])
     finished = rows(
         worker_db,
         "SELECT id, scope, response_status, attempts FROM idempotency_keys "
@@ -389,8 +432,21 @@ def test_keys_of_every_scope_are_resumed_however_many_scopes_have_keys(
     ]
     calls = rows(worker_db, "SELECT key_id FROM step_calls ORDER BY key_id")
     assert [r.key_id for r in calls] == left  # the foreign step, once each
-    assert key(worker_db, later).finished_at is None
-    assert key(worker_db, held).finished_at is None
+    if not distributed:
+        assert recorder.order == left[::-1]  # the longest due first, whatever its scope
+    untouched = rows(
+        worker_db,
+        "SELECT id, scope, attempts, lock_token, finished_at FROM idempotency_keys "
+        "WHERE id = ANY(:ids) AND NOT (id = :first AND scope = 's1') ORDER BY id",
+        ids=[left[0], later, held],
+        first=left[0],
+    )
+    assert [(r.id, r.scope, r.attempts, r.finished_at) for r in untouched] == [
+        (left[0], "twin", 0, None),
+        (later, "s1", 0, None),
+        (held, "s2", 0, None),
+    ]
+    assert untouched[0].lock_token is None  # the twin was not reserved either
 
 
 @pytest.mark.slow

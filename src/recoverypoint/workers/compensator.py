@@ -5,11 +5,10 @@ An operation may declare what undoes its committed phases once a key is abandone
 claim after ``max_attempts``, an operator with ``recoverypoint keys abandon`` or the
 console, from a process that need not load the application), the completer's next pass
 runs it: it takes the leases of abandoned keys awaiting a compensation (``FOR UPDATE SKIP
-LOCKED``, one scope at a time, under one fencing token, as it claims unfinished keys),
-then :meth:`Engine.compensate` runs each in a transaction of its own that commits
-``compensated_at``. So two completers never run one key's compensation twice: the second
-finds the row locked or its lease held, and a compensation whose lease was taken over
-finds its fence gone and commits nothing.
+LOCKED``, one scope at a time, under one fencing token), then :meth:`Engine.compensate`
+runs each in a transaction of its own that commits ``compensated_at``. So two completers
+never run one key's compensation twice: the second finds the row locked or its lease held,
+and a compensation whose lease was taken over finds its fence gone and commits nothing.
 
 Which keys await one: those whose ``compensation_due_at`` has come, of a registered
 version that declares a compensation. Every abandonment sets it to the abandonment's time

@@ -71,7 +71,8 @@ _DUE = f"""
     AND {_CLIENTS_TIME_OVER}
 """
 
-# The scopes with due keys of registered operations whose lease is free, longest due first.
+# The scopes with due keys of registered operations whose lease is free, longest due first:
+# where the keys are distributed, a batch is claimed scope by scope, in this order.
 _DUE_SCOPES = registered_scopes(_DUE, "k.next_attempt_at")
 
 
@@ -251,20 +252,23 @@ class Completer(Worker[CompleterResult]):
         with self.db.begin() as conn:
             self._unregistered.record(conn, registered)
             result.unregistered, result.unfinishable = self._unregistered.report(conn, registered)
-        while not self.stopping:
+
+        def batch() -> int:
+            nonlocal operations  # those whose claim failed sit the rest of the pass out
             token = uuid.uuid4()
-            batch, operations = self._claim(operations, token, result)
+            claimed, operations = self._claim(operations, token, result)
             result.batches += 1
             done: set[int] = set()
             try:
-                self._complete_batch(batch, token, result, done)
+                self._complete_batch(claimed, token, result, done)
             finally:
                 # Stopping, or an error out of the batch: keys not done go back at once
                 # instead of waiting out their leases.
-                if len(done) < len(batch):
-                    self._release([k for k in batch if k.id not in done], token)
-            if self.stopping or len(batch) < self.batch_size:
-                break
+                if len(done) < len(claimed):
+                    self._release([k for k in claimed if k.id not in done], token)
+            return len(claimed)
+
+        self.in_batches(batch)
         self._count_held_back(operations, result)
         result.compensated, result.compensation_failed = self._compensator.run_once()
         self.engines.observer.worker_pass(self.name)

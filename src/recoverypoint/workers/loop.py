@@ -49,10 +49,10 @@ _HOST = socket.gethostname()
 SCOPES_PER_PASS = 1000
 """The scopes a pass works through at most; the next pass takes the rest."""
 
-# Full batches a pass takes in a row at most (Worker.in_batches), of every scope or of one:
-# a stream of rows falling due as fast as a batch takes them would otherwise keep one pass
-# running, never recorded for doctor, the pass's other work never reached. The next pass
-# goes on.
+# Full batches a pass takes in a row at most (Worker.in_batches, and the completer's pass),
+# of every scope or of one: a stream of rows falling due as fast as a batch takes them would
+# otherwise keep one pass running, never recorded for doctor, the pass's other work (the
+# completer's compensations) never reached. The next pass goes on.
 BATCHES_PER_PASS = 1000
 
 
@@ -231,8 +231,9 @@ class Worker(ABC, Generic[R]):
 
     @functools.cached_property
     def distributed(self) -> bool:
-        """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper
-        and the enqueuer too take rows scope by scope, each batch on its scope's shard.
+        """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper,
+        the enqueuer and the completer too take rows scope by scope, each on its scope's
+        shard.
         Asked once: a worker started before ``recoverypoint migrate --citus`` is restarted
         after it."""
         return store.distributed(self.engines.db)
