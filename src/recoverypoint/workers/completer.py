@@ -91,7 +91,7 @@ def _claim_due(rows: Rows) -> TextClause:
         f"""
     WITH {REGISTERED},
     due AS (
-        SELECT k.id, k.scope, r.lock_timeout, k.locked_at IS NOT NULL AS unreleased
+        SELECT k.id{rows.chosen("k")}, r.lock_timeout, k.locked_at IS NOT NULL AS unreleased
         FROM idempotency_keys AS k
         JOIN registered AS r ON r.operation = k.operation AND r.version = k.operation_version
         WHERE {rows.only}{_DUE}

@@ -85,7 +85,7 @@ def _reap_keys(rows: Rows) -> TextClause:
             CAST(:compensating_operations AS text[]), CAST(:compensating_versions AS integer[])
         ) AS c(operation, version)
     ), doomed AS (
-        SELECT k.id{rows.scope} FROM idempotency_keys AS k
+        SELECT k.id{rows.chosen("k")} FROM idempotency_keys AS k
         WHERE {rows.only}k.finished_at < now() - make_interval(secs => :shortest)
           AND k.finished_at < now() - make_interval(secs => coalesce(
               (SELECT min(o.retention) FROM own AS o
@@ -139,7 +139,7 @@ def _prune_generations(rows: Rows) -> TextClause:
     return text(
         f"""
     WITH doomed AS (
-        SELECT operation, idempotency_key{rows.scope} FROM key_generations
+        SELECT operation, idempotency_key{rows.chosen("key_generations")} FROM key_generations
         WHERE {rows.only}deleted_at < now() - make_interval(secs => :retention)
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
@@ -167,7 +167,8 @@ def _reap_messages(rows: Rows) -> TextClause:
     return text(
         f"""
     WITH doomed AS (
-        SELECT consumer, message_id{rows.scope} FROM processed_messages
+        SELECT consumer, message_id{rows.chosen("processed_messages")}
+        FROM processed_messages
         WHERE {rows.only}processed_at < now() - make_interval(secs => :retention)
         LIMIT :batch_size
         FOR UPDATE SKIP LOCKED
