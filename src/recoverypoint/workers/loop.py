@@ -65,11 +65,12 @@ class Rows:
     keys finishing, keys left unfinished, and jobs staged, in more scopes a minute than a
     pass could take one by one). A row the reaper deletes or the completer reserves is
     matched in its own scope, never on the word of another scope's row, and, of every
-    scope, by its address (``ctid``) too: a join by the key's columns alone let the planner
-    hash the whole table for a batch once the scopes were many (26 ms of a batch's 34, for
-    1,000 keys of 100,000 over 10,000 scopes), where a row found by its address costs one
-    page. A staged job is unlinked, or deleted once published, by its id, an identity
-    unique across scopes."""
+    scope, by its address (``ctid``) too: joined by its columns alone, a batch hashed the
+    whole table wherever the planner costed that below an index probe per row (up to some
+    120,000 keys over 10,000 scopes, whose larger index costs more a probe: 26 ms of a
+    batch's 34 at 100,000), where a row found by its address costs one page, the cheaper
+    plan from some 75,000 keys up. A staged job is unlinked, or deleted once published, by
+    its id, an identity unique across scopes."""
 
     one_scope: bool
 
@@ -86,7 +87,12 @@ class Rows:
     def same(self, alias: str, chosen: str) -> str:
         """The condition that the rows written, ``alias``, are those in the scope and at
         the address (of every scope) of the rows ``chosen`` (the statement's choosing CTE
-        and what it selected, :meth:`chosen`). Their identity is matched beside it."""
+        and what it selected, :meth:`chosen`). Their identity is matched beside it.
+
+        A row another transaction updated after the statement's snapshot, and committed
+        before the choosing CTE locked it, is locked at its new address, which that
+        snapshot does not see: it is left unwritten until the batch commits, for a later
+        batch to take (a key whose lease was renewed, say, is no longer due anyway)."""
         if self.one_scope:
             return f"{alias}.scope = :scope"
         return f"{alias}.ctid = {chosen}.ctid AND {alias}.scope = {chosen}.scope"
