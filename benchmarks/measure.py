@@ -108,21 +108,25 @@ def _plus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a + b
 
 
-def _proc_cpu(pid: int) -> float | None:
-    """utime + stime of process ``pid`` in seconds, ``None`` if it is gone."""
+def _proc_cpu(pid: int, reaped: bool = False) -> float | None:
+    """utime + stime of process ``pid`` in seconds, ``None`` if it is gone; with ``reaped``,
+    plus those of its children it has waited for (cutime + cstime)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    own = int(fields[11]) + int(fields[12])
+    return (own + (int(fields[13]) + int(fields[14]) if reaped else 0)) / TICK
 
 
 def every_postgres_cpu() -> float:
     """utime + stime so far of every PostgreSQL process on this machine, in seconds: its
-    backends, whatever their database, and its auxiliary processes; 0.0 without ``/proc``.
-    For a benchmark whose sides open their connections for their own windows (async_flow.py)
-    and have the server to themselves."""
+    backends, whatever their database, and its auxiliary processes, and (the postmaster's
+    reaped children) those that have ended, so that a backend ending within a window does
+    not take its CPU out of the count; 0.0 without ``/proc``. For a benchmark whose sides
+    open their connections for their own windows (async_flow.py) and have the server to
+    themselves."""
     total = 0.0
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
@@ -130,7 +134,7 @@ def every_postgres_cpu() -> float:
         except OSError:
             continue  # gone meanwhile
         if named == "postgres":
-            total += _proc_cpu(int(comm.parent.name)) or 0.0
+            total += _proc_cpu(int(comm.parent.name), reaped=True) or 0.0
     return total
 
 

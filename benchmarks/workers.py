@@ -8,8 +8,10 @@ Each run starts from rows planted with SQL in a fresh database (dropped at the e
 times ``run_once()`` until nothing is left, with one worker and with several side by side
 (threads of this process, each worker with its own connections, as separate instances
 would have). The job handler and the operation's phases do no work of their own, so the
-figures are the workers' own cost: claims, commits and round trips. Results are printed
-and written to benchmarks/results/workers.md.
+figures are the workers' own cost: claims, commits and round trips. Beside each rate, the
+CPU per row of this process (the workers) and of every PostgreSQL process on the machine
+(so, for that figure, have the server to yourself). Results are printed and written to
+benchmarks/results/workers.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from measure import every_postgres_cpu
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
@@ -57,6 +60,8 @@ class Run:
     case: Case
     instances: int
     seconds: float
+    cpu: float  # seconds of this process's CPU (the workers, every thread)
+    server_cpu: float  # seconds of every PostgreSQL process's CPU on this machine
 
     @property
     def rate(self) -> float:
@@ -117,8 +122,11 @@ FINISHED_KEYS = """
 """
 
 
-def timed(workers: list[Worker[Any]], handled: Callable[[Any], int]) -> tuple[int, float]:
-    """Run the workers' passes side by side until one comes back empty each."""
+def timed(
+    workers: list[Worker[Any]], handled: Callable[[Any], int]
+) -> tuple[int, float, float, float]:
+    """Run the workers' passes side by side until one comes back empty each: the rows
+    handled, the seconds, and the CPU seconds of this process and of the server."""
     barrier = threading.Barrier(len(workers))
 
     def drain(worker: Worker[Any]) -> int:
@@ -129,9 +137,10 @@ def timed(workers: list[Worker[Any]], handled: Callable[[Any], int]) -> tuple[in
         return total
 
     with ThreadPoolExecutor(len(workers)) as pool:
-        began = time.perf_counter()
+        cpu, server, began = time.process_time(), every_postgres_cpu(), time.perf_counter()
         rows = sum(pool.map(drain, workers))
-        return rows, time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        return rows, seconds, time.process_time() - cpu, every_postgres_cpu() - server
 
 
 def bench(url: str, case: Case, instances: int, broker_url: str) -> Run:
@@ -143,10 +152,10 @@ def bench(url: str, case: Case, instances: int, broker_url: str) -> Run:
             stack.callback(engine.dispose)
             engine.register(noop_operation())
             workers.append(make_worker(case, engine))
-        handled, seconds = timed(workers, HANDLED[case.worker])
+        handled, seconds, cpu, server_cpu = timed(workers, HANDLED[case.worker])
     if handled != case.rows:
         raise SystemExit(f"{case.worker}: handled {handled} of {case.rows} rows")
-    return Run(case, instances, seconds)
+    return Run(case, instances, seconds, cpu, server_cpu)
 
 
 @contextmanager
@@ -233,8 +242,8 @@ def markdown(runs: list[Run], server_version: str) -> str:
         "completer instances as processes to use more cores.",
         "",
         "| worker | measures | job backend | instances | batch size | rows | scopes | seconds "
-        "| rows/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| rows/s | worker CPU µs/row | server CPU µs/row |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     what = {
         "enqueuer": "staged jobs published and deleted",
@@ -247,7 +256,8 @@ def markdown(runs: list[Run], server_version: str) -> str:
             f"| {case.worker} | {what[case.worker]} | "
             f"{case.backend if case.worker == 'enqueuer' else ''} | {run.instances} | "
             f"{case.batch_size} | {case.rows:,} | {case.scopes:,} | {run.seconds:.2f} | "
-            f"{run.rate:,.0f} |"
+            f"{run.rate:,.0f} | {1e6 * run.cpu / case.rows:,.1f} | "
+            f"{1e6 * run.server_cpu / case.rows:,.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -294,7 +304,9 @@ def main() -> None:
                 run = bench(url, case, instances, args.broker_url)
                 print(
                     f"{case.worker:9} {case.backend:10} x{instances} batch {case.batch_size:>4}: "
-                    f"{case.rows:>7,} rows in {run.seconds:6.2f} s = {run.rate:8,.0f}/s",
+                    f"{case.rows:>7,} rows in {run.seconds:6.2f} s = {run.rate:8,.0f}/s, "
+                    f"CPU {1e6 * run.cpu / case.rows:,.1f} + server "
+                    f"{1e6 * run.server_cpu / case.rows:,.1f} µs/row",
                     flush=True,
                 )
                 runs.append(run)
