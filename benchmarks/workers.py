@@ -238,8 +238,10 @@ def markdown(runs: list[Run], server_version: str) -> str:
         "(Celery) broker connection. The in-process job handler and the operation's phases "
         "do no work of their own: the figures are the workers' cost. Celery publishes go to "
         "RabbitMQ on this machine with publisher confirms, one round trip each. Threads share "
-        "one interpreter lock, so the completer, mostly Python, gains little from them: run "
-        "completer instances as processes to use more cores.",
+        "one interpreter lock, so the completer, mostly Python, gains less from them than "
+        "processes would: run completer instances as processes to use more cores. The "
+        "server CPU is every PostgreSQL process's on this machine; `scopes` is how many the "
+        "rows are spread over (n modulo scopes), so fewer rows than scopes fill that many.",
         "",
         "| worker | measures | job backend | instances | batch size | rows | scopes | seconds "
         "| rows/s | worker CPU µs/row | server CPU µs/row |",

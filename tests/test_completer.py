@@ -345,9 +345,8 @@ def test_a_stop_mid_batch_finishes_the_current_key_and_hands_back_the_rest(
 def test_a_pass_ends_after_its_most_batches_and_the_next_goes_on(
     worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Keys falling due as fast as batches take them cannot keep one pass running, its
-    compensations never reached and the pass never recorded: it ends after its most full
-    batches, and the next pass goes on."""
+    """Keys falling due as fast as batches take them cannot keep one pass running: it ends
+    after its most full batches of keys, and the next pass goes on."""
     monkeypatch.setattr(loop, "BATCHES_PER_PASS", 2)
     engine = make_engine(worker_db)
     plant_keys(worker_db, "steps", 9, last_run_at=OLD)

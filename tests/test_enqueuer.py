@@ -45,7 +45,7 @@ def test_a_failed_publish_stays_staged_backs_off_and_is_retried(
     # One line for the batch, on the first failure of it.
     [line] = [r.getMessage() for r in caplog.records if "event=publish_failed" in r.getMessage()]
     [failed] = rows(worker_db, "SELECT id, job_key FROM staged_jobs")
-    assert f"worker=enqueuer failed=1 scope=jobs job_id={failed.id} job_name={JOB} " in line
+    assert f"worker=enqueuer failed=1 job_id={failed.id} job_name={JOB} " in line
     assert f" job_key={failed.job_key} attempts=1 retry_in=" in line
     assert line.endswith(' error="ConnectionError: broker went away"')
     [left] = rows(

@@ -175,7 +175,6 @@ class Enqueuer(Worker[EnqueuerResult]):
                         continue
                     observer.job_publish_failed(job.name)
                     first_failure = first_failure or {
-                        "scope": row.scope,
                         "job_id": row.id,
                         "job_name": row.job_name,
                         "job_key": row.job_key,

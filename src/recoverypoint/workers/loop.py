@@ -49,10 +49,10 @@ _HOST = socket.gethostname()
 SCOPES_PER_PASS = 1000
 """The scopes a pass works through at most; the next pass takes the rest."""
 
-# Full batches a pass takes in a row at most (Worker.in_batches, and the completer's pass),
-# of every scope or of one: a stream of rows falling due as fast as a batch takes them would
-# otherwise keep one pass running, never recorded for doctor, the pass's other work (the
-# completer's compensations) never reached. The next pass goes on.
+# Full batches a pass takes in a row at most (Worker.in_batches), of every scope or of one:
+# a stream of rows falling due as fast as a batch takes them would otherwise keep one pass
+# running, never recorded for doctor, the pass's other work (the completer's compensations)
+# never reached. The next pass goes on.
 BATCHES_PER_PASS = 1000
 
 
@@ -92,7 +92,8 @@ class Rows:
         A row another transaction updated after the statement's snapshot, and committed
         before the choosing CTE locked it, is locked at its new address, which that
         snapshot does not see: it is left unwritten until the batch commits, for a later
-        batch to take (a key whose lease was renewed, say, is no longer due anyway)."""
+        batch to take, or the next pass, as the batch comes back short (a key whose lease
+        was renewed, say, is no longer due anyway)."""
         if self.one_scope:
             return f"{alias}.scope = :scope"
         return f"{alias}.ctid = {chosen}.ctid AND {alias}.scope = {chosen}.scope"
