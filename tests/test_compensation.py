@@ -22,7 +22,7 @@ import recoverypoint as rp
 from recoverypoint import admin, testing
 from recoverypoint.cli import main
 from recoverypoint.exits import EXIT_OK
-from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult, Reaper
+from recoverypoint.workers import ABANDONED_RESPONSE, Completer, CompleterResult, Reaper, loop
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS charges (key_id bigint PRIMARY KEY);
@@ -245,6 +245,24 @@ def test_an_operators_abandon_is_compensated_by_the_next_pass(
     assert row.compensated_at is not None and row.response_body == body
     shown = admin.find_key(admin.Admin(worker_db, operations=(p.operation,)), key_id)
     assert shown.compensation == f"compensated at {row.compensated_at:%Y-%m-%d %H:%M:%S}"
+
+
+def test_a_pass_compensates_at_most_its_most_batches_and_the_next_goes_on(
+    payments: Callable[..., Payments], worker_db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Abandoned keys awaiting a compensation cannot keep one pass running either: it ends
+    after its most full batches, and the next pass goes on."""
+    monkeypatch.setattr(loop, "BATCHES_PER_PASS", 2)
+    p = payments()
+    p.operation.max_attempts = 5  # the completer would not give them up yet
+    ids = [p.request(f"k{n}") for n in range(3)]
+    for key_id in ids:
+        admin.abandon(admin.Admin(worker_db), key_id, message="given up by hand")
+    completer = Completer(p.new_engine(), min_age=0, batch_size=1)
+    p.completers.append(completer)
+
+    assert [completer.run_once().compensated for _ in range(3)] == [2, 1, 0]
+    assert counts(worker_db) == (3, 3, 3)
 
 
 @pytest.mark.slow

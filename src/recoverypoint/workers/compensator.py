@@ -105,25 +105,22 @@ class Compensator:
             return 0, 0
         params = registered(operations)
         done = failed = 0
-        for scope in self.worker.scopes_due(_DUE_SCOPES, params):
-            while not self.worker.stopping:
-                token = uuid.uuid4()
-                claim = {
-                    **params,
-                    "scope": scope,
-                    "token": token,
-                    "batch_size": self.worker.batch_size,
-                }
-                with self.worker.db.begin() as conn:
-                    batch = conn.execute(_CLAIM, claim).all()
-                for key_id, name, version, failures in batch:
-                    # Stopping, a key not run keeps the lease until it expires: no double run.
-                    if self.worker.stopping:
-                        break
-                    ok = self._compensate(scope, key_id, name, version, failures, token)
-                    done, failed = done + (ok is True), failed + (ok is False)
-                if len(batch) < self.worker.batch_size:
+
+        def batch(scope: str) -> int:
+            nonlocal done, failed
+            token = uuid.uuid4()
+            claim = {**params, "scope": scope, "token": token, "batch_size": self.worker.batch_size}
+            with self.worker.db.begin() as conn:
+                keys = conn.execute(_CLAIM, claim).all()
+            for key_id, name, version, failures in keys:
+                # Stopping, a key not run keeps the lease until it expires: no double run.
+                if self.worker.stopping:
                     break
+                ok = self._compensate(scope, key_id, name, version, failures, token)
+                done, failed = done + (ok is True), failed + (ok is False)
+            return len(keys)
+
+        self.worker.by_scope(_DUE_SCOPES, params, batch)
         return done, failed
 
     def _compensate(

@@ -13,7 +13,7 @@ where ``SKIP LOCKED`` works. On a single server (:attr:`Worker.distributed` fals
 reaper's deletions and the enqueuer's and the completer's claims take rows of every scope
 at once instead (:class:`Rows`), as a stream of finished keys, of keys their clients left,
 or of staged jobs, spread over many scopes would outrun a transaction per scope (the
-compensator, whose keys are few, still goes scope by scope).
+compensator, whose keys are few, still goes scope by scope, :meth:`Worker.by_scope`).
 """
 
 from __future__ import annotations
