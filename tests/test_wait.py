@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -20,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pgcluster import wait_until
 from rides import count
 
 import recoverypoint as rp
@@ -96,11 +96,10 @@ def no_listener_left(db: sa.Engine) -> bool:
     """Whether every listener's backend has gone, within a minute: a connection closed by
     the engine leaves pg_stat_activity only once its backend has seen the close and
     exited, a moment later; one left open never does."""
-    deadline = time.monotonic() + 60
-    while listeners(db):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    try:
+        wait_until(lambda: listeners(db) == 0, "every listener's backend has gone")
+    except TimeoutError:
+        return False
     return True
 
 

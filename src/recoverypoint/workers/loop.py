@@ -247,9 +247,8 @@ class Worker(ABC, Generic[R]):
     def distributed(self) -> bool:
         """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper,
         the enqueuer and the completer too take rows scope by scope, each on its scope's
-        shard.
-        Asked once: a worker started before ``recoverypoint migrate --citus`` is restarted
-        after it."""
+        shard. Asked once: a worker started before ``recoverypoint migrate --citus`` is
+        restarted after it."""
         return store.distributed(self.engines.db)
 
     def stop(self) -> None:
