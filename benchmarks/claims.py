@@ -244,7 +244,9 @@ class Claimer:
     def run(self, key: str) -> Any:
         request = claim_request(key)
         schedule = self.engine._schedule()  # a fresh key: generation 0
-        return self.engine._transact(lambda conn: store.claim(conn, request, 0, schedule))
+        return self.engine._transact(
+            lambda conn: store.claim(conn, request, 0, schedule, bound=False)
+        )
 
     def close(self) -> None:
         self.db.dispose()

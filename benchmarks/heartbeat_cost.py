@@ -15,7 +15,7 @@ import uuid
 from recoverypoint.engine import heartbeat
 from recoverypoint.engine._decide import KeyRef
 
-KEY = KeyRef(1, "", uuid.uuid4(), "(0,1)")
+KEY = KeyRef(1, "", uuid.uuid4(), "(0,1)", 0, "recoverypoint_0")
 
 
 def sync_cost(steps: int) -> float:

@@ -87,6 +87,7 @@ class KeyRecord(NamedTuple):
 
     id: int
     scope: str
+    idempotency_key: str
     created_at: datetime
     operation_version: int
     fingerprint: str
@@ -120,17 +121,18 @@ class KeyRecord(NamedTuple):
         (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`, then ``claimed``, ``inserted``
         and ``held_for``)."""
         (
-            key_id, scope, created_at, version, fingerprint, point, state, params, status,
-            headers, body, attempts, seed, generation, ctid, point_age, renewals, held,
+            key_id, scope, key, created_at, version, fingerprint, point, state, params,
+            status, headers, body, attempts, seed, generation, ctid, point_age, renewals, held,
             claimed, inserted, held_for,
         ) = row  # fmt: skip
-        assert key_id and scope is not None and created_at and version and fingerprint
+        assert key_id and scope is not None and key and created_at and version and fingerprint
         assert point and state
         assert params is not None and attempts and generation and ctid and point_age
         assert renewals
         return cls(
             int(key_id),
             scope,
+            key,
             datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
             int(version),
             fingerprint,
@@ -164,6 +166,7 @@ class KeyRecord(NamedTuple):
         return cls(
             int(key_id),
             request.scope,
+            request.key,
             datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
             request.version,
             request.fingerprint,
@@ -233,6 +236,10 @@ class KeyRef:
     scope: str
     token: uuid.UUID
     ctid: str
+    wake_lock: int
+    wake_channel: str
+    """The key's advisory lock and NOTIFY channel (:func:`recoverypoint.engine.waits.wake`),
+    for the writes that wake its waiters."""
     locked_by: object = None
     """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
 

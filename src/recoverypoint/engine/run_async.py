@@ -497,7 +497,9 @@ class AsyncEngine(Registry):
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
-        record = await store_async.claim(tx, request, generation, self._schedule())
+        record = await store_async.claim(
+            tx, request, generation, self._schedule(), bound=self.bound
+        )
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -610,7 +612,7 @@ class AsyncEngine(Registry):
         row, and the key would stay leased. The claim is made again, in a transaction rolled
         back: its INSERT waits on the key's unique index for the first one's end."""
         with contextlib.suppress(_Settled):
-            await self._transact(_wait_for, claim, self._schedule())
+            await self._transact(_wait_for, claim, self._schedule(), self.bound)
 
     def _schedule(self) -> dict[str, Any]:
         """When a claim schedules the next attempt should the one it starts fail."""
@@ -718,9 +720,12 @@ async def _abandon_exhausted(tx: AsyncTransaction, key: KeyId) -> Outcome | None
     return Outcome(ABANDONED_RESPONSE.status, as_answered(stored), {}, replayed=False)
 
 
-async def _wait_for(tx: AsyncTransaction, claim: ClaimRequest, schedule: dict[str, Any]) -> None:
+async def _wait_for(
+    tx: AsyncTransaction, claim: ClaimRequest, schedule: dict[str, Any], bound: bool
+) -> None:
     """Make ``claim`` again and roll it back (see :meth:`AsyncEngine._settle`)."""
-    await store_async.claim(tx, claim, 0, schedule)  # rolled back: no generation is stored
+    # Rolled back: no generation is stored.
+    await store_async.claim(tx, claim, 0, schedule, bound=bound)
     raise _Settled  # rolled back: nothing is written
 
 
@@ -744,7 +749,8 @@ class _AsyncRun:
         observed.claimed(record.id, record.recovery_point, record.attempts, record.inserted)
         self.operation = operation
         self.record = record
-        self.key = KeyRef(record.id, record.scope, token, record.ctid)
+        wake = waits.wake(record.scope, operation.name, record.idempotency_key)
+        self.key = KeyRef(record.id, record.scope, token, record.ctid, *wake)
         self.identity = KeyIdentity(
             operation.name, record.id, record.created_at, record.seed, record.generation
         )

@@ -95,17 +95,17 @@ NOTHING = "SELECT 1"
 # provider's dedupe window) is taken from the creation time in rows older than migration
 # 0013, which is earlier still: a window is judged passed sooner, never later.
 #
-# Formatted outside the statement that writes the row: Citus refuses a function that is
-# not IMMUTABLE (to_char) in a RETURNING clause, so the claims return the row's columns
-# (_RETURNED) and format them in the query around it.
+# Formatted outside the statement that writes the row where Citus distributes the keys: it
+# refuses a function that is not IMMUTABLE (to_char) in a RETURNING clause, so the claims
+# there return the row's columns (_RETURNED) and format them in the query around it.
 _RETURNED = """
-    id, scope, created_at, operation_version, fingerprint, recovery_point, state,
+    id, scope, idempotency_key, created_at, operation_version, fingerprint, recovery_point, state,
     request_params, response_status, response_headers, response_body, attempts,
     derivation_seed, generation, ctid, point_reached_at, window_renewals, reconcile_since
 """
 _CREATED_AT = """to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US')"""
 _RECORD_COLUMNS = f"""
-    id::text, scope, {_CREATED_AT},
+    id::text, scope, idempotency_key, {_CREATED_AT},
     operation_version::text, fingerprint, recovery_point, state::text,
     request_params::text, response_status::text, response_headers::text,
     response_body::text, attempts::text, derivation_seed, generation::text,
@@ -144,19 +144,26 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # reuse's need the row finished past its retention, which no row that young is; an
 # operator's `keys delete --force` of the unfinished row can, and the row claimed next then
 # derives the deleted one's keys (docs/concepts/downstream-keys.md says so).
-CLAIM = Statement(f"""
-    WITH claimed AS (
-        INSERT INTO idempotency_keys (
-            scope, operation, idempotency_key, operation_version, request_method,
-            request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
-            lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
-        VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-            %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, %(generation)s, now(),
-            %(token)s, %(lock_timeout)s, now(), 1,
-            now() + make_interval(secs => {backoff.delay_sql("0")}))
-        ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
-        RETURNING id, created_at, ctid, request_params
-    )
+#
+# The first attempt's back-off (its next_attempt_at) is computed by the caller
+# (:func:`backoff.backoff_delay` of attempt 0): a row that does not exist yet counts no
+# attempts to compute it from, and the expression cost the server about 1 % of a fresh
+# request. Where Citus distributes the keys (CLAIM_BOUND), the row is formatted around the
+# INSERT (see _RECORD_COLUMNS); on one server, in its RETURNING: the query around it cost
+# about as much again.
+_CLAIM = """
+    INSERT INTO idempotency_keys (
+        scope, operation, idempotency_key, operation_version, request_method,
+        request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
+        lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
+    VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
+        %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, %(generation)s, now(),
+        %(token)s, %(lock_timeout)s, now(), 1, now() + make_interval(secs => %(first_delay)s))
+    ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
+"""
+CLAIM = Statement(f"{_CLAIM} RETURNING id, {_CREATED_AT}, ctid, request_params")
+CLAIM_BOUND = Statement(f"""
+    WITH claimed AS ({_CLAIM} RETURNING id, created_at, ctid, request_params)
     SELECT id, {_CREATED_AT}, ctid, request_params FROM claimed
 """)
 
@@ -315,13 +322,14 @@ def _staged_values(n: int) -> str:
 # waits: each holds the key's advisory lock shared while it does, so this write cannot take
 # it (and PostgreSQL, which commits the transactions that notify one at a time, is spared
 # the NOTIFY of every other key). A waiter that asks for the lock after this took it waits
-# for the commit, then reads the key again. Computed in a SELECT over the write's rows, not
-# in its RETURNING, which Citus allows only immutable functions: the SELECT runs where the
-# client's transaction is (the coordinator), where the waiters listen.
-_IDENTITY = "md5(scope || chr(31) || operation || chr(31) || idempotency_key)"
+# for the commit, then reads the key again. The lock and the channel are the run's
+# (waits.wake: its key's, which the write's row is); the write runs only if it found the
+# row. In a SELECT over the write's rows, not in its RETURNING, which Citus allows only
+# immutable functions: the SELECT runs where the client's transaction is (the
+# coordinator), where the waiters listen.
 _WAKE = (
-    "CASE WHEN pg_try_advisory_xact_lock(('x' || left(identity, 16))::bit(64)::bigint) "
-    "THEN NULL ELSE pg_notify('recoverypoint_' || identity, '')::text END"
+    "CASE WHEN pg_try_advisory_xact_lock(%(wake_lock)s::bigint) "
+    "THEN NULL ELSE pg_notify(%(wake_channel)s, '')::text END"
 )
 
 
@@ -337,10 +345,7 @@ def _written_out(sql: str, where: str, returning: str, wakes: bool) -> tuple[str
     if not wakes:
         return "", f"written AS ({write})"
     names = "ctid" + (", returned" if returning else "")
-    return (
-        f"woken AS ({write}, {_IDENTITY} AS identity), ",
-        f"written AS (SELECT {names}, {_WAKE} FROM woken)",
-    )
+    return f"woken AS ({write}), ", f"written AS (SELECT {names}, {_WAKE} FROM woken)"
 
 
 def _alone(sql: str, where: str, returning: str, wakes: bool) -> str:

@@ -14,6 +14,7 @@ import psycopg
 import sqlalchemy as sa
 
 from .. import distribute
+from ..backoff import backoff_delay
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
@@ -56,14 +57,23 @@ def forget_expired(
 
 
 def claim(
-    tx: Transaction, request: ClaimRequest, generation: int, schedule: dict[str, Any]
+    tx: Transaction,
+    request: ClaimRequest,
+    generation: int,
+    schedule: dict[str, Any],
+    *,
+    bound: bool,
 ) -> KeyRecord | None:
     """Take the key if it can be taken, a new row at ``generation`` (as :func:`finished_key`
     read it); ``None`` only if the row vanished (reaped) meanwhile.
     ``schedule``: when the next attempt is due should this one fail
-    (:func:`recoverypoint.backoff.sql_params`)."""
+    (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
+    Citus (see :func:`bind`)."""
+    first_delay = backoff_delay(
+        0, base=schedule["retry_base"], cap=schedule["retry_cap"], jitter=schedule["jitter"]
+    )
     params = {
-        **schedule,
+        "first_delay": first_delay,
         "generation": generation,
         "scope": request.scope,
         "operation": request.operation,
@@ -78,7 +88,7 @@ def claim(
         "lock_timeout": request.lock_timeout,
     }
     with _waiting_for_key:
-        row = tx.fetch(sql.CLAIM, params)
+        row = tx.fetch(sql.CLAIM_BOUND if bound else sql.CLAIM, params)
     if row is not None:
         return KeyRecord.new_row(row, request, generation)
     return _fetch_record(tx, sql.CLAIMED_BEFORE, params)
@@ -253,6 +263,18 @@ def _fetch_record(
     return None if row is None else KeyRecord.parse(row)
 
 
+def _found_by(key: KeyRef) -> dict[str, Any]:
+    """The parameters that find a fenced write's row, and wake the key's waiters."""
+    return {
+        "scope": key.scope,
+        "id": key.id,
+        "token": key.token,
+        "ctid": key.ctid,
+        "wake_lock": key.wake_lock,
+        "wake_channel": key.wake_channel,
+    }
+
+
 def _commit_fenced(
     tx: Transaction,
     key: KeyRef,
@@ -263,7 +285,7 @@ def _commit_fenced(
     """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
     jobs; else (a step's result committed on its own) by address, then by id."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
-    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
+    params = {**params, **_found_by(key)}
     if key.locked_by is tx:
         params["tx"] = tx.token
         for i, job in enumerate(jobs):
@@ -307,7 +329,7 @@ def _fenced_alone(
     db: sa.Engine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
 ) -> bool:
     """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
-    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
+    params = {**params, **_found_by(key)}
     with borrowed(db) as (_, connection), _waiting_for_key:
         cursor = connection.execute(statement.by_ctid, params)
         row = cursor.fetchone()

@@ -12,6 +12,7 @@ import psycopg
 import sqlalchemy.ext.asyncio as sa_async
 
 from .. import distribute
+from ..backoff import backoff_delay
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
@@ -54,14 +55,23 @@ async def forget_expired(
 
 
 async def claim(
-    tx: AsyncTransaction, request: ClaimRequest, generation: int, schedule: dict[str, Any]
+    tx: AsyncTransaction,
+    request: ClaimRequest,
+    generation: int,
+    schedule: dict[str, Any],
+    *,
+    bound: bool,
 ) -> KeyRecord | None:
     """Take the key if it can be taken, a new row at ``generation`` (as :func:`finished_key`
     read it); ``None`` only if the row vanished (reaped) meanwhile.
     ``schedule``: when the next attempt is due should this one fail
-    (:func:`recoverypoint.backoff.sql_params`)."""
+    (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
+    Citus (see :func:`bind`)."""
+    first_delay = backoff_delay(
+        0, base=schedule["retry_base"], cap=schedule["retry_cap"], jitter=schedule["jitter"]
+    )
     params = {
-        **schedule,
+        "first_delay": first_delay,
         "generation": generation,
         "scope": request.scope,
         "operation": request.operation,
@@ -76,7 +86,7 @@ async def claim(
         "lock_timeout": request.lock_timeout,
     }
     with _waiting_for_key:
-        row = await tx.fetch(sql.CLAIM, params)
+        row = await tx.fetch(sql.CLAIM_BOUND if bound else sql.CLAIM, params)
     if row is not None:
         return KeyRecord.new_row(row, request, generation)
     return await _fetch_record(tx, sql.CLAIMED_BEFORE, params)
@@ -259,6 +269,18 @@ async def _fetch_record(
     return None if row is None else KeyRecord.parse(row)
 
 
+def _found_by(key: KeyRef) -> dict[str, Any]:
+    """The parameters that find a fenced write's row, and wake the key's waiters."""
+    return {
+        "scope": key.scope,
+        "id": key.id,
+        "token": key.token,
+        "ctid": key.ctid,
+        "wake_lock": key.wake_lock,
+        "wake_channel": key.wake_channel,
+    }
+
+
 async def _commit_fenced(
     tx: AsyncTransaction,
     key: KeyRef,
@@ -269,7 +291,7 @@ async def _commit_fenced(
     """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
     jobs; else (a step's result committed on its own) by address, then by id."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
-    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
+    params = {**params, **_found_by(key)}
     if key.locked_by is tx:
         params["tx"] = tx.token
         for i, job in enumerate(jobs):
@@ -313,7 +335,7 @@ async def _fenced_alone(
     db: sa_async.AsyncEngine, key: KeyRef, statement: sql.Fenced, params: dict[str, Any]
 ) -> bool:
     """A fenced write in a transaction of its own; ``False`` when the lease is not ours."""
-    params = {**params, "scope": key.scope, "id": key.id, "token": key.token, "ctid": key.ctid}
+    params = {**params, **_found_by(key)}
     async with borrowed(db) as (_, connection):
         with _waiting_for_key:
             cursor = await connection.execute(statement.by_ctid, params)
