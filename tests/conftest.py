@@ -34,6 +34,7 @@ from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
 from recoverypoint import migrate
+from recoverypoint.admin import keys as admin_keys
 from recoverypoint.database import create_engine, normalize_url
 from recoverypoint.embedded import embedded_database
 from recoverypoint.testing import temporary_database
@@ -145,6 +146,23 @@ def _migrated(url: str, layout: str) -> None:
             engine.dispose()
 
 
+def assert_keys_whole(url: str) -> None:
+    """Every key row in the database at ``url`` is whole (no finished row without its
+    response, no abandoned row unfinished): what the table's CHECK constraints kept before
+    migration 0017, checked in every database the tests used, once they are done with it."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            if conn.execute(sa.text("SELECT to_regclass('idempotency_keys')")).scalar() is None:
+                return
+            broken = conn.execute(
+                sa.text(f"SELECT k.* FROM idempotency_keys AS k WHERE {admin_keys.BROKEN}")
+            ).all()
+    finally:
+        engine.dispose()
+    assert not broken, f"key rows that are not whole: {broken}"
+
+
 @pytest.fixture(scope="session")
 def database_url(server_url: str, layout: str) -> Iterator[str]:
     """A database of this session alone, at the newest schema (``postgresql+psycopg://``),
@@ -152,6 +170,7 @@ def database_url(server_url: str, layout: str) -> Iterator[str]:
     with temporary_database(server_url) as url:
         _migrated(url, layout)
         yield url
+        assert_keys_whole(url)
 
 
 @pytest.fixture(scope="session")
@@ -183,6 +202,7 @@ class _OwnDatabases:
         url = later.enter_context(temporary_database(self.server_url, template=template))
         try:
             yield url
+            assert_keys_whole(url)
         finally:
             self.drops.append(self.dropper.submit(later.close))
 

@@ -76,6 +76,34 @@ def test_stuck_keys_and_failing_jobs_are_warned_about(
     assert "1 failing" in found["staged jobs"]["detail"]
 
 
+def test_a_key_row_that_is_not_whole_fails_the_keys_check(
+    worker_db: sa.Engine, worker_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # No CHECK constraint keeps them out since migration 0017: written here as something
+    # else than recoverypoint could, a finished row without its response and an abandoned
+    # one that is not finished, beside whole ones.
+    whole = plant(worker_db, count=2, finished_at="now()", response_status="201")
+    broken = plant(worker_db, finished_at="now()") + plant(worker_db, abandoned_at="now()")
+    try:
+        status, found = checks(worker_database_url, capsys)
+
+        assert status == 1
+        assert found["keys"]["status"] == "fail"
+        assert "2 not whole" in found["keys"]["detail"]
+        # The query the hint gives finds exactly those rows.
+        hint = found["keys"]["hint"]
+        assert "something else wrote to idempotency_keys" in hint
+        query = re.search(r"`(SELECT [^`]*)`", hint)
+        assert query is not None
+        with worker_db.connect() as conn:
+            assert sorted(conn.execute(sa.text(query[1])).scalars()) == sorted(broken)
+    finally:
+        with worker_db.begin() as conn:  # the suite checks every database for such rows
+            conn.execute(sa.text("DELETE FROM idempotency_keys WHERE id = ANY(:ids)"),
+                         {"ids": broken})  # fmt: skip
+    assert whole
+
+
 def test_autovacuum_turned_off_is_warned_about(worker_db: sa.Engine) -> None:
     with worker_db.begin() as conn:
         conn.execute(sa.text("ALTER TABLE staged_jobs SET (autovacuum_enabled = false)"))

@@ -29,7 +29,7 @@ UNREACHABLE_URL = "postgresql://127.0.0.1:1/x"  # nothing listens on port 1
 # Every revision, oldest first; the last one is the head.
 REVISIONS = (
     "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012",
-    "0013", "0014", "0015", "0016",
+    "0013", "0014", "0015", "0016", "0017",
 )
 HEAD = REVISIONS[-1]
 TABLES = {
@@ -425,5 +425,67 @@ def test_0014s_downgrade_keeps_one_record_per_consumer_and_message(
             assert key == "PRIMARY KEY (consumer, message_id)"
             previous = sa.text(_PREVIOUS_MARK_PROCESSED)
             assert not conn.execute(previous, {"consumer": "c", "message_id": "m"}).first()
+    finally:
+        db.dispose()
+
+
+_CHECKS = (
+    "SELECT conname FROM pg_constraint "
+    "WHERE conrelid = 'idempotency_keys'::regclass AND contype = 'c' ORDER BY conname"
+)
+_UNFINISHED_ROW = (
+    "INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version, "
+    "request_method, request_path, request_params, fingerprint, locked_at, lock_token{}) "
+    "VALUES ('s', 'op', '{}', 1, 'POST', '/', '{{}}', 'f', now(), gen_random_uuid(){}) "
+    "RETURNING id"
+)
+
+
+@pytest.mark.slow
+def test_0017_drops_the_row_checks_and_its_downgrade_restores_them(
+    empty_database_url: str,
+) -> None:
+    # An installation at 0016 with a key in flight and a finished one.
+    _alembic(empty_database_url, "upgrade", "0016")
+    db = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with db.begin() as conn:
+            assert conn.exec_driver_sql(_CHECKS).scalars().all() == [
+                "idempotency_keys_abandoned_finished",
+                "idempotency_keys_finished",
+            ]
+            in_flight = conn.exec_driver_sql(_UNFINISHED_ROW.format("", "k1", "")).scalar_one()
+            conn.exec_driver_sql(
+                _UNFINISHED_ROW.format(", finished_at, response_status", "k2", ", now(), 201")
+            )
+
+        _alembic(empty_database_url, "upgrade", "head")
+
+        with db.begin() as conn:
+            assert conn.exec_driver_sql(_CHECKS).scalars().all() == []
+            leased = conn.exec_driver_sql(
+                "SELECT lock_token IS NOT NULL FROM idempotency_keys WHERE id = %s", (in_flight,)
+            ).scalar_one()
+            assert leased  # the key in flight keeps its lease
+
+        _alembic(empty_database_url, "downgrade", "0016")
+        with db.begin() as conn:
+            assert len(conn.exec_driver_sql(_CHECKS).scalars().all()) == 2
+        _alembic(empty_database_url, "upgrade", "head")
+
+        # A row that is not whole, written by something else than recoverypoint: the
+        # downgrade refuses to restore the checks over it, and changes nothing.
+        with db.begin() as conn:
+            conn.exec_driver_sql(
+                _UNFINISHED_ROW.format(", finished_at", "k3", ", now()").replace(
+                    "RETURNING id", ""
+                )
+            )
+        with pytest.raises(AssertionError, match="idempotency_keys_finished"):
+            _alembic(empty_database_url, "downgrade", "0016")
+        version = "SELECT version_num FROM recoverypoint_alembic_version"
+        assert query(empty_database_url, version) == ["0017"]
+        with db.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM idempotency_keys WHERE idempotency_key = 'k3'")
     finally:
         db.dispose()

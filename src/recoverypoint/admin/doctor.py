@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from ..migrate import VERSION_TABLE, migrations_dir
 from ..running import late
 from .base import NEEDS_RECONCILIATION, STUCK, Admin
-from .keys import nearing_windows, stats
+from .keys import BROKEN, nearing_windows, stats
 from .unfinishable import UnfinishableKeys, unfinishable
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -178,6 +178,17 @@ def _keys(admin: Admin) -> Check:
     figures = stats(admin)
     stuck, abandoned = figures.by_state[STUCK], figures.by_state["abandoned"]
     detail = f"{sum(figures.by_state.values())} keys, {stuck} stuck, {abandoned} abandoned"
+    if figures.broken:
+        return Check(
+            "keys",
+            FAIL,
+            f"{detail}; {figures.broken} not whole (finished without a response, or "
+            "abandoned without being finished)",
+            "recoverypoint never writes such a row: something else wrote to "
+            "idempotency_keys. Find the rows with `SELECT id, scope FROM idempotency_keys "
+            "AS k WHERE " + " ".join(BROKEN.split()) + "`, and what wrote them; a retry "
+            "of such a key fails until the row is fixed or deleted",
+        )
     if stuck:
         return Check("keys", WARN, detail, "see `recoverypoint keys list --state stuck`")
     return Check("keys", OK, detail)
