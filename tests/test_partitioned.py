@@ -48,6 +48,9 @@ _KEY = {
     "id": 7,
     "ctid": "(0,1)",
     "tx": "1",
+    "first_delay": 1.0,
+    "wake_lock": 7,
+    "wake_channel": "recoverypoint_0",
 }
 _PHASE = {
     "point": "b",
@@ -82,6 +85,7 @@ def _fenced() -> Iterator[tuple[str, str]]:
 
 REQUEST_PATH = [
     ("FIND_FINISHED", sql.FIND_FINISHED.text),
+    ("FIND_FINISHED_BOUND", sql.FIND_FINISHED_BOUND.text),
     ("PAST_RETENTION", sql.PAST_RETENTION.text),
     # CLAIM only inserts its one row, which lands in its scope's partition by its value: its
     # plan names none. What it reads when the key exists, it reads with CLAIMED_BEFORE.

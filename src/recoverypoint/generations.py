@@ -11,8 +11,10 @@ before generations existed). The rule, written here once in SQL:
   operator's ``keys delete`` and ``keys purge``) records the key's next generation in
   ``key_generations``, in the statement that deletes the row (:func:`record_next`, or
   :func:`record` where the deletion knows it beforehand);
-- the claim that inserts a key row takes the recorded generation, 0 when none, as the
-  lookup before its transaction read it (:data:`recoverypoint.engine.sql.FIND_FINISHED`).
+- the claim that inserts a key row takes the recorded generation, 0 when none: read by the
+  INSERT itself on one server (:data:`recoverypoint.engine.sql.CLAIM`), by the lookup
+  before its transaction where Citus distributes the keys
+  (:data:`recoverypoint.engine.sql.FIND_FINISHED_BOUND`).
 
 A row lost in a failover to a lagging standby is claimed again at the generation it had:
 its deletion's record was lost with it, or kept with it, as the two were written in one

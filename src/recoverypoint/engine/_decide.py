@@ -155,14 +155,12 @@ class KeyRecord(NamedTuple):
         )
 
     @classmethod
-    def new_row(
-        cls, row: Sequence[str | None], request: ClaimRequest, generation: int
-    ) -> KeyRecord:
+    def new_row(cls, row: Sequence[str | None], request: ClaimRequest) -> KeyRecord:
         """The record the claim inserted, from what it wrote and the columns it returned
-        (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time, address, and the params
-        as jsonb stored them, which every later run of the key reads too)."""
-        key_id, created_at, ctid, params = row
-        assert key_id and created_at and ctid and params is not None
+        (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time, address, the params as
+        jsonb stored them, which every later run of the key reads too, and the generation)."""
+        key_id, created_at, ctid, params, generation = row
+        assert key_id and created_at and ctid and params is not None and generation
         return cls(
             int(key_id),
             request.scope,
@@ -178,7 +176,7 @@ class KeyRecord(NamedTuple):
             None,
             1,
             request.seed,
-            generation,
+            int(generation),
             ctid,
             0.0,  # its point was reached as it was inserted
             0,

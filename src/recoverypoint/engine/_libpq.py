@@ -1,11 +1,11 @@
 """The engine's own statements on libpq, through psycopg's ``pq`` module.
 
 Each :class:`~recoverypoint.engine.sql.Statement` is prepared once per connection (sent unnamed
-behind a pooler, :mod:`recoverypoint._pooler`); a transaction's
-first statement travels in one pipeline with its BEGIN, and the write that records a phase
-with its COMMIT (that write raises when it misses its row, which aborts the transaction
-before COMMIT runs). A psycopg cursor costs about as much client CPU again as the round
-trip it sends (benchmarks/README.md, "Round trips or CPU").
+behind a pooler, :mod:`recoverypoint._pooler`), BEGIN, the transaction's token and COMMIT
+among them; a transaction's first statement travels in one pipeline with its BEGIN, and the
+write that records a phase with its COMMIT (that write raises when it misses its row, which
+aborts the transaction before COMMIT runs). A psycopg cursor costs about as much client
+CPU again as the round trip it sends (benchmarks/README.md, "Round trips or CPU").
 
 The pipeline is written once, as a conversation that says what it waits for
 (:func:`pipeline`): the sync engine waits here, on poll() without the GIL; the async engine
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import select
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 from uuid import UUID
 
@@ -99,24 +99,21 @@ def _run(
     begin: str | None,
     commit: bool,
 ) -> Any:
-    name = _prepared(pooled, connection, statement)
     if begin is not None or commit:
-        return _pipelined(connection, statement, name, values, begin, commit)
+
+        def named(command: sql.Statement) -> tuple[bytes | None, bool]:
+            return _prepared(pooled, connection, command), False  # prepared before
+
+        return _pipelined(connection, transaction(statement, values, begin, commit, named))
+    name = _prepared(pooled, connection, statement)
     pgconn = connection.pgconn
     if name is None:
         return checked(connection, pgconn.exec_params(statement.positional, values))
     return checked(connection, pgconn.exec_prepared(name, values))
 
 
-def _pipelined(
-    connection: psycopg.Connection[Any],
-    statement: sql.Statement,
-    name: bytes | None,
-    values: list[bytes],
-    begin: str | None,
-    commit: bool,
-) -> Any:
-    exchange = pipeline(connection.pgconn, statement, name, values, begin=begin, commit=commit)
+def _pipelined(connection: psycopg.Connection[Any], commands: Commands) -> Any:
+    exchange = pipeline(connection.pgconn, commands)
     try:
         return answer(connection, _drive(connection.pgconn, exchange))
     finally:
@@ -133,46 +130,77 @@ def _pipelined(
 Exchange = Generator[Wait, Ready | int, T]
 
 
-def pipeline(
-    pgconn: Any,
+class Command(NamedTuple):
+    """One statement of a pipeline: sent under the ``name`` it is prepared under (prepared
+    there first if ``prepare``: a Close of the name, then its Parse; see :func:`_prepare`),
+    or unnamed, parsed with this execution, when ``name`` is ``None``."""
+
+    text: bytes
+    name: bytes | None
+    values: list[bytes] | None
+    prepare: bool
+
+
+class Commands(NamedTuple):
+    """A pipeline's statements in order, and the place of the one whose result is asked for."""
+
+    commands: list[Command]
+    statement: int
+
+
+def transaction(
     statement: sql.Statement,
-    name: bytes | None,
     values: list[bytes],
-    *,
     begin: str | None,
     commit: bool,
-    prepare: bool = False,
-) -> Exchange[Pipelined]:
-    """``statement`` in one pipeline, after BEGIN and before COMMIT when asked, prepared
-    under ``name`` just before if ``prepare`` (a Close of the name first: see
-    :func:`_prepare`);
-    what came back, for :func:`answer`."""
-    pgconn.enter_pipeline_mode()
-    began = 0 if begin is None else 2  # BEGIN and the transaction's token
-    try:
-        if begin is not None:
-            # First: a Parse may take the snapshot that BEGIN's isolation level sets. Then
-            # the transaction's token (sql.mark), which the write that records a phase checks.
-            pgconn.send_query_params(sql.BEGIN, None)
-            pgconn.send_query_params(sql.mark(begin), None)
-        if prepare:
-            pgconn.send_close_prepared(name)
-            pgconn.send_prepare(name, statement.positional)
-        if name is None:  # unnamed: parsed with this execution, in the same round trip
-            pgconn.send_query_params(statement.positional, values)
+    named: Callable[[sql.Statement], tuple[bytes | None, bool]],
+) -> Commands:
+    """``statement``, after BEGIN and the transaction's token ``begin`` (see
+    :func:`recoverypoint.engine.sql.mark`) when one is given, and before COMMIT when asked;
+    each sent as ``named`` says (the name it goes under, and whether to prepare it first).
+    BEGIN first: a Parse may take the snapshot that its isolation level sets, so every other
+    statement is parsed after it."""
+    commands = []
+    if begin is not None:
+        name, prepare = named(sql.BEGIN_STATEMENT)
+        commands.append(Command(sql.BEGIN, name, None, prepare))
+        name, prepare = named(sql.MARK)
+        if name is None:  # unnamed, as a utility statement: parsed, not planned
+            commands.append(Command(sql.mark(begin), None, None, False))
         else:
-            pgconn.send_query_prepared(name, values)
-        if commit:
-            pgconn.send_query_params(b"COMMIT", None)
+            commands.append(Command(sql.MARK.positional, name, [begin.encode()], prepare))
+    name, prepare = named(statement)
+    commands.append(Command(statement.positional, name, values, prepare))
+    if commit:
+        name, prepare = named(sql.COMMIT)
+        commands.append(Command(sql.COMMIT.positional, name, None, prepare))
+    return Commands(commands, len(commands) - 1 - commit)
+
+
+def pipeline(pgconn: Any, commands: Commands) -> Exchange[Pipelined]:
+    """``commands`` in one pipeline; what came back, for :func:`answer`."""
+    pgconn.enter_pipeline_mode()
+    try:
+        sent, statement = 0, 0  # the results to read; the asked-for one's place among them
+        for place, command in enumerate(commands.commands):
+            if command.prepare:
+                pgconn.send_close_prepared(command.name)
+                pgconn.send_prepare(command.name, command.text)
+                sent += 2
+            if place == commands.statement:
+                statement = sent
+            if command.name is None:
+                pgconn.send_query_params(command.text, command.values)
+            else:
+                pgconn.send_query_prepared(command.name, command.values)
+            sent += 1
         pgconn.pipeline_sync()
         while pgconn.flush():
             if (yield Wait.RW) & Ready.R:
                 pgconn.consume_input()
-        began = 0 if begin is None else 2  # BEGIN and the token
-        commands = 2 * prepare + began + 1 + commit
         results: list[Any] = []
         ended = 0  # each command's results end with a None
-        while ended < commands:
+        while ended < sent:
             result = yield from next_result(pgconn)
             if result is None:
                 ended += 1
@@ -184,7 +212,7 @@ def pipeline(
         # caller then closes the connection.
         with contextlib.suppress(psycopg.Error):
             pgconn.exit_pipeline_mode()
-    return Pipelined(results, synced, commands, 2 * prepare + began)
+    return Pipelined(results, synced, sent, statement)
 
 
 class Pipelined(NamedTuple):

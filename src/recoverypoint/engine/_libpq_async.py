@@ -70,15 +70,17 @@ async def _run(
     commit: bool,
 ) -> Any:
     info = pooled.info
-    name: bytes | None = None
     prepared: set[bytes] | None = None
     if UNPREPARED not in info and _libpq.CLOSES:
-        name = statement.name
         prepared = info.setdefault(_libpq.PREPARED, set())
-    prepare = prepared is not None and name not in prepared
-    exchange = _libpq.pipeline(
-        connection.pgconn, statement, name, values, begin=begin, commit=commit, prepare=prepare
-    )
+
+    def named(command: sql.Statement) -> tuple[bytes | None, bool]:
+        if prepared is None:
+            return None, False
+        return command.name, command.name not in prepared
+
+    commands = _libpq.transaction(statement, values, begin, commit, named)
+    exchange = _libpq.pipeline(connection.pgconn, commands)
     try:
         result = _libpq.answer(connection, await connection.wait(exchange))
     finally:
@@ -87,7 +89,6 @@ async def _run(
             # Results still pending: the connection cannot be used again, and the pool
             # drops a closed one.
             await connection.close()
-    if prepare:
-        assert prepared is not None and name is not None
-        prepared.add(name)
+    if prepared is not None:
+        prepared.update(c.name for c in commands.commands if c.prepare and c.name is not None)
     return result

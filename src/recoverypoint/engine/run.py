@@ -471,7 +471,7 @@ class Engine(Registry):
         claim.run = claim.abandoned = None
         operation, request, params = claim.operation, claim.request, claim.params
         honoured_for = operation.honoured_for.total_seconds()
-        finished, generation = store.finished_key(tx, request, honoured_for)
+        finished, generation = store.finished_key(tx, request, honoured_for, bound=self.bound)
         if finished is not None and finished.expired:
             # Past its retention a key is a new request, whether or not it was reaped.
             store.forget_expired(tx, request, honoured_for, generation)

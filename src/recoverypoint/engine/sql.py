@@ -47,9 +47,11 @@ def mark(token: str) -> bytes:
     trip. A setting ``SET LOCAL`` makes ends with its transaction, so phase code that ends
     the engine's transaction and begins another leaves a transaction without it; unlike a
     transaction id, it is read on the server that runs the statement, which on Citus is the
-    coordinator for BEGIN and for the write's condition alike. ``SET LOCAL`` rather than
-    ``SELECT set_config(...)``: a utility statement is parsed but not planned, where the
-    SELECT was planned anew in every transaction."""
+    coordinator for BEGIN and for the write's condition alike. Where the engine prepares its
+    statements it sends :data:`MARK` instead, prepared with its parameter; this is the form
+    for where it sends them unnamed (behind a pooler), as ``SET LOCAL`` rather than
+    ``SELECT set_config(...)``: a utility statement is parsed but not planned, where an
+    unnamed SELECT was planned anew in every transaction."""
     if not token.isdigit():
         raise ValueError(f"not a transaction token: {token!r}")
     return f"SET LOCAL {TOKEN} = '{token}'".encode()
@@ -84,6 +86,14 @@ class Statement:
     def __repr__(self) -> str:
         return f"Statement({self.text!r})"
 
+
+# BEGIN, the transaction's token (see :func:`mark`) and COMMIT as the pipelines send them
+# where the engine prepares its statements (recoverypoint.engine._libpq): prepared once per
+# connection, as every other statement of the engine's is. Sent unnamed, each was parsed
+# and analyzed anew in every transaction, 4 % of a fresh request's server instructions.
+BEGIN_STATEMENT = Statement(BEGIN.decode())
+MARK = Statement(f"SELECT set_config('{TOKEN}', %(tx)s, true)")
+COMMIT = Statement("COMMIT")
 
 # Begins the transaction a SQLAlchemy Connection of phase code then joins.
 NOTHING = "SELECT 1"
@@ -137,13 +147,16 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # SERIALIZABLE a conflicting row this snapshot cannot see raises 40001, and the claim is
 # retried with a fresh snapshot.
 #
-# A new row takes the key's generation (recoverypoint.generations) as FIND_FINISHED read it,
-# just before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a
-# check in this statement would cost a command to the worker per new key. Only a deletion
-# of a row of the key created after that read can come in between: the reaper's and a
-# reuse's need the row finished past its retention, which no row that young is; an
-# operator's `keys delete --force` of the unfinished row can, and the row claimed next then
-# derives the deleted one's keys (docs/concepts/downstream-keys.md says so).
+# A new row takes the key's generation (recoverypoint.generations): on one server, read by
+# the INSERT itself, in the claim's transaction (after PAST_RETENTION, when it ran, recorded
+# the next one). Where Citus distributes the keys, as FIND_FINISHED_BOUND read it just
+# before the transaction: Citus refuses a sub-select in INSERT ... VALUES, and a check in
+# this statement would cost a command to the worker per new key. Only a deletion of a row
+# of the key created after that read can come in between: the reaper's and a reuse's need
+# the row finished past its retention, which no row that young is; an operator's `keys
+# delete --force` of the unfinished row can, and the row claimed next then derives the
+# deleted one's keys (docs/concepts/downstream-keys.md says so). Either returns the
+# generation it gave the row.
 #
 # The first attempt's back-off (its next_attempt_at) is computed by the caller
 # (:func:`backoff.backoff_delay` of attempt 0): a row that does not exist yet counts no
@@ -157,14 +170,24 @@ _CLAIM = """
         request_path, request_params, fingerprint, derivation_seed, generation, locked_at,
         lock_token, lock_timeout, point_reached_at, attempts, next_attempt_at)
     VALUES (%(scope)s, %(operation)s, %(key)s, %(version)s, %(method)s,
-        %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, %(generation)s, now(),
+        %(path)s, %(params)s::jsonb, %(fingerprint)s, %(seed)s, {generation}, now(),
         %(token)s, %(lock_timeout)s, now(), 1, now() + make_interval(secs => %(first_delay)s))
     ON CONFLICT (scope, operation, idempotency_key) DO NOTHING
 """
-CLAIM = Statement(f"{_CLAIM} RETURNING id, {_CREATED_AT}, ctid, request_params")
+_RECORDED_GENERATION = """coalesce((
+    SELECT g.generation FROM key_generations AS g
+    WHERE g.scope = %(scope)s AND g.operation = %(operation)s
+      AND g.idempotency_key = %(key)s), 0)"""
+CLAIM = Statement(
+    _CLAIM.format(generation=_RECORDED_GENERATION)
+    + f" RETURNING id, {_CREATED_AT}, ctid, request_params, generation"
+)
 CLAIM_BOUND = Statement(f"""
-    WITH claimed AS ({_CLAIM} RETURNING id, created_at, ctid, request_params)
-    SELECT id, {_CREATED_AT}, ctid, request_params FROM claimed
+    WITH claimed AS (
+        {_CLAIM.format(generation="%(generation)s")}
+        RETURNING id, created_at, ctid, request_params, generation
+    )
+    SELECT id, {_CREATED_AT}, ctid, request_params, generation FROM claimed
 """)
 
 # The row of a key CLAIM found there, read in the claim's transaction (the row it conflicted
@@ -221,31 +244,43 @@ ABANDON_EXHAUSTED = Statement(f"""
 # row never changes until the reaper deletes it. Only what a replay reads (see
 # Finished.parse): the request's params and the phases' state may be large. Then whether
 # it is past the retention it is honoured for (see PAST_RETENTION), and the generation a
-# new row of the key takes (recoverypoint.generations): the finished row's next when it is
-# past its retention (PAST_RETENTION records it), else the recorded one, 0 when none; for
-# CLAIM. One row, whether or not the key exists; one
-# shard on Citus (both tables are distributed by scope, co-located). Never through a
-# cursor: libpq's text results are each column's text already, without a cast to compute.
-FIND_FINISHED = Statement("""
+# new row of the key would take after it (recoverypoint.generations). No row when the key
+# is not finished (or does not exist). Never through a cursor: libpq's text results are
+# each column's text already, without a cast to compute.
+_FINISHED = """
     SELECT k.operation_version, k.fingerprint, k.response_status,
            k.response_headers, k.response_body,
            (k.abandoned_at IS NULL
             AND k.finished_at <= now() - make_interval(secs => %(retention)s)),
-           coalesce(greatest(k.generation + 1, g.generation), 0)
-    FROM (SELECT) AS lookup
-    LEFT JOIN idempotency_keys AS k
-      ON k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
-     AND k.finished_at IS NOT NULL
+           {generation}
+    FROM {source}
+"""
+_KEY_FINISHED = """idempotency_keys AS k
+      {join} k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
+     AND k.finished_at IS NOT NULL"""
+FIND_FINISHED = Statement(
+    _FINISHED.format(generation="k.generation + 1", source=_KEY_FINISHED.format(join="WHERE"))
+)
+# Where Citus distributes the keys, the generation a new row takes comes from here too (see
+# CLAIM): the finished row's next when it is past its retention (PAST_RETENTION records
+# it), else the recorded one, 0 when none. One row, whether or not the key exists; one
+# shard (both tables are distributed by scope, co-located).
+FIND_FINISHED_BOUND = Statement(
+    _FINISHED.format(
+        generation="coalesce(greatest(k.generation + 1, g.generation), 0)",
+        source=f"""(SELECT) AS lookup
+    LEFT JOIN {_KEY_FINISHED.format(join="ON")}
     LEFT JOIN key_generations AS g
-      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s
-""")
+      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s""",
+    )
+)
 
 # A key finished longer ago than the retention it is honoured for: a reuse of it is a new
 # request, whether or not the reaper got to it. Deleted in the claim's transaction, before
 # CLAIM inserts the new one; the condition is checked again here, under SERIALIZABLE. An
 # abandoned key stays: it is a human's to look at, kept until the reaper's longer retention.
 # Records the key's next generation, which the claim then gives the new row, as
-# FIND_FINISHED read it before the transaction (the row's, plus one: a finished row never
+# FIND_FINISHED(_BOUND) read it before the transaction (the row's, plus one: a finished row never
 # changes; and when this finds the row gone, reaped meanwhile, the reaper recorded the same).
 # From that value, so that on Citus the statement stays on the scope's shard
 # (generations.record).

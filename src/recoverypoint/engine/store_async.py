@@ -21,20 +21,22 @@ from .context.common import StagedJob
 
 
 async def finished_key(
-    tx: AsyncTransaction, request: ClaimRequest, retention: float
+    tx: AsyncTransaction, request: ClaimRequest, retention: float, *, bound: bool
 ) -> tuple[Finished | None, int]:
     """The key if it is finished, read before the transaction begins, and the generation a
-    new row of the key takes (for :func:`claim`); ``retention``: the seconds it is
-    honoured for."""
+    new row of the key takes after it (for :func:`forget_expired`; for :func:`claim` too
+    where the keys are distributed, ``bound``); ``retention``: the seconds it is honoured
+    for."""
     params = {
         "scope": request.scope,
         "operation": request.operation,
         "key": request.key,
         "retention": retention,
     }
-    row = await tx.lookup(sql.FIND_FINISHED, params)
-    assert row is not None  # one row, whether or not the key exists
-    return (None if row[0] is None else Finished.parse(row[:6])), int(row[6] or 0)
+    row = await tx.lookup(sql.FIND_FINISHED_BOUND if bound else sql.FIND_FINISHED, params)
+    if row is None or row[0] is None:  # none (one server), or the joins' empty row (Citus)
+        return None, 0 if row is None else int(row[6] or 0)
+    return Finished.parse(row[:6]), int(row[6] or 0)
 
 
 async def forget_expired(
@@ -62,8 +64,9 @@ async def claim(
     *,
     bound: bool,
 ) -> KeyRecord | None:
-    """Take the key if it can be taken, a new row at ``generation`` (as :func:`finished_key`
-    read it); ``None`` only if the row vanished (reaped) meanwhile.
+    """Take the key if it can be taken, a new row at its recorded generation (read by the
+    claim on one server; ``generation``, as :func:`finished_key` read it, where the keys are
+    distributed); ``None`` only if the row vanished (reaped) meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
     Citus (see :func:`bind`)."""
@@ -88,7 +91,7 @@ async def claim(
     with _waiting_for_key:
         row = await tx.fetch(sql.CLAIM_BOUND if bound else sql.CLAIM, params)
     if row is not None:
-        return KeyRecord.new_row(row, request, generation)
+        return KeyRecord.new_row(row, request)
     return await _fetch_record(tx, sql.CLAIMED_BEFORE, params)
 
 
