@@ -494,6 +494,36 @@ async def test_committing_from_a_phase_is_refused(
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
 
 
+@pytest.mark.parametrize("status", [None, True, "201", 201.0, 99, 600], ids=str)
+async def test_a_response_without_an_http_status_is_refused_and_nothing_commits(
+    engine: rp.AsyncEngine, db: sa.Engine, scope: str, status: Any
+) -> None:
+    """Every retry replays a finished key's status: a phase's Response without one it can
+    replay (no CHECK constraint keeps such a row out since migration 0017) is refused
+    before COMMIT, its writes rolled back with it, and the key released, its attempt
+    counted."""
+    op: rp.Operation[Any] = rp.Operation(f"status_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("started_work")
+    async def start(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> None:
+        return None
+
+    @op.atomic_phase("finished")
+    async def finish(tx: rp.AsyncAtomicContext, params: dict[str, Any]) -> rp.Response:
+        await tx.execute(
+            "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, 'x', 1)", (scope,)
+        )
+        return rp.Response(status)
+
+    engine.register(op)
+    with pytest.raises(TypeError, match="give an HTTP status, an int from 100 to 599"):
+        await engine.run(op, key="k", scope=scope, params={})
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+    row = key_row(db, scope)
+    assert (row.recovery_point, row.lock_token, row.response_status) == ("started_work", None, None)
+    assert "give an HTTP status" in row.last_error
+
+
 @pytest.mark.parametrize(
     "result",
     [
@@ -504,8 +534,20 @@ async def test_committing_from_a_phase_is_refused(
         rp.Response(200, {"receipt": "\ud800"}),
         rp.Response(200, {"ok": True}, {"x-note": "a\x00b"}),  # a header that is stored
         rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
+        rp.Response(None),  # type: ignore[arg-type]  # no status: a row never replayed
+        rp.Response(True),  # a bool is no HTTP status
     ],
-    ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
+    ids=[
+        "str",
+        "nul",
+        "nan",
+        "object",
+        "surrogate",
+        "header-nul",
+        "headers-list",
+        "status-none",
+        "status-bool",
+    ],
 )
 async def test_a_step_result_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
     engine: rp.AsyncEngine, db: sa.Engine, scope: str, result: object

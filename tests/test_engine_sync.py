@@ -475,6 +475,36 @@ def test_committing_from_a_phase_is_refused(engine: rp.Engine, db: sa.Engine, sc
     assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
 
 
+@pytest.mark.parametrize("status", [None, True, "201", 201.0, 99, 600], ids=str)
+def test_a_response_without_an_http_status_is_refused_and_nothing_commits(
+    engine: rp.Engine, db: sa.Engine, scope: str, status: Any
+) -> None:
+    """Every retry replays a finished key's status: a phase's Response without one it can
+    replay (no CHECK constraint keeps such a row out since migration 0017) is refused
+    before COMMIT, its writes rolled back with it, and the key released, its attempt
+    counted."""
+    op: rp.Operation[Any] = rp.Operation(f"status_{uuid.uuid4().hex[:8]}")
+
+    @op.atomic_phase("started_work")
+    def start(tx: rp.AtomicContext, params: dict[str, Any]) -> None:
+        return None
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
+        tx.execute(
+            "INSERT INTO audit_records (scope, action, key_id) VALUES (%s, 'x', 1)", (scope,)
+        )
+        return rp.Response(status)
+
+    engine.register(op)
+    with pytest.raises(TypeError, match="give an HTTP status, an int from 100 to 599"):
+        engine.run(op, key="k", scope=scope, params={})
+    assert count(db, "SELECT count(*) FROM audit_records WHERE scope = :s", s=scope) == 0
+    row = key_row(db, scope)
+    assert (row.recovery_point, row.lock_token, row.response_status) == ("started_work", None, None)
+    assert "give an HTTP status" in row.last_error
+
+
 @pytest.mark.parametrize(
     "result",
     [
@@ -485,8 +515,20 @@ def test_committing_from_a_phase_is_refused(engine: rp.Engine, db: sa.Engine, sc
         rp.Response(200, {"receipt": "\ud800"}),
         rp.Response(200, {"ok": True}, {"x-note": "a\x00b"}),  # a header that is stored
         rp.Response(200, {"ok": True}, ["not", "a", "mapping"]),  # type: ignore[arg-type]
+        rp.Response(None),  # type: ignore[arg-type]  # no status: a row never replayed
+        rp.Response(True),  # a bool is no HTTP status
     ],
-    ids=["str", "nul", "nan", "object", "surrogate", "header-nul", "headers-list"],
+    ids=[
+        "str",
+        "nul",
+        "nan",
+        "object",
+        "surrogate",
+        "header-nul",
+        "headers-list",
+        "status-none",
+        "status-bool",
+    ],
 )
 def test_a_step_result_that_cannot_be_stored_finishes_the_key_and_never_runs_again(
     engine: rp.Engine, db: sa.Engine, scope: str, result: object

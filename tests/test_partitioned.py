@@ -87,8 +87,9 @@ REQUEST_PATH = [
     ("FIND_FINISHED", sql.FIND_FINISHED.text),
     ("FIND_FINISHED_BOUND", sql.FIND_FINISHED_BOUND.text),
     ("PAST_RETENTION", sql.PAST_RETENTION.text),
-    # CLAIM only inserts its one row, which lands in its scope's partition by its value: its
-    # plan names none. What it reads when the key exists, it reads with CLAIMED_BEFORE.
+    # CLAIM inserts its one row, which lands in its scope's partition by its value, and reads
+    # the key's recorded generation, by the scope (CLAIM_BOUND takes it as a value). What it
+    # reads when the key exists, it reads with CLAIMED_BEFORE.
     ("CLAIMED_BEFORE", sql.CLAIMED_BEFORE.text),
     ("CLAIM_BY_ID", sql.CLAIM_BY_ID.text),
     ("ABANDON_EXHAUSTED", sql.ABANDON_EXHAUSTED.text),

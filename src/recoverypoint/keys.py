@@ -262,6 +262,13 @@ def downstream_key_of(material: str, point: str, name: str = "", renewals: int =
     return derived_key_of(material, "downstream", *names)
 
 
+def is_http_status(status: object) -> bool:
+    """Whether ``status`` can be a finished key's stored answer: an int from 100 to 599 (an
+    ``IntEnum`` such as ``http.HTTPStatus`` too, not a bool). The key row holds no CHECK for
+    it (migration 0017): a finished row without its status could never be replayed."""
+    return isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
+
+
 def safe_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     """The headers that may be stored and replayed: a replay repeats the answer, never a
     credential, a session or what concerned one connection (see :data:`_UNSAFE_HEADERS`

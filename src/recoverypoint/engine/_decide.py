@@ -27,6 +27,7 @@ from ..keys import (
     canonical_json,
     check_size,
     fingerprint,
+    is_http_status,
     key_seed,
     safe_headers,
     validate_key,
@@ -442,6 +443,8 @@ def step_result(
     running it again could repeat its effect)."""
     try:
         if isinstance(result, Response):
+            if not is_http_status(result.status):
+                raise TypeError(f"its status {result.status!r:.40} is not an HTTP status")
             canonical_json(result.body)
             canonical_json(safe_headers(result.headers))
             return result, state, state_json

@@ -41,7 +41,13 @@ from ..errors import (
     NeedsReconciliation,
 )
 from ..jobs import JobBackend
-from ..keys import DEFAULT_MAX_PARAMS_BYTES, canonical_json, safe_headers, validate_namespace
+from ..keys import (
+    DEFAULT_MAX_PARAMS_BYTES,
+    canonical_json,
+    is_http_status,
+    safe_headers,
+    validate_namespace,
+)
 from ..observe import (
     CLIENT,
     COMPLETER,
@@ -940,6 +946,11 @@ class _Run:
                 self.progress.committed = phase.point
                 return Advanced(point, stored)
             result = NO_CONTENT
+        if not is_http_status(result.status):
+            raise TypeError(
+                f"the Response of phase {phase.point!r} has the status {result.status!r:.40}; "
+                "give an HTTP status, an int from 100 to 599"
+            )
         headers = safe_headers(result.headers)
         try:
             body_json = canonical_json(result.body)
@@ -950,7 +961,7 @@ class _Run:
             self.key,
             jobs,
             state_json=state_json,
-            status=result.status,
+            status=int(result.status),
             headers_json=canonical_json(headers),
             body_json=body_json,
         )

@@ -47,11 +47,12 @@ def mark(token: str) -> bytes:
     trip. A setting ``SET LOCAL`` makes ends with its transaction, so phase code that ends
     the engine's transaction and begins another leaves a transaction without it; unlike a
     transaction id, it is read on the server that runs the statement, which on Citus is the
-    coordinator for BEGIN and for the write's condition alike. Where the engine prepares its
-    statements it sends :data:`MARK` instead, prepared with its parameter; this is the form
-    for where it sends them unnamed (behind a pooler), as ``SET LOCAL`` rather than
-    ``SELECT set_config(...)``: a utility statement is parsed but not planned, where an
-    unnamed SELECT was planned anew in every transaction."""
+    coordinator for BEGIN and for the write's condition alike. The engine's pipelines send
+    :data:`MARK` instead where they prepare their statements; this form goes where a
+    statement is parsed with its execution (behind a pooler, and in the simple query that
+    begins a transaction for phase code), as ``SET LOCAL`` rather than ``SELECT
+    set_config(...)``: a utility statement is parsed but not planned, where an unnamed
+    SELECT was planned anew in every transaction."""
     if not token.isdigit():
         raise ValueError(f"not a transaction token: {token!r}")
     return f"SET LOCAL {TOKEN} = '{token}'".encode()
