@@ -271,8 +271,7 @@ class AsyncEngine(Registry):
                 raise  # as many calls wait as an engine lets: answered at once
             refused = exc
         try:
-            channel = waits.channel(scope, operation.name, key)
-            lock = waits.lock(scope, operation.name, key)
+            lock, channel = waits.wake(scope, operation.name, key)
             async with listen_async.listening(self.db, channel, lock) as listener:
                 while True:
                     # Claimed again once LISTENing with the lock: a commit before is seen

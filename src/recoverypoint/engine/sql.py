@@ -248,33 +248,30 @@ ABANDON_EXHAUSTED = Statement(f"""
 # new row of the key would take after it (recoverypoint.generations). No row when the key
 # is not finished (or does not exist). Never through a cursor: libpq's text results are
 # each column's text already, without a cast to compute.
-_FINISHED = """
+_FINISHED_COLUMNS = """
     SELECT k.operation_version, k.fingerprint, k.response_status,
            k.response_headers, k.response_body,
            (k.abandoned_at IS NULL
             AND k.finished_at <= now() - make_interval(secs => %(retention)s)),
-           {generation}
-    FROM {source}
 """
-_KEY_FINISHED = """idempotency_keys AS k
-      {join} k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
-     AND k.finished_at IS NOT NULL"""
-FIND_FINISHED = Statement(
-    _FINISHED.format(generation="k.generation + 1", source=_KEY_FINISHED.format(join="WHERE"))
-)
+_KEY_FINISHED = """
+    k.scope = %(scope)s AND k.operation = %(operation)s AND k.idempotency_key = %(key)s
+    AND k.finished_at IS NOT NULL
+"""
+FIND_FINISHED = Statement(f"""{_FINISHED_COLUMNS} k.generation + 1
+    FROM idempotency_keys AS k WHERE {_KEY_FINISHED}
+""")
 # Where Citus distributes the keys, the generation a new row takes comes from here too (see
 # CLAIM): the finished row's next when it is past its retention (PAST_RETENTION records
 # it), else the recorded one, 0 when none. One row, whether or not the key exists; one
 # shard (both tables are distributed by scope, co-located).
-FIND_FINISHED_BOUND = Statement(
-    _FINISHED.format(
-        generation="coalesce(greatest(k.generation + 1, g.generation), 0)",
-        source=f"""(SELECT) AS lookup
-    LEFT JOIN {_KEY_FINISHED.format(join="ON")}
+FIND_FINISHED_BOUND = Statement(f"""{_FINISHED_COLUMNS}
+           coalesce(greatest(k.generation + 1, g.generation), 0)
+    FROM (SELECT) AS lookup
+    LEFT JOIN idempotency_keys AS k ON {_KEY_FINISHED}
     LEFT JOIN key_generations AS g
-      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s""",
-    )
-)
+      ON g.scope = %(scope)s AND g.operation = %(operation)s AND g.idempotency_key = %(key)s
+""")
 
 # A key finished longer ago than the retention it is honoured for: a reuse of it is a new
 # request, whether or not the reaper got to it. Deleted in the claim's transaction, before

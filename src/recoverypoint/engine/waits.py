@@ -68,9 +68,10 @@ def lock(scope: str, operation: str, key: str) -> int:
 
 
 def wake(scope: str, operation: str, key: str) -> tuple[int, str]:
-    """The key's :func:`lock` and :func:`channel`, for the writes that wake its waiters:
-    computed here once per run rather than by the server in every such write, where the
-    hash of the row's columns cost 1 % of a fresh request's server instructions."""
+    """The key's :func:`lock` and :func:`channel` from one hash: for a waiter, and for the
+    writes that wake the key's waiters (computed once per run rather than by the server in
+    every such write, where the hash of the row's columns cost 1 % of a fresh request's
+    server instructions)."""
     identity = _identity(scope, operation, key)
     return _lock(identity), CHANNEL_PREFIX + identity
 
