@@ -1310,6 +1310,10 @@ class _Explorer:
         log.setLevel(logging.CRITICAL)
         # One connection for the exploration's own reads and resets (a round trip each).
         self.conn = self.engine.db.connect().execution_options(isolation_level="AUTOCOMMIT")
+        for db in self.dispose[1:]:
+            # Its dialect learns the server's version and settings once, not in each
+            # forked process (five round trips each).
+            db.connect().close()
         try:
             yield
         finally:
