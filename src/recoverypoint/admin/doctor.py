@@ -12,10 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
-from ..migrate import VERSION_TABLE, migrations_dir
+from ..migrate import VERSION_TABLE, history
 from ..running import late
 from .base import NEEDS_RECONCILIATION, STUCK, Admin
 from .keys import BROKEN, nearing_windows, stats
@@ -70,8 +69,7 @@ def _database(admin: Admin) -> Check:
 
 def schema_revision(conn: sa.Connection) -> tuple[str | None, str]:
     """The schema's revision in the database (``None``: not migrated) and this version's head."""
-    head = ScriptDirectory(str(migrations_dir())).get_current_head()
-    assert head is not None, "recoverypoint's migrations have no revisions"
+    head = history().head
     if not sa.inspect(conn).has_table(VERSION_TABLE):
         return None, head
     current = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
@@ -83,8 +81,7 @@ def _schema(admin: Admin) -> Check:
         current, head = schema_revision(conn)
     if current is None:
         return Check("schema", FAIL, "not migrated", "run `recoverypoint migrate`")
-    script = ScriptDirectory(str(migrations_dir()))
-    known = {revision.revision for revision in script.walk_revisions()}
+    known = history().revisions
     if current == head:
         return Check("schema", OK, f"at revision {head} (head)")
     if current not in known:

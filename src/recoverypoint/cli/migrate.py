@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 
-from alembic.util import CommandError
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
@@ -61,6 +60,8 @@ def add_migrate(subparsers: Subparsers) -> None:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    from alembic.util import CommandError  # Alembic: imported only by the command migrating
+
     if args.colocate and not args.citus:
         return fail("migrate", EXIT_USAGE, "--colocate distributes tables: add --citus")
     try:

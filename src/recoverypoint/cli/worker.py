@@ -26,14 +26,13 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from alembic.script import ScriptDirectory
 from sqlalchemy.exc import DBAPIError
 
 from ..admin.base import DEFAULT_ABANDONED_RETENTION, DEFAULT_RETENTION
 from ..exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from ..generations import DEFAULT_GENERATIONS_RETENTION
 from ..logfmt import logfmt
-from ..migrate import VERSION_TABLE, migrations_dir
+from ..migrate import VERSION_TABLE, history
 from ..workers.completer import Completer, CompleterResult
 from ..workers.engines import Engines
 from ..workers.enqueuer import Enqueuer
@@ -256,14 +255,12 @@ def _check_database(db: sa.Engine) -> None:
     except DBAPIError as exc:
         # The driver's message, joined into one line: refused, unknown database, password.
         raise StartError(f"{url}: {' '.join(str(exc.orig or exc).split())}") from exc
-    script = ScriptDirectory(str(migrations_dir()))
-    head = script.get_current_head()
-    known = {revision.revision for revision in script.walk_revisions()}
+    ours = history()
     # A revision we do not know is a newer recoverypoint's: its schema still has ours.
-    if current != head and (current is None or current in known):
+    if current != ours.head and (current is None or current in ours.revisions):
         raise StartError(
             f"{url}: recoverypoint's schema is at revision {current or 'none'}, the workers "
-            f"need {head}: run `recoverypoint migrate` first"
+            f"need {ours.head}: run `recoverypoint migrate` first"
         )
 
 
