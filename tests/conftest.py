@@ -429,7 +429,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_Narrator(config), "recoverypoint-narrator")
     # With PYTHONDONTWRITEBYTECODE (set on some machines and images) every worker would
     # compile the test modules and each of the suite's hundreds of subprocesses recoverypoint
-    # again: 40 s of a 7-minute run on 2 cores. The workers, started after this, and the
+    # again: 37 s of a 7 1/2-minute run on 2 cores. The workers, started after this, and the
     # subprocesses write their caches where Python does by default (__pycache__, which git
     # ignores).
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)

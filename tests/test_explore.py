@@ -6,7 +6,9 @@ smallest schedule that shows it. The correct shop passes every schedule to depth
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -261,6 +263,25 @@ def test_a_step_that_never_returns_is_not_blamed_on_the_provider(make_shop: Any)
     assert "last error: ConnectionError: provider unreachable" in found.report()
     assert "provider is where the guarantee ends" not in found.report()
     assert "charges: 0 row(s)" in found.report()
+
+
+def test_an_engine_that_does_not_answer_leaves_the_operation_as_it_was(make_shop: Any) -> None:
+    shop = make_shop()
+    phases = list(shop.operation.phases)
+    level = logging.getLogger("recoverypoint").level
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    nobody = create_engine(f"postgresql://postgres@127.0.0.1:{port}/none")
+    try:
+        with pytest.raises(sa.exc.OperationalError):
+            explore(shop.engine, shop.operation, {"amount": 2000}, tables=TABLES, dispose=[nobody])
+    finally:
+        nobody.dispose()
+    assert shop.operation.phases == phases  # none left wrapped by the exploration
+    assert type(shop.engine.jobs) is InProcessBackend
+    assert logging.getLogger("recoverypoint").level == level
+    assert shop.explore(depth=0).ok  # and it explores as before
 
 
 def test_the_same_operation_gives_the_same_report(make_shop: Any) -> None:

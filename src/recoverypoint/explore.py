@@ -1291,6 +1291,14 @@ class _Explorer:
     def instrumented(self) -> Iterator[None]:
         """For the exploration: foreign steps counted and their downstream keys noted,
         job deliveries counted, recoverypoint's failure logs quiet."""
+        # Connected before anything is changed, so that a database that does not answer
+        # leaves the operation, the engine and the logs as they were.
+        for db in self.dispose[1:]:
+            # Its dialect learns the server's version and settings once, not in each
+            # forked process (five round trips each).
+            db.connect().close()
+        # One connection for the exploration's own reads and resets (a round trip each).
+        self.conn = self.engine.db.connect().execution_options(isolation_level="AUTOCOMMIT")
         phases = list(self.operation.phases)
         self.operation.phases[:] = [
             replace(p, fn=self._failing(p.point, p.fn))
@@ -1308,12 +1316,6 @@ class _Explorer:
         log = logging.getLogger("recoverypoint")
         level = log.level
         log.setLevel(logging.CRITICAL)
-        # One connection for the exploration's own reads and resets (a round trip each).
-        self.conn = self.engine.db.connect().execution_options(isolation_level="AUTOCOMMIT")
-        for db in self.dispose[1:]:
-            # Its dialect learns the server's version and settings once, not in each
-            # forked process (five round trips each).
-            db.connect().close()
         try:
             yield
         finally:

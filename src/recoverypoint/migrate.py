@@ -12,6 +12,7 @@ the pytest plugin that only name :data:`VERSION_TABLE` start without it (0.15 s 
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -59,6 +60,7 @@ class History:
     """Every revision, the head's included."""
 
 
+@functools.cache  # the migrations do not change while the process runs
 def history() -> History:
     """This version's head and revisions, read from its migrations."""
     from alembic.script import ScriptDirectory
