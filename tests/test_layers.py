@@ -34,6 +34,7 @@ A new module must be placed here: the test names it.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,11 @@ def imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
 
 
-GRAPH = {name: imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Each module's imports: read when a test asks (parsing every module is most of a
+    second, which each test process would otherwise spend collecting)."""
+    return {name: imports(name, path) for name, path in MODULES.items()}
 
 
 def family(module: str) -> str:
@@ -180,7 +185,7 @@ def test_imports_only_go_down(module: str) -> None:
     mine = family(module)
     upward = [
         target
-        for target in sorted(GRAPH[module])
+        for target in sorted(graph()[module])
         if LAYERS.get(family(target), 99) > LAYERS.get(mine, -1) or forbidden(mine, target)
     ]
     assert not upward, f"{module} (layer {LAYERS.get(mine)}) imports upward: {upward}"
@@ -189,7 +194,7 @@ def test_imports_only_go_down(module: str) -> None:
 def test_nothing_imports_the_cli_but_main() -> None:
     importers = sorted(
         name
-        for name, targets in GRAPH.items()
+        for name, targets in graph().items()
         if family(name) != "cli" and any(family(t) == "cli" for t in targets)
     )
     assert importers == [
@@ -207,7 +212,7 @@ def test_there_are_no_import_cycles() -> None:
     def visit(node: str) -> None:
         state[node] = 1
         stack.append(node)
-        for target in sorted(GRAPH.get(node, ())):
+        for target in sorted(graph().get(node, ())):
             if state.get(target) == 1:
                 cycles.append([*stack[stack.index(target) :], target])
             elif target not in state:
@@ -215,7 +220,7 @@ def test_there_are_no_import_cycles() -> None:
         stack.pop()
         state[node] = 2
 
-    for module in sorted(GRAPH):
+    for module in sorted(graph()):
         if module not in state:
             visit(module)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
