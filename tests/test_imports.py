@@ -3,6 +3,7 @@ oldest supported Python too, where a name from a newer standard library fails at
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import subprocess
@@ -44,18 +45,42 @@ def test_the_module_imports(name: str) -> None:
     importlib.import_module(name)
 
 
-def test_the_command_and_the_pytest_plugin_start_without_alembic() -> None:
-    """Alembic costs a command 0.15 s of CPU at start: only migrating imports it (the
-    pytest plugin is loaded by every pytest run of a project that installs recoverypoint)."""
-    loaded = subprocess.run(
+def loaded_after(code: str, packages: tuple[str, ...]) -> list[str]:
+    """The modules of ``packages`` a new interpreter has loaded after running ``code``."""
+    done = subprocess.run(
         [
             sys.executable,
             "-c",
-            "import sys, recoverypoint.cli, recoverypoint.integrations.pytest_plugin\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))",
+            f"import sys\n{code}\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({packages!r})))",
         ],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert loaded.stdout == "[]\n", loaded.stdout
+    return ast.literal_eval(done.stdout)
+
+
+def test_the_command_and_the_pytest_plugin_start_without_alembic() -> None:
+    """Alembic costs a command 0.15 s of CPU at start: only migrating imports it (the
+    pytest plugin is loaded by every pytest run of a project that installs recoverypoint)."""
+    code = "import recoverypoint.cli, recoverypoint.integrations.pytest_plugin"
+    assert loaded_after(code, ("alembic",)) == []
+
+
+def test_a_sync_service_its_workers_and_the_commands_start_without_the_orm() -> None:
+    """SQLAlchemy's ORM and asyncio extension cost a process a tenth of a second at start:
+    only the async engine, and a phase's ``session``, import them."""
+    orm = ("sqlalchemy.orm", "sqlalchemy.ext.asyncio")
+    sync = (
+        "import recoverypoint as rp, recoverypoint.cli, recoverypoint.context\n"
+        "import recoverypoint.integrations.pytest_plugin\n"
+        "from recoverypoint.workers import Completer\n"
+        "engine = rp.Engine('postgresql://nobody@127.0.0.1:1/none')\n"
+        "Completer(engine).engines.runs_async('op', 1)"
+    )
+    assert loaded_after(sync, orm) == []
+    # And the async names are there when asked for.
+    assert "sqlalchemy.ext.asyncio" in loaded_after(f"{sync}\nrp.AsyncEngine", orm)
+    phases = "from recoverypoint.context import AsyncAtomicContext"
+    assert "sqlalchemy.orm" in loaded_after(phases, orm)

@@ -48,13 +48,10 @@ PAIRS = {
 
 # Async name → sync name, in this order (dotted names before the words they contain).
 NAMES = [
-    (
-        "import sqlalchemy.ext.asyncio as sa_async",
-        "import sqlalchemy as sa\nimport sqlalchemy.orm as sa_orm",
-    ),
+    ("import sqlalchemy.ext.asyncio as sa_async", "import sqlalchemy as sa"),
+    ("from sqlalchemy.ext.asyncio import AsyncSession", "from sqlalchemy.orm import Session"),
     ("sa_async.AsyncEngine", "sa.Engine"),
     ("sa_async.AsyncConnection", "sa.Connection"),
-    ("sa_async.AsyncSession", "sa_orm.Session"),
     ("sa_async.create_async_engine", "sa.create_engine"),
     ("create_async_engine", "create_engine"),
     ("import asyncio", "import time"),
@@ -65,6 +62,7 @@ NAMES = [
     ("AsyncTransaction", "Transaction"),
     ("AsyncAtomicContext", "AtomicContext"),
     ("AsyncConnection", "Connection"),
+    ("AsyncSession", "Session"),
     ("AsyncCursor", "Cursor"),
     ("AsyncRowFactory", "RowFactory"),
     ("_AsyncRun", "_Run"),

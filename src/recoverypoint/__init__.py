@@ -4,9 +4,11 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 :class:`Engine`, and run each request under its idempotency key.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from . import _moved
-from .engine import AsyncEngine, Engine
-from .engine.context import AsyncAtomicContext, AtomicContext, StepContext
+from .engine import Engine
+from .engine.context import AtomicContext, StepContext
 from .errors import (
     AbandonedCall,
     ConcurrentUpdate,
@@ -36,6 +38,10 @@ from .operation import (
     Response,
     Withdrawn,
 )
+
+if TYPE_CHECKING:
+    from .engine import AsyncEngine
+    from .engine.context import AsyncAtomicContext
 
 __all__ = [
     "AbandonedCall",
@@ -70,5 +76,20 @@ __all__ = [
     "downstream_key",
     "idempotent",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The async engine and its phases' context are imported when first asked for (see
+    # recoverypoint.engine for why).
+    if name == "AsyncEngine":
+        from .engine.run_async import AsyncEngine
+
+        return AsyncEngine
+    if name == "AsyncAtomicContext":
+        from .engine.context.atomic_async import AsyncAtomicContext
+
+        return AsyncAtomicContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _moved.install()  # the request path's old module names, for one release

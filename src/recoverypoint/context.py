@@ -2,12 +2,18 @@
 the request path): the transaction and state of an atomic phase, the keys of a foreign
 step."""
 
-from .engine.context import (
-    AsyncAtomicContext,
-    AtomicContext,
-    KeyIdentity,
-    StagedJob,
-    StepContext,
-)
+from typing import TYPE_CHECKING, Any
+
+from .engine import context
+from .engine.context import AtomicContext, KeyIdentity, StagedJob, StepContext
+
+if TYPE_CHECKING:
+    from .engine.context import AsyncAtomicContext
 
 __all__ = ["AsyncAtomicContext", "AtomicContext", "KeyIdentity", "StagedJob", "StepContext"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AsyncAtomicContext":  # imported when first asked for
+        return context.AsyncAtomicContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine import AsyncEngine, Engine
-from ..workers.engines import AnyEngine, Engines
+from ..engine import Engine
+from ..workers.engines import AnyEngine, Engines, is_engine
 
 
 class UsageError(Exception):
@@ -46,7 +46,7 @@ def load_engine(spec: str) -> AnyEngine:
             target = getattr(target, part)
         except AttributeError:
             raise UsageError(f"--app {spec}: {module_name!r} has no attribute {attr!r}") from None
-    if not isinstance(target, (Engine, AsyncEngine)):
+    if not is_engine(target):
         raise UsageError(
             f"--app {spec}: expected a recoverypoint.Engine or AsyncEngine, "
             f"got {type(target).__name__}"
@@ -57,7 +57,7 @@ def load_engine(spec: str) -> AnyEngine:
 def dispose(engines: Engines) -> None:
     """Close the engines' pools, an :class:`AsyncEngine`'s on an event loop of its own."""
     for engine in engines.all:
-        if isinstance(engine, AsyncEngine):
-            asyncio.run(engine.dispose())
-        else:
+        if isinstance(engine, Engine):
             engine.dispose()
+        else:
+            asyncio.run(engine.dispose())

@@ -26,8 +26,33 @@ Read it in this order, each module using only those before it:
 ``tools/async_to_sync.py``: edit the async module, then run the tool.
 """
 
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
 from ._decide import ABANDONED_RESPONSE
 from .run import Engine
-from .run_async import AsyncEngine
+
+if TYPE_CHECKING:
+    from .run_async import AsyncEngine
 
 __all__ = ["ABANDONED_RESPONSE", "AsyncEngine", "Engine"]
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncEngine is imported when first asked for: its module brings SQLAlchemy's asyncio
+    # extension and ORM, about a tenth of a second of every process's start, which a sync
+    # service, its workers and the commands never use.
+    if name == "AsyncEngine":
+        from .run_async import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def async_engine_type() -> type[AsyncEngine] | None:
+    """:class:`AsyncEngine`, if its module has been imported, else ``None``: no AsyncEngine
+    exists before, so what tells the engines apart need not import it."""
+    module = sys.modules.get(f"{__name__}.run_async")
+    return None if module is None else module.AsyncEngine

@@ -33,7 +33,6 @@ from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import psycopg
-import sqlalchemy.ext.asyncio as sa_async
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -114,11 +113,6 @@ def refusing_to_end(conn: C) -> C:
     engine ends it with the class's own)."""
     shadow(conn, ENDING_METHODS)
     return conn
-
-
-class AsyncConnection(sa_async.AsyncConnection):
-    """SQLAlchemy's AsyncConnection with room for :func:`refusing_to_end`'s attributes
-    (SQLAlchemy's own has ``__slots__``)."""
 
 
 # Each cursor class of a phase's connection, and its guarded subclass (made once).

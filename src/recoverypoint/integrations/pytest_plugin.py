@@ -24,18 +24,20 @@ import re
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-import sqlalchemy.ext.asyncio as sa_async
 from sqlalchemy.pool import NullPool
 
 from .. import migrate
 from ..database import create_engine, normalize_url
-from ..engine import AsyncEngine, Engine
+from ..engine import Engine
 from ..explore import Exploration, Subject, explore
 from ..testing import Clock, Faults, faults, temporary_database
+
+if TYPE_CHECKING:
+    from ..engine import AsyncEngine
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 SERVER_URL_INI = "recoverypoint_test_database_url"
@@ -103,7 +105,11 @@ def rp_async_engine(rp_database: str) -> Iterator[AsyncEngine]:
     """A new :class:`~recoverypoint.AsyncEngine` on :func:`rp_database` for this test. It
     keeps no connection between transactions, so none outlives the test's event loop (run
     the test with anyio's or pytest-asyncio's marker)."""
-    async_db = sa_async.create_async_engine(normalize_url(rp_database), poolclass=NullPool)
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from ..engine.run_async import AsyncEngine
+
+    async_db = create_async_engine(normalize_url(rp_database), poolclass=NullPool)
     engine = AsyncEngine(async_db)
     yield engine
     engine.db.dispose()  # the workers' sync engine; the async one holds nothing

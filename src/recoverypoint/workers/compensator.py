@@ -30,15 +30,18 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
 from .. import backoff
-from ..engine import AsyncEngine, Engine
+from ..engine import Engine, async_engine_type
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost
 from ..leases import REGISTERED, free, registered
 from .loop import Worker, registered_scopes
+
+if TYPE_CHECKING:
+    from ..engine import AsyncEngine
 
 # How last_error begins after a failed compensation, to tell it from the error the key was
 # abandoned with.
@@ -130,16 +133,17 @@ class Compensator:
         if it committed, ``False`` if it failed, ``None`` if the key was no longer this
         pass's to compensate."""
         engines = self.worker.engines
+        kind = async_engine_type()
         engine: Engine | AsyncEngine
-        if engines.runs_async(name, version):
-            engine = engines.owner(name, version, AsyncEngine)[0]
+        if kind is not None and engines.runs_async(name, version):
+            engine = engines.owner(name, version, kind)[0]
         else:
             engine = engines.owner(name, version, Engine)[0]
         try:
-            if isinstance(engine, AsyncEngine):
-                ran = self.run_async(engine.compensate(key_id, scope=scope, token=token))
-            else:
+            if isinstance(engine, Engine):
                 ran = engine.compensate(key_id, scope=scope, token=token)
+            else:
+                ran = self.run_async(engine.compensate(key_id, scope=scope, token=token))
         except (KeyInUse, LockLost, DatabaseUnavailable):
             return None  # another holder, or the database away: the lease runs out
         except Exception as exc:

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 from sqlalchemy import TextClause, text
 
 from ..admin.key_actions import abandon_exhausted
-from ..engine import ABANDONED_RESPONSE, AsyncEngine, Engine
+from ..engine import ABANDONED_RESPONSE, Engine
 from ..errors import DatabaseUnavailable, KeyInUse, LockLost, NeedsReconciliation
 from ..leases import REGISTERED, free, from_now, registered
 from ..observe import Observer
@@ -419,6 +419,8 @@ class Completer(Worker[CompleterResult]):
         # The threads of the batch's keys run at once: each counts into a result of its
         # own, added to the pass's here on the loop (``+=`` from two threads can lose one).
         own = CompleterResult()
+        from ..engine.run_async import AsyncEngine  # imported already: the key's engine is one
+
         try:
             engine, operation = self.engines.owner(
                 key.operation, key.operation_version, AsyncEngine

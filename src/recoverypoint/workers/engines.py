@@ -8,21 +8,31 @@ only the completer's resumes go through the engine that registered the key's ope
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeAlias, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, TypeVar, cast
 
 import sqlalchemy as sa
 
-from ..engine import AsyncEngine, Engine
+from ..engine import Engine, async_engine_type
 from ..errors import OperationNotRegistered
 from ..jobs import JobBackend
 from ..observe import Observer
 from ..operation import Operation
 
+if TYPE_CHECKING:
+    from ..engine import AsyncEngine
+
 AnyEngine: TypeAlias = "Engine | AsyncEngine"
 """What a worker takes: either engine, or a sequence of both."""
 
-E = TypeVar("E", Engine, AsyncEngine)
+E = TypeVar("E", "Engine", "AsyncEngine")
+
+
+def is_engine(value: object) -> TypeGuard[AnyEngine]:
+    """Whether ``value`` is an :class:`Engine` or an :class:`AsyncEngine` (the latter's module
+    imported only by those who make one)."""
+    kind = async_engine_type()
+    return isinstance(value, Engine) or (kind is not None and isinstance(value, kind))
 
 
 class Engines:
@@ -30,11 +40,11 @@ class Engines:
     workers' passes, and the first job backend set is the one the enqueuer publishes to."""
 
     def __init__(self, engines: AnyEngine | Sequence[AnyEngine], worker: str) -> None:
-        given = (engines,) if isinstance(engines, (Engine, AsyncEngine)) else tuple(engines)
+        given = (engines,) if is_engine(engines) else tuple(cast("Iterable[AnyEngine]", engines))
         if not given:
             raise ValueError(f"{worker}: no engine given")
         for engine in given:
-            if not isinstance(engine, (Engine, AsyncEngine)):
+            if not is_engine(engine):
                 raise TypeError(
                     f"{worker}: expected a recoverypoint.Engine or AsyncEngine, "
                     f"got {type(engine).__name__}"
@@ -92,8 +102,11 @@ class Engines:
 
     def runs_async(self, name: str, version: int) -> bool:
         """Whether operation ``name`` at ``version`` is an :class:`AsyncEngine`'s."""
+        kind = async_engine_type()
+        if kind is None:
+            return False
         try:
-            self.owner(name, version, AsyncEngine)
+            self.owner(name, version, kind)
         except OperationNotRegistered:
             return False
         return True

@@ -5,17 +5,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import sqlalchemy as sa
-import sqlalchemy.orm as sa_orm
 from psycopg import sql
 
 from ...observe import NO_OBSERVER, Observer
 from .. import phase_guard
 from .._pg import Transaction
 from .common import KeyIdentity, Staging
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 
 class AtomicContext(Staging):
@@ -37,7 +39,7 @@ class AtomicContext(Staging):
     ) -> None:
         super().__init__(state, identity, point, observer)
         self._tx = tx
-        self._session: sa_orm.Session | None = None
+        self._session: Session | None = None
         self._connection: sa.Connection | None = None
 
     def execute(
@@ -76,14 +78,18 @@ class AtomicContext(Staging):
         return self._connection
 
     @property
-    def session(self) -> sa_orm.Session:
+    def session(self) -> Session:
         """An ORM Session joined to the phase's transaction (made on first use).
 
         Its ``commit()`` does not end the phase's transaction; the engine commits once the
         phase returns.
         """
         if self._session is None:
-            self._session = sa_orm.Session(bind=self.connection)
+            # Imported here for the sync twin generated from this module: there, the ORM is a
+            # tenth of a second of a process's start, which phases without a session skip.
+            from sqlalchemy.orm import Session
+
+            self._session = Session(bind=self.connection)
         return self._session
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import sqlalchemy.ext.asyncio as sa_async
@@ -13,6 +13,15 @@ from ...observe import NO_OBSERVER, Observer
 from .. import phase_guard
 from .._pg_async import AsyncTransaction
 from .common import KeyIdentity, Staging
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+if True:  # ASYNC
+
+    class _Connection(sa_async.AsyncConnection):
+        """SQLAlchemy's AsyncConnection with room for :func:`phase_guard.refusing_to_end`'s
+        attributes (SQLAlchemy's own has ``__slots__``)."""
 
 
 class AsyncAtomicContext(Staging):
@@ -34,7 +43,7 @@ class AsyncAtomicContext(Staging):
     ) -> None:
         super().__init__(state, identity, point, observer)
         self._tx = tx
-        self._session: sa_async.AsyncSession | None = None
+        self._session: AsyncSession | None = None
         self._connection: sa_async.AsyncConnection | None = None
 
     async def execute(
@@ -69,21 +78,25 @@ class AsyncAtomicContext(Staging):
         ``commit()`` and ``rollback()`` raise :class:`~recoverypoint.TransactionEnded`."""
         if self._connection is None:
             if True:  # ASYNC
-                made = phase_guard.AsyncConnection(self._tx.db, self._tx.sqlalchemy())
+                made = _Connection(self._tx.db, self._tx.sqlalchemy())
             else:
                 made = self._tx.sqlalchemy()
             self._connection = phase_guard.refusing_to_end(made)
         return self._connection
 
     @property
-    def session(self) -> sa_async.AsyncSession:
+    def session(self) -> AsyncSession:
         """An ORM Session joined to the phase's transaction (made on first use).
 
         Its ``commit()`` does not end the phase's transaction; the engine commits once the
         phase returns.
         """
         if self._session is None:
-            self._session = sa_async.AsyncSession(bind=self.connection)
+            # Imported here for the sync twin generated from this module: there, the ORM is a
+            # tenth of a second of a process's start, which phases without a session skip.
+            from sqlalchemy.ext.asyncio import AsyncSession
+
+            self._session = AsyncSession(bind=self.connection)
         return self._session
 
     async def close(self) -> None:
