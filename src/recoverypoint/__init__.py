@@ -6,7 +6,7 @@ Declare an :class:`Operation` as atomic phases and foreign steps, register it wi
 
 from typing import TYPE_CHECKING, Any
 
-from . import _moved
+from . import _moved, engine
 from .engine import Engine
 from .engine.context import AtomicContext, StepContext
 from .errors import (
@@ -79,16 +79,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The async engine and its phases' context are imported when first asked for (see
-    # recoverypoint.engine for why).
+    # The async engine and its phases' context, imported by their packages when first asked
+    # for (recoverypoint.engine says why).
     if name == "AsyncEngine":
-        from .engine.run_async import AsyncEngine
-
-        return AsyncEngine
+        return engine.AsyncEngine
     if name == "AsyncAtomicContext":
-        from .engine.context.atomic_async import AsyncAtomicContext
-
-        return AsyncAtomicContext
+        return engine.context.AsyncAtomicContext
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
