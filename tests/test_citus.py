@@ -43,6 +43,8 @@ pytestmark = [
         ),
     ),
     pytest.mark.slow,  # a Citus cluster's coordinator and workers
+    # One test process: the tests share the cluster's tables, and one moves them.
+    pytest.mark.xdist_group("citus"),
 ]
 
 NOTES = """
@@ -133,19 +135,25 @@ def neighbour_scope(citus: sa.Engine, scope: str) -> str:
 
 
 @contextmanager
-def _remote_commands(citus: sa.Engine) -> Iterator[tuple[sa.Engine, list[tuple[str, str]]]]:
+def _remote_commands(
+    citus: sa.Engine, subplans: list[str] | None = None
+) -> Iterator[tuple[sa.Engine, list[tuple[str, str]]]]:
     """An engine on the coordinator whose sessions log what Citus sends to its workers
     (``citus.log_remote_commands``: one notice per command, naming the worker), and the
-    ``(command, worker)`` of each notice."""
+    ``(command, worker)`` of each notice; in ``subplans``, if given, each part of a
+    statement that Citus runs as a plan of its own, through an intermediate result."""
     sent: list[tuple[str, str]] = []
-    db = create_engine(
-        citus.url, pool_size=1, connect_args={"options": "-c citus.log_remote_commands=on"}
-    )
+    options = "-c citus.log_remote_commands=on"
+    if subplans is not None:
+        options += " -c citus.log_intermediate_results=on -c client_min_messages=debug1"
+    db = create_engine(citus.url, pool_size=1, connect_args={"options": options})
 
     def record(notice: Any) -> None:
         message, detail = notice.message_primary or "", notice.message_detail or ""
         if message.startswith("issuing "):
             sent.append((message.removeprefix("issuing "), detail.split(" connectionId")[0]))
+        elif subplans is not None and message.startswith("generating subplan"):
+            subplans.append(message)
 
     sa.event.listen(db, "connect", lambda dbapi_conn, _: dbapi_conn.add_notice_handler(record))
     try:
@@ -222,7 +230,8 @@ def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
     op = _notes(f"citus_remote_{uuid.uuid4().hex[:8]}")
     params = {"scope": scope, "body": "x"}
     runs = []
-    with _remote_commands(citus) as (db, sent):
+    subplans: list[str] = []
+    with _remote_commands(citus, subplans) as (db, sent):
         engine = rp.Engine(db)
         engine.register(op)
         for _ in range(2):
@@ -230,9 +239,13 @@ def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
             engine.run(op, key="k", params=params, scope=scope)
             runs.append(list(sent))
     fresh, replay = runs
+    # Only the claim's CTE, which formats the row around the INSERT: the writes that record
+    # a phase are plain statements (the guarded one of one server ran as 3 and 4 subplans here).
+    assert [s.split(" for ")[1].split(":")[0] for s in subplans] == ["CTE claimed"], subplans
     assert len({worker for _, worker in fresh}) == 1, fresh
     commands = [command for command, _ in fresh]
     assert commands.count("COMMIT") == 2 and not any("PREPARE" in c for c in commands)
+    assert len(commands) <= 13, commands  # as docs/how-to/citus.md lists them
     assert len(replay) == 1 and replay[0][0].startswith("SELECT")
 
 
@@ -355,10 +368,9 @@ def test_a_takeover_after_the_lease_expired(citus: sa.Engine, scope: str) -> Non
 
 
 def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scope: str) -> None:
-    # The write that records the phase misses its row and raises in the worker's statement,
-    # so nothing commits. On one server the error says which miss it was (RP001, the row
-    # changed); on Citus the worker cannot read the coordinator's transaction token, and
-    # every miss is reported as the transaction ended (RP002).
+    # The write that records the phase misses its row, so nothing commits, and the error
+    # says which miss it was, as on one server: the row changed (RP001), not the
+    # transaction ended (the coordinator's transaction still holds its token).
     op: rp.Operation[Any] = rp.Operation(f"citus_row_{uuid.uuid4().hex[:8]}")
 
     @op.atomic_phase("finished")
@@ -371,7 +383,7 @@ def test_a_phase_that_changes_its_key_row_commits_nothing(citus: sa.Engine, scop
 
     engine = rp.Engine(citus)
     engine.register(op)
-    with pytest.raises(rp.TransactionEnded):
+    with pytest.raises(rp.LockLost, match="the key row changed under the phase"):
         engine.run(op, key="k", params={}, scope=scope)
     finished = "SELECT count(*) FROM idempotency_keys WHERE scope = :s AND finished_at IS NOT NULL"
     assert _count(citus, finished, s=scope) == 0
@@ -576,6 +588,32 @@ def test_a_compensation_that_writes_a_reference_table_is_refused(
     assert (passed.abandoned, passed.compensated, passed.compensation_failed) == (1, 0, 1)
     assert _key_row(citus, scope).compensated_at is None
     assert _count(citus, "SELECT count(*) FROM citus_plans WHERE name = :s", s=scope) == 0
+
+
+def test_instances_that_run_migrate_citus_at_once_all_succeed(citus: sa.Engine) -> None:
+    """Several instances starting at once each run ``migrate --citus``: the first does the
+    work, the others find it done (two replaced the trigger's function at once, and one
+    failed with "tuple concurrently updated")."""
+    instances = 4
+    engines = [create_engine(citus.url, poolclass=sa.NullPool) for _ in range(instances)]
+    at_once = threading.Barrier(instances)
+    failed: list[BaseException] = []
+
+    def migrate(db: sa.Engine) -> None:
+        at_once.wait()
+        try:
+            distribute.distribute(db, ["citus_notes"])
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=migrate, args=(db,)) for db in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for db in engines:
+        db.dispose()
+    assert not failed, failed
 
 
 def test_migrate_moves_a_reference_table_onto_the_scopes_shards(citus: sa.Engine) -> None:

@@ -29,11 +29,13 @@ is :func:`statements`: a team that runs DDL itself applies that instead.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import sqlalchemy as sa
 
 from .errors import ConfigurationError
+from .migrate import VERSION_TABLE
 
 DISTRIBUTED = "idempotency_keys"
 CO_LOCATED = ("staged_jobs", "key_generations", "processed_messages")
@@ -180,6 +182,20 @@ def require_citus(db: sa.Engine) -> None:
         )
 
 
+# Several instances may run `migrate --citus` at start-up at once, as they run `migrate`:
+# each transaction here first takes the lock the migrations take (migrations/env.py), so
+# that the first does the work and the others find it done. Without it two of them replaced
+# the trigger's function at once, and one failed ("tuple concurrently updated").
+_ONE_AT_A_TIME = sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))")
+
+
+@contextmanager
+def _alone(db: sa.Engine) -> Iterator[sa.Connection]:
+    with db.begin() as conn:
+        conn.execute(_ONE_AT_A_TIME, {"name": VERSION_TABLE})
+        yield conn
+
+
 def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
     """Distribute the tables (see the module's docstring) on the Citus coordinator ``db``;
     returns the tables it placed this time. Raises :class:`ConfigurationError` on a
@@ -187,7 +203,7 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
     wanted = [parse_colocated(spec) for spec in colocate]
     require_citus(db)
     placed: list[str] = []
-    with db.begin() as conn:
+    with _alone(db) as conn:
         plan = [(DISTRIBUTED, "scope", "default")]
         plan += [(t, "scope", DISTRIBUTED) for t in CO_LOCATED]
         plan += [(t, c, DISTRIBUTED) for t, c in wanted]
@@ -204,7 +220,7 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
         placed += _make_reference(conn, REFERENCE)
     # A transaction of its own: Citus creates a function on every node over one connection
     # per node, which the distribution's parallel copies leave none of.
-    with db.begin() as conn:
+    with _alone(db) as conn:
         for statement in (_TRIGGERS_ALLOWED, STAYS_IN_SCOPE_FUNCTION, STAYS_IN_SCOPE):
             conn.exec_driver_sql(statement)
     return placed
@@ -218,7 +234,7 @@ def make_reference(db: sa.Engine, tables: Sequence[str]) -> list[str]:
         if _NAME.fullmatch(table) is None:
             raise ValueError(f"not a table name: {table!r}")
     require_citus(db)
-    with db.begin() as conn:
+    with _alone(db) as conn:
         return _make_reference(conn, tables)
 
 

@@ -127,6 +127,7 @@ class Transaction:
         """One of the engine's statements in the transaction, BEGIN with it if it is the
         first; its first row, as text."""
         began, self._began = self._began, True
+        self._prepare_again()
         begin = None if began else self.token
         return _libpq.execute(self._pooled, self.connection, statement, params, begin=begin)
 
@@ -134,14 +135,20 @@ class Transaction:
         """The write that records a phase, then COMMIT, in one round trip; its first row,
         as text. The statement raises when it misses its row, so nothing then commits."""
         began, self._began = self._began, True
-        if self._deallocated:
-            _libpq.forget(self._pooled)
+        self._prepare_again()
         begin = None if began else self.token
         row = _libpq.execute(
             self._pooled, self.connection, statement, params, begin=begin, commit=True
         )
         self._committed = True
         return row
+
+    def _prepare_again(self) -> None:
+        """After phase code deallocated prepared statements: the engine's, prepared again
+        before their next use."""
+        if self._deallocated:
+            _libpq.forget(self._pooled)
+            self._deallocated = False
 
     def _begin_sql(self) -> bytes:
         """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""

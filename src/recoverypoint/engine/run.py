@@ -842,7 +842,7 @@ class _Run:
 
     def _renew_window(self, tx: Transaction, renewals: int) -> int:
         """Commit a renewal of the window of the step after the recovery point."""
-        return store.renew_window(tx, self.key, self.progress.at, renewals)
+        return store.renew_window(tx, self.key, self.progress.at, renewals, bound=self.engine.bound)
 
     def fenced(self, tx: Transaction, phase: Phase, state_json: str) -> Step:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
@@ -899,7 +899,13 @@ class _Run:
                 "return None: an abandoned key keeps the response it was abandoned with"
             )
         try:
-            store.compensated(tx, self.key, ctx.staged_jobs, dump_state(phase, ctx.state))
+            store.compensated(
+                tx,
+                self.key,
+                ctx.staged_jobs,
+                dump_state(phase, ctx.state),
+                bound=self.engine.bound,
+            )
         except store.PhaseEndedTransaction:
             raise phase_guard.ended(phase.point) from None
         except store.PhaseLeftWorker as exc:
@@ -941,7 +947,9 @@ class _Run:
             point = result.name
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
-                stored = store.advance(tx, self.key, jobs, self.progress.at, point, state_json)
+                stored = store.advance(
+                    tx, self.key, jobs, self.progress.at, point, state_json, bound=self.engine.bound
+                )
                 self.progress.committed = phase.point
                 return Advanced(point, stored)
             result = NO_CONTENT
@@ -963,6 +971,7 @@ class _Run:
             status=int(result.status),
             headers_json=canonical_json(headers),
             body_json=body_json,
+            bound=self.engine.bound,
         )
         self.progress.committed = phase.point
         return Outcome(result.status, as_answered(stored_body), headers, replayed=False)

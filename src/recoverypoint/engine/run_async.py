@@ -875,7 +875,9 @@ class _AsyncRun:
 
     async def _renew_window(self, tx: AsyncTransaction, renewals: int) -> int:
         """Commit a renewal of the window of the step after the recovery point."""
-        return await store_async.renew_window(tx, self.key, self.progress.at, renewals)
+        return await store_async.renew_window(
+            tx, self.key, self.progress.at, renewals, bound=self.engine.bound
+        )
 
     async def fenced(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
@@ -933,7 +935,11 @@ class _AsyncRun:
             )
         try:
             await store_async.compensated(
-                tx, self.key, ctx.staged_jobs, dump_state(phase, ctx.state)
+                tx,
+                self.key,
+                ctx.staged_jobs,
+                dump_state(phase, ctx.state),
+                bound=self.engine.bound,
             )
         except store_async.PhaseEndedTransaction:
             raise phase_guard.ended(phase.point) from None
@@ -977,7 +983,7 @@ class _AsyncRun:
         if not isinstance(result, Response):
             if self.operation.next_phase(point) < len(self.operation.phases):
                 stored = await store_async.advance(
-                    tx, self.key, jobs, self.progress.at, point, state_json
+                    tx, self.key, jobs, self.progress.at, point, state_json, bound=self.engine.bound
                 )
                 self.progress.committed = phase.point
                 return Advanced(point, stored)
@@ -1000,6 +1006,7 @@ class _AsyncRun:
             status=int(result.status),
             headers_json=canonical_json(headers),
             body_json=body_json,
+            bound=self.engine.bound,
         )
         self.progress.committed = phase.point
         return Outcome(result.status, as_answered(stored_body), headers, replayed=False)

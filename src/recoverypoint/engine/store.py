@@ -18,7 +18,7 @@ from ..backoff import backoff_delay
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
-from ._pg import Transaction, borrowed
+from ._pg import TextRow, Transaction, borrowed
 from .context.common import StagedJob
 
 
@@ -167,10 +167,12 @@ def advance(
     from_point: str,
     point: str,
     state_json: str,
+    *,
+    bound: bool,
 ) -> Any:
     """Record ``point`` and ``state`` and commit; return the state as stored."""
     params = {"from_point": from_point, "point": point, "state": state_json}
-    return _commit_fenced(tx, key, sql.ADVANCE, params, jobs)
+    return _commit_fenced(tx, key, sql.ADVANCE, params, jobs, bound)
 
 
 def finish(
@@ -182,17 +184,18 @@ def finish(
     status: int,
     headers_json: str,
     body_json: str,
+    bound: bool,
 ) -> Any:
     """Finish the key with its response and commit; return the body as stored."""
     params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
-    return _commit_fenced(tx, key, sql.FINISH, params, jobs)
+    return _commit_fenced(tx, key, sql.FINISH, params, jobs, bound)
 
 
-def renew_window(tx: Transaction, key: KeyRef, point: str, renewals: int) -> int:
+def renew_window(tx: Transaction, key: KeyRef, point: str, renewals: int, *, bound: bool) -> int:
     """Count a renewal of the dedupe window of the step after ``point``, from ``renewals``
     (see :data:`~recoverypoint.engine.sql.RENEW_WINDOW`), and commit; the new count."""
     params = {"point": point, "renewals": renewals}
-    return int(_commit_fenced(tx, key, sql.RENEW_WINDOW, params, ()))
+    return int(_commit_fenced(tx, key, sql.RENEW_WINDOW, params, (), bound))
 
 
 def hold(db: sa.Engine, key: KeyRef, reason: str) -> bool:
@@ -208,9 +211,16 @@ def fence_abandoned(tx: Transaction, scope: str, key_id: int, token: UUID) -> Ke
     return _fetch_record(tx, sql.FENCE_ABANDONED, params)
 
 
-def compensated(tx: Transaction, key: KeyRef, jobs: Sequence[StagedJob], state_json: str) -> None:
+def compensated(
+    tx: Transaction,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
+    state_json: str,
+    *,
+    bound: bool,
+) -> None:
     """Record the compensation of the key ``tx`` holds, with its jobs, and commit."""
-    _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs)
+    _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs, bound)
 
 
 def release(db: sa.Engine, key: KeyRef, error: str, retry_in: float) -> bool:
@@ -284,9 +294,12 @@ def _commit_fenced(
     statement: sql.Fenced,
     params: dict[str, Any],
     jobs: Sequence[StagedJob],
+    bound: bool,
 ) -> Any:
     """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
-    jobs; else (a step's result committed on its own) by address, then by id."""
+    jobs; else (a step's result committed on its own) by address, then by id. ``bound``:
+    the keys are distributed (Citus), where the write and its jobs go as plain statements
+    (:attr:`~recoverypoint.engine.sql.Fenced.bound`)."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
     params = {**params, **_found_by(key)}
     if key.locked_by is tx:
@@ -297,9 +310,12 @@ def _commit_fenced(
             params[f"job_key_{i}"] = job.job_key
             params[f"job_trace_{i}"] = job.trace_context
         try:  # the phase and its recovery point, committed together
-            row = tx.fetch_and_commit(
-                statement.staging(len(jobs)) if jobs else statement.held, params
-            )
+            if bound:
+                row = _record_bound(tx, statement, params, len(jobs))
+            else:
+                row = tx.fetch_and_commit(
+                    statement.staging(len(jobs)) if jobs else statement.held, params
+                )
         except psycopg.Error as exc:
             # The write missed the row its own transaction locked (it raises then, so that
             # COMMIT never runs): the phase itself changed the key row, or ended the
@@ -326,6 +342,25 @@ def _commit_fenced(
     if row is not None:
         tx.commit()
     return written(key, row)[1]
+
+
+def _record_bound(
+    tx: Transaction, statement: sql.Fenced, params: dict[str, Any], jobs: int
+) -> TextRow | None:
+    """The write that records a phase where the keys are distributed, then its jobs, the
+    wake-up and COMMIT, each a statement of its own; a write that missed its row raises as
+    the guarded one does on one server (:data:`~recoverypoint.engine.sql.MISSED`), and
+    nothing after it is sent."""
+    row = tx.fetch(statement.bound, params)
+    if row is None:
+        tx.fetch(sql.MISSED, params)  # raises, saying which miss it was
+        return None
+    if jobs:
+        tx.fetch(sql.staged_jobs(jobs), params)
+    if statement.wakes:
+        tx.fetch(sql.WAKE, params)
+    tx.commit()
+    return row
 
 
 def _fenced_alone(

@@ -16,7 +16,7 @@ from ..backoff import backoff_delay
 from ..errors import KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
-from ._pg_async import AsyncTransaction, borrowed
+from ._pg_async import AsyncTransaction, TextRow, borrowed
 from .context.common import StagedJob
 
 
@@ -169,10 +169,12 @@ async def advance(
     from_point: str,
     point: str,
     state_json: str,
+    *,
+    bound: bool,
 ) -> Any:
     """Record ``point`` and ``state`` and commit; return the state as stored."""
     params = {"from_point": from_point, "point": point, "state": state_json}
-    return await _commit_fenced(tx, key, sql.ADVANCE, params, jobs)
+    return await _commit_fenced(tx, key, sql.ADVANCE, params, jobs, bound)
 
 
 async def finish(
@@ -184,17 +186,20 @@ async def finish(
     status: int,
     headers_json: str,
     body_json: str,
+    bound: bool,
 ) -> Any:
     """Finish the key with its response and commit; return the body as stored."""
     params = {"state": state_json, "status": status, "headers": headers_json, "body": body_json}
-    return await _commit_fenced(tx, key, sql.FINISH, params, jobs)
+    return await _commit_fenced(tx, key, sql.FINISH, params, jobs, bound)
 
 
-async def renew_window(tx: AsyncTransaction, key: KeyRef, point: str, renewals: int) -> int:
+async def renew_window(
+    tx: AsyncTransaction, key: KeyRef, point: str, renewals: int, *, bound: bool
+) -> int:
     """Count a renewal of the dedupe window of the step after ``point``, from ``renewals``
     (see :data:`~recoverypoint.engine.sql.RENEW_WINDOW`), and commit; the new count."""
     params = {"point": point, "renewals": renewals}
-    return int(await _commit_fenced(tx, key, sql.RENEW_WINDOW, params, ()))
+    return int(await _commit_fenced(tx, key, sql.RENEW_WINDOW, params, (), bound))
 
 
 async def hold(db: sa_async.AsyncEngine, key: KeyRef, reason: str) -> bool:
@@ -213,10 +218,15 @@ async def fence_abandoned(
 
 
 async def compensated(
-    tx: AsyncTransaction, key: KeyRef, jobs: Sequence[StagedJob], state_json: str
+    tx: AsyncTransaction,
+    key: KeyRef,
+    jobs: Sequence[StagedJob],
+    state_json: str,
+    *,
+    bound: bool,
 ) -> None:
     """Record the compensation of the key ``tx`` holds, with its jobs, and commit."""
-    await _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs)
+    await _commit_fenced(tx, key, sql.COMPENSATE, {"state": state_json}, jobs, bound)
 
 
 async def release(db: sa_async.AsyncEngine, key: KeyRef, error: str, retry_in: float) -> bool:
@@ -290,9 +300,12 @@ async def _commit_fenced(
     statement: sql.Fenced,
     params: dict[str, Any],
     jobs: Sequence[StagedJob],
+    bound: bool,
 ) -> Any:
     """Run a fenced write, then COMMIT: in the transaction that holds the row, with the
-    jobs; else (a step's result committed on its own) by address, then by id."""
+    jobs; else (a step's result committed on its own) by address, then by id. ``bound``:
+    the keys are distributed (Citus), where the write and its jobs go as plain statements
+    (:attr:`~recoverypoint.engine.sql.Fenced.bound`)."""
     assert key.locked_by is tx or not jobs, "jobs are staged by atomic phases only"
     params = {**params, **_found_by(key)}
     if key.locked_by is tx:
@@ -303,9 +316,12 @@ async def _commit_fenced(
             params[f"job_key_{i}"] = job.job_key
             params[f"job_trace_{i}"] = job.trace_context
         try:  # the phase and its recovery point, committed together
-            row = await tx.fetch_and_commit(
-                statement.staging(len(jobs)) if jobs else statement.held, params
-            )
+            if bound:
+                row = await _record_bound(tx, statement, params, len(jobs))
+            else:
+                row = await tx.fetch_and_commit(
+                    statement.staging(len(jobs)) if jobs else statement.held, params
+                )
         except psycopg.Error as exc:
             # The write missed the row its own transaction locked (it raises then, so that
             # COMMIT never runs): the phase itself changed the key row, or ended the
@@ -332,6 +348,25 @@ async def _commit_fenced(
     if row is not None:
         await tx.commit()
     return written(key, row)[1]
+
+
+async def _record_bound(
+    tx: AsyncTransaction, statement: sql.Fenced, params: dict[str, Any], jobs: int
+) -> TextRow | None:
+    """The write that records a phase where the keys are distributed, then its jobs, the
+    wake-up and COMMIT, each a statement of its own; a write that missed its row raises as
+    the guarded one does on one server (:data:`~recoverypoint.engine.sql.MISSED`), and
+    nothing after it is sent."""
+    row = await tx.fetch(statement.bound, params)
+    if row is None:
+        await tx.fetch(sql.MISSED, params)  # raises, saying which miss it was
+        return None
+    if jobs:
+        await tx.fetch(sql.staged_jobs(jobs), params)
+    if statement.wakes:
+        await tx.fetch(sql.WAKE, params)
+    await tx.commit()
+    return row
 
 
 async def _fenced_alone(
