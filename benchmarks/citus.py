@@ -123,14 +123,12 @@ def citus_target(stack: ExitStack, url: str, clients: int) -> Target:
             "SELECT count(*) FILTER (WHERE groupid <> 0), "
             "bool_or(groupid = 0 AND shouldhaveshards) FROM pg_dist_node WHERE isactive"
         ).one()
-    shape = (
-        "coordinator alone"
-        if alone and not workers
-        else f"coordinator + {workers} worker{'s' * (workers != 1)}"
-    )
+    shape = "coordinator" + (" holding shards" if alone else "")
+    if workers:
+        shape += f" + {workers} worker{'s' * (workers != 1)}"
     target = _target(f"Citus, {shape}", url, db)
-    target.commands = remote_commands(target)
     stack.callback(_clean, db, target.op.name)
+    target.commands = remote_commands(target)
     return target
 
 
@@ -192,8 +190,12 @@ def window(target: Target, clients: int, seconds: float) -> dict[str, float]:
     deadline = [float("inf")]
 
     def client() -> None:
-        for _ in range(5):
-            target.request()
+        try:
+            for _ in range(5):
+                target.request()
+        except BaseException:
+            start.abort()  # the window cannot open: main() raises BrokenBarrierError
+            raise
         start.wait()
         mine, failed = [], 0
         while (began := time.perf_counter()) < deadline[0]:

@@ -247,6 +247,19 @@ def engine(db: sa.Engine, business_tables: None) -> rp.Engine:
     return rp.Engine(db)
 
 
+@pytest.fixture(params=["one server", "as on Citus"])
+def engine_both_ways(
+    db: sa.Engine, business_tables: None, request: pytest.FixtureRequest
+) -> rp.Engine:
+    """:func:`engine`, then again sending what it sends where Citus distributes the keys
+    (``Engine.bound``: the snapshot export that binds a phase to its worker, the lookup that
+    reads the key's generation, a phase recorded in statements of their own), which holds on
+    one server too: so CI runs that path, which test_citus.py runs only on a cluster."""
+    engine = rp.Engine(db)
+    engine._bound = request.param == "as on Citus"
+    return engine
+
+
 @pytest.fixture
 def provider(db: sa.Engine, business_tables: None) -> Provider:
     return Provider(db)

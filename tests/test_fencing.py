@@ -162,11 +162,13 @@ def test_a_run_that_lost_its_lease_cannot_release_the_new_owners(worker_db: sa.E
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bound", [False, True], ids=["one server", "as on Citus"])
 def test_a_phase_that_changes_its_own_key_row_commits_nothing_and_is_told_so(
-    worker_db: sa.Engine,
+    worker_db: sa.Engine, bound: bool
 ) -> None:
     """The write that records the phase misses the row it locked (the phase rewrote the
-    lease): it raises in the same statement, the COMMIT behind it never runs, and the error
+    lease): it raises (on one server in the same statement, where Citus distributes the keys
+    in the one sent instead of its jobs), the COMMIT behind it never runs, and the error
     names the key row, not an ended transaction."""
     op: rp.Operation[Any] = rp.Operation("rewrites_its_key")
 
@@ -176,11 +178,14 @@ def test_a_phase_that_changes_its_own_key_row_commits_nothing_and_is_told_so(
             "UPDATE idempotency_keys SET lock_token = gen_random_uuid() WHERE id = %(k)s",
             {"k": tx.key_id},
         )
+        tx.stage_job("notify", {})
         return rp.Response(201, {})
 
     engine = rp.Engine(worker_db)
+    engine._bound = bound
     engine.register(op)
     with pytest.raises(rp.LockLost, match="the key row changed under the phase"):
         engine.run(op, key="k", params={}, scope="s")
-    # The first phase of a new key commits with its claim: neither did.
+    # The first phase of a new key commits with its claim and its jobs: none did.
     assert rows(worker_db, "SELECT id FROM idempotency_keys") == []
+    assert rows(worker_db, "SELECT id FROM staged_jobs") == []

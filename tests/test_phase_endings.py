@@ -152,6 +152,12 @@ def async_debiting(name: str, escape: list[Any]) -> rp.Operation[Any]:
 
 
 @pytest.fixture
+def engine(engine_both_ways: rp.Engine) -> rp.Engine:
+    """Each test on both of the engine's paths (see conftest's engine_both_ways)."""
+    return engine_both_ways
+
+
+@pytest.fixture
 def wallet(db: sa.Engine, business_tables: None, scope: str) -> str:
     """The scope's wallet, with 1000 in it."""
     with db.begin() as conn:

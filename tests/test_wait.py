@@ -31,6 +31,12 @@ CREATE TABLE IF NOT EXISTS wait_runs (
     item text NOT NULL
 )
 """
+@pytest.fixture
+def engine(engine_both_ways: rp.Engine) -> rp.Engine:
+    """Each test on both of the engine's paths (see conftest's engine_both_ways)."""
+    return engine_both_ways
+
+
 WAIT = 30  # seconds: far longer than any step here, far shorter than the lease
 LEASE = timedelta(minutes=10)
 

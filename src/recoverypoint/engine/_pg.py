@@ -132,8 +132,9 @@ class Transaction:
         return _libpq.execute(self._pooled, self.connection, statement, params, begin=begin)
 
     def fetch_and_commit(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
-        """The write that records a phase, then COMMIT, in one round trip; its first row,
-        as text. The statement raises when it misses its row, so nothing then commits."""
+        """The write that records a phase (or, where the keys are distributed, the last
+        statement after it), then COMMIT, in one round trip; its first row, as text. The
+        statement raises when it misses its row, so nothing then commits."""
         began, self._began = self._began, True
         self._prepare_again()
         begin = None if began else self.token

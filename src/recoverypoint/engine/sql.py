@@ -19,7 +19,8 @@ cheap:
   statement runs again by ``id``;
 - the write that records a phase is addressed by the ``ctid`` its own transaction's fence
   (or claim) returned, which nobody else can change while the row is locked, and carries
-  the phase's staged jobs in the same statement. A miss means the phase itself changed the
+  the phase's staged jobs in the same statement (where Citus distributes the keys, as
+  statements of their own: :attr:`Fenced.bound`). A miss means the phase itself changed the
   key row or ended the transaction: the statement raises (:data:`KEY_ROW_CHANGED`,
   :data:`TRANSACTION_ENDED`) and nothing commits.
 """
@@ -348,7 +349,8 @@ class Fenced(NamedTuple):
 # insert on Citus (an INSERT ... SELECT from unnest() is pulled to the coordinator and
 # COPYed, which commits on every worker by two-phase commit). Not conditional on the write
 # that records the phase: when that write misses its row the statement raises, and the
-# jobs are never committed.
+# jobs are never committed (where Citus distributes the keys they are sent only after the
+# write found its row).
 def _staged_values(n: int) -> str:
     return ", ".join(
         f"(%(scope)s, %(job_name_{i})s, %(job_args_{i})s::jsonb, %(job_key_{i})s, %(id)s, "

@@ -347,19 +347,22 @@ def _commit_fenced(
 def _record_bound(
     tx: Transaction, statement: sql.Fenced, params: dict[str, Any], jobs: int
 ) -> TextRow | None:
-    """The write that records a phase where the keys are distributed, then its jobs, the
-    wake-up and COMMIT, each a statement of its own; a write that missed its row raises as
-    the guarded one does on one server (:data:`~recoverypoint.engine.sql.MISSED`), and
-    nothing after it is sent."""
+    """The write that records a phase where the keys are distributed, then its jobs and the
+    wake-up, each a statement of its own, the last in one round trip with COMMIT; a write
+    that missed its row raises as the guarded one does on one server
+    (:data:`~recoverypoint.engine.sql.MISSED`), and nothing after it is sent."""
     row = tx.fetch(statement.bound, params)
     if row is None:
         tx.fetch(sql.MISSED, params)  # raises, saying which miss it was
         return None
-    if jobs:
-        tx.fetch(sql.staged_jobs(jobs), params)
-    if statement.wakes:
-        tx.fetch(sql.WAKE, params)
-    tx.commit()
+    after = [sql.staged_jobs(jobs)] if jobs else []
+    after += [sql.WAKE] if statement.wakes else []
+    for each in after[:-1]:
+        tx.fetch(each, params)
+    if after:
+        tx.fetch_and_commit(after[-1], params)
+    else:
+        tx.commit()
     return row
 
 

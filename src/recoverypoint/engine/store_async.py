@@ -353,19 +353,22 @@ async def _commit_fenced(
 async def _record_bound(
     tx: AsyncTransaction, statement: sql.Fenced, params: dict[str, Any], jobs: int
 ) -> TextRow | None:
-    """The write that records a phase where the keys are distributed, then its jobs, the
-    wake-up and COMMIT, each a statement of its own; a write that missed its row raises as
-    the guarded one does on one server (:data:`~recoverypoint.engine.sql.MISSED`), and
-    nothing after it is sent."""
+    """The write that records a phase where the keys are distributed, then its jobs and the
+    wake-up, each a statement of its own, the last in one round trip with COMMIT; a write
+    that missed its row raises as the guarded one does on one server
+    (:data:`~recoverypoint.engine.sql.MISSED`), and nothing after it is sent."""
     row = await tx.fetch(statement.bound, params)
     if row is None:
         await tx.fetch(sql.MISSED, params)  # raises, saying which miss it was
         return None
-    if jobs:
-        await tx.fetch(sql.staged_jobs(jobs), params)
-    if statement.wakes:
-        await tx.fetch(sql.WAKE, params)
-    await tx.commit()
+    after = [sql.staged_jobs(jobs)] if jobs else []
+    after += [sql.WAKE] if statement.wakes else []
+    for each in after[:-1]:
+        await tx.fetch(each, params)
+    if after:
+        await tx.fetch_and_commit(after[-1], params)
+    else:
+        await tx.commit()
     return row
 
 
