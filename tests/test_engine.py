@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from rides import Boom, Faults, Provider, count, ride_operation
 
 import recoverypoint as rp
+from recoverypoint.engine._decide import _from_epoch
 
 RIDES = rp.Request("POST", "/rides")
 
@@ -601,3 +603,28 @@ def test_any_scope_the_engine_accepts_is_fenced_and_replayed_in_its_own_scope(
     )
     jobs += " WHERE k.idempotency_key = :key AND j.scope = k.scope AND k.scope = :scope"
     assert count(db, jobs, key=key, scope=scope) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.datetimes(
+        min_value=datetime(1970, 1, 1),
+        max_value=datetime(9999, 12, 31),
+        timezones=st.just(timezone.utc),
+    )
+)
+def test_a_new_keys_creation_time_is_the_one_read_back_later(db: sa.Engine, at: datetime) -> None:
+    """The claim returns a new row's creation time as seconds since the epoch (a number
+    Citus lets it return); later reads of the row, as text. Both give the same instant, to
+    the microsecond: the key's identity, which phases see, does not change on resume."""
+    with db.connect() as conn:
+        as_number, as_text = conn.execute(
+            sa.text(
+                "SELECT extract(epoch FROM timezone('UTC', CAST(:at AS timestamptz)))::text, "
+                "to_char(CAST(:at AS timestamptz) AT TIME ZONE 'UTC', "
+                "'YYYY-MM-DD\"T\"HH24:MI:SS.US')"
+            ),
+            {"at": at},
+        ).one()
+    read_later = datetime.fromisoformat(as_text).replace(tzinfo=timezone.utc)
+    assert _from_epoch(as_number) == read_later == at

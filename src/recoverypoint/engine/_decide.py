@@ -10,7 +10,8 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -158,15 +159,16 @@ class KeyRecord(NamedTuple):
     @classmethod
     def new_row(cls, row: Sequence[str | None], request: ClaimRequest) -> KeyRecord:
         """The record the claim inserted, from what it wrote and the columns it returned
-        (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time, address, the params as
-        jsonb stored them, which every later run of the key reads too, and the generation)."""
+        (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time in seconds since the
+        epoch, address, the params as jsonb stored them, which every later run of the key
+        reads too, and the generation)."""
         key_id, created_at, ctid, params, generation = row
         assert key_id and created_at and ctid and params is not None and generation
         return cls(
             int(key_id),
             request.scope,
             request.key,
-            datetime.fromisoformat(created_at).replace(tzinfo=timezone.utc),
+            _from_epoch(created_at),
             request.version,
             request.fingerprint,
             STARTED,
@@ -241,6 +243,18 @@ class KeyRef:
     for the writes that wake its waiters."""
     locked_by: object = None
     """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _from_epoch(text: str) -> datetime:
+    """The instant PostgreSQL gave as seconds since the epoch, to the microsecond: exact
+    (a float would round some), so that it equals the same row's creation time read back
+    as text (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`)."""
+    seconds = Decimal(text)
+    whole = int(seconds)
+    return _EPOCH + timedelta(seconds=whole, microseconds=int((seconds - whole) * 1_000_000))
 
 
 def written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:

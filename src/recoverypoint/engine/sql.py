@@ -108,8 +108,9 @@ NOTHING = "SELECT 1"
 # 0013, which is earlier still: a window is judged passed sooner, never later.
 #
 # Formatted outside the statement that writes the row where Citus distributes the keys: it
-# refuses a function that is not IMMUTABLE (to_char) in a RETURNING clause, so the claims
-# there return the row's columns (_RETURNED) and format them in the query around it.
+# refuses a function that is not IMMUTABLE (to_char) in a RETURNING clause, so the claim by
+# id (CLAIM_BY_ID) returns the row's columns (_RETURNED) and formats them in the query around
+# it. (A new key's claim returns its creation time as a number instead: see _CLAIMED.)
 _RETURNED = """
     id, scope, idempotency_key, created_at, operation_version, fingerprint, recovery_point, state,
     request_params, response_status, response_headers, response_body, attempts,
@@ -163,9 +164,10 @@ _HELD_FOR = f"{leases.HELD_FOR}::text"
 # The first attempt's back-off (its next_attempt_at) is computed by the caller
 # (:func:`backoff.backoff_delay` of attempt 0): a row that does not exist yet counts no
 # attempts to compute it from, and the expression cost the server about 1 % of a fresh
-# request. Where Citus distributes the keys (CLAIM_BOUND), the row is formatted around the
-# INSERT (see _RECORD_COLUMNS); on one server, in its RETURNING: the query around it cost
-# about as much again.
+# request. The creation time comes back as seconds since the epoch (numeric, to the
+# microsecond, in UTC): an IMMUTABLE expression, which Citus allows in a RETURNING clause
+# where it refuses to_char, so that the claim is one INSERT there too (in a query around
+# it, Citus ran the INSERT as a subplan through an intermediate result).
 _CLAIM = """
     INSERT INTO idempotency_keys (
         scope, operation, idempotency_key, operation_version, request_method,
@@ -180,17 +182,11 @@ _RECORDED_GENERATION = """coalesce((
     SELECT g.generation FROM key_generations AS g
     WHERE g.scope = %(scope)s AND g.operation = %(operation)s
       AND g.idempotency_key = %(key)s), 0)"""
-CLAIM = Statement(
-    _CLAIM.format(generation=_RECORDED_GENERATION)
-    + f" RETURNING id, {_CREATED_AT}, ctid, request_params, generation"
+_CLAIMED = " RETURNING id, extract(epoch FROM timezone('UTC', created_at)), ctid, " + (
+    "request_params, generation"
 )
-CLAIM_BOUND = Statement(f"""
-    WITH claimed AS (
-        {_CLAIM.format(generation="%(generation)s")}
-        RETURNING id, created_at, ctid, request_params, generation
-    )
-    SELECT id, {_CREATED_AT}, ctid, request_params, generation FROM claimed
-""")
+CLAIM = Statement(_CLAIM.format(generation=_RECORDED_GENERATION) + _CLAIMED)
+CLAIM_BOUND = Statement(_CLAIM.format(generation="%(generation)s") + _CLAIMED)
 
 # The row of a key CLAIM found there, read in the claim's transaction (the row it conflicted
 # with, which its snapshot sees); nothing when it was deleted meanwhile (reaped).
