@@ -182,8 +182,9 @@ _RECORDED_GENERATION = """coalesce((
     SELECT g.generation FROM key_generations AS g
     WHERE g.scope = %(scope)s AND g.operation = %(operation)s
       AND g.idempotency_key = %(key)s), 0)"""
-_CLAIMED = " RETURNING id, extract(epoch FROM timezone('UTC', created_at)), ctid, " + (
-    "request_params, generation"
+_CLAIMED = (
+    " RETURNING id, extract(epoch FROM timezone('UTC', created_at)), ctid, request_params,"
+    " generation"
 )
 CLAIM = Statement(_CLAIM.format(generation=_RECORDED_GENERATION) + _CLAIMED)
 CLAIM_BOUND = Statement(_CLAIM.format(generation="%(generation)s") + _CLAIMED)
