@@ -81,6 +81,9 @@ def _fenced() -> Iterator[tuple[str, str]]:
         yield f"{name} by id", fenced.by_id
         yield f"{name} held", fenced.held.text
         yield f"{name} held, staging 2 jobs", fenced.staging(2).text
+        # Where Citus distributes the keys; the jobs then follow in an INSERT of their own,
+        # whose rows land in the scope's partition by their value, as CLAIM's does.
+        yield f"{name} bound", fenced.bound.text
 
 
 REQUEST_PATH = [
