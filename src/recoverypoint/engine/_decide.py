@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from decimal import Decimal
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -249,12 +248,11 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def _from_epoch(text: str) -> datetime:
-    """The instant PostgreSQL gave as seconds since the epoch, to the microsecond: exact
-    (a float would round some), so that it equals the same row's creation time read back
-    as text (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`)."""
-    seconds = Decimal(text)
-    whole = int(seconds)
-    return _EPOCH + timedelta(seconds=whole, microseconds=int((seconds - whole) * 1_000_000))
+    """The instant PostgreSQL gave as seconds since the epoch, to the microsecond: read as
+    its digits (a float would round some), so that it equals the same row's creation time
+    read back as text (:data:`recoverypoint.engine.sql._RECORD_COLUMNS`)."""
+    seconds, _, fraction = text.partition(".")
+    return _EPOCH + timedelta(seconds=int(seconds), microseconds=int(fraction.ljust(6, "0")))
 
 
 def written(key: KeyRef, row: tuple[Any, ...] | None) -> tuple[Any, ...]:
