@@ -15,6 +15,7 @@ The header of the pytest report says which one was used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -25,6 +26,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 import pytest
 import sqlalchemy as sa
@@ -42,6 +44,8 @@ from recoverypoint.testing import temporary_database
 pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest as a user does
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -163,53 +167,243 @@ def assert_keys_whole(url: str) -> None:
     assert not broken, f"key rows that are not whole: {broken}"
 
 
+class _PerLayout:
+    """What the session fixtures on :func:`layout` make, made once per layout and kept to
+    the session's end.
+
+    pytest sets a session fixture up again each time the next test's parameter differs, and
+    a test that asks for no layout has none, which pytest tells apart from ``single``: a
+    worker would migrate a database and copy a template a dozen times a session.
+    """
+
+    def __init__(self, ends: contextlib.ExitStack) -> None:
+        self.ends = ends
+        self.made: dict[tuple[str, str], Any] = {}
+
+    def get(
+        self, what: str, layout: str, make: Callable[[], contextlib.AbstractContextManager[T]]
+    ) -> T:
+        if (what, layout) not in self.made:
+            self.made[what, layout] = self.ends.enter_context(make())
+        return cast(T, self.made[what, layout])
+
+
 @pytest.fixture(scope="session")
-def database_url(server_url: str, layout: str) -> Iterator[str]:
-    """A database of this session alone, at the newest schema (``postgresql+psycopg://``),
-    in the :func:`layout` asked for."""
+def per_layout() -> Iterator[_PerLayout]:
+    with contextlib.ExitStack() as ends:
+        yield _PerLayout(ends)
+
+
+@contextlib.contextmanager
+def _session_database(server_url: str, layout: str) -> Iterator[str]:
     with temporary_database(server_url) as url:
         _migrated(url, layout)
         yield url
         assert_keys_whole(url)
 
 
+@contextlib.contextmanager
+def _disposed(engine: sa.Engine) -> Iterator[sa.Engine]:
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture(scope="session")
-def db(database_url: str) -> Iterator[sa.Engine]:
+def database_url(per_layout: _PerLayout, server_url: str, layout: str) -> str:
+    """A database of this session alone, at the newest schema (``postgresql+psycopg://``),
+    in the :func:`layout` asked for."""
+    return per_layout.get("database", layout, lambda: _session_database(server_url, layout))
+
+
+@pytest.fixture(scope="session")
+def db(per_layout: _PerLayout, database_url: str, layout: str) -> sa.Engine:
     """An engine on :func:`database_url`, with room for 60 threads at once."""
-    engine = create_engine(database_url, pool_size=10, max_overflow=60)
-    yield engine
-    engine.dispose()
+    return per_layout.get(
+        "engine",
+        layout,
+        lambda: _disposed(create_engine(database_url, pool_size=10, max_overflow=60)),
+    )
 
 
 class _OwnDatabases:
-    """The databases tests have to themselves: created when asked for, dropped in the
-    background after the test.
+    """The databases tests have to themselves: created when asked for, and after the test
+    dropped in the background or, for a copy of a template the test left in a state that
+    can be undone, made a new copy again there for the next test that asks.
 
-    A DROP DATABASE waits until every backend of the server has let go of the database's
-    files, a second or more on a busy machine, which the next test need not wait for. The
-    drops left are waited for at the end of the session, and the first error raised there.
+    A CREATE DATABASE writes a few hundred files, and a DROP DATABASE forces a checkpoint
+    and deletes them; on a busy server each costs more than most tests (on ext4 without a
+    journal, every file created afterwards skips each inode deleted in the last minute or
+    more). :func:`_undone` says what is undone and what makes a copy be dropped instead.
+    The drops left are waited for at the end of the session, and the first error raised.
     """
 
     def __init__(self, server_url: str) -> None:
         self.server_url = server_url
-        self.dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drop-database")
-        self.drops: list[Future[None]] = []
+        self.cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clean-database")
+        self.cleaned: list[Future[None]] = []
+        self.lock = threading.Lock()
+        # Per template: its copies made new again, each with what drops it at the end.
+        self.spare: dict[str, list[_Copy]] = {}
 
     @contextlib.contextmanager
     def new(self, template: str | None = None) -> Iterator[str]:
         """A new database's URL; a copy of ``template``, when given."""
-        later = contextlib.ExitStack()
-        url = later.enter_context(temporary_database(self.server_url, template=template))
+        if template is None:
+            drop = contextlib.ExitStack()
+            url = drop.enter_context(temporary_database(self.server_url))
+            try:
+                yield url
+                assert_keys_whole(url)
+            finally:
+                self.cleaned.append(self.cleaner.submit(drop.close))
+            return
+        copy = self._spare(template)
+        whole = False
         try:
-            yield url
-            assert_keys_whole(url)
+            yield copy.url
+            assert_keys_whole(copy.url)
+            whole = True
         finally:
-            self.drops.append(self.dropper.submit(later.close))
+            self.cleaned.append(self.cleaner.submit(self._clean, template, copy, whole))
+
+    def _spare(self, template: str) -> _Copy:
+        """A copy of ``template`` made new again, or else a new one."""
+        with self.lock:
+            spare = self.spare.get(template)
+            if spare:
+                return spare.pop()
+        with contextlib.ExitStack() as drop:
+            url = drop.enter_context(temporary_database(self.server_url, template=template))
+            copy = _Copy(url, drop.pop_all(), *_state(url))
+        return copy
+
+    def _clean(self, template: str, copy: _Copy, whole: bool) -> None:
+        if whole and _undone(copy):
+            with self.lock:
+                self.spare.setdefault(template, []).append(copy)
+        else:
+            copy.drop.close()
 
     def close(self) -> None:
-        self.dropper.shutdown()
-        for drop in self.drops:
-            drop.result()
+        self.cleaner.shutdown()
+        for spare in self.spare.values():
+            for copy in spare:
+                copy.drop.close()
+        for cleaned in self.cleaned:
+            cleaned.result()
+
+
+@dataclasses.dataclass
+class _Copy:
+    """A copy of a template: its URL, what drops it, and what :func:`_undone` needs: the
+    transaction ID from which on rows and catalog entries are the tests', the number of
+    rows each table had, and each sequence's value, as copied."""
+
+    url: str
+    drop: contextlib.ExitStack
+    mark: str
+    rows: dict[str, int]
+    sequences: list[tuple[str, int, bool]]
+
+
+_USER_TABLES = """
+    SELECT c.oid::regclass::text FROM pg_class AS c
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE c.relkind = 'r' AND c.relpersistence = 'p'
+      AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_'
+"""
+# The next transaction ID: rows and catalog entries written from now on have it or a later one.
+_MARK = "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296)::text"
+
+
+def _state(url: str) -> tuple[str, dict[str, int], list[tuple[str, int, bool]]]:
+    """A new copy's mark, row counts and sequences (see :class:`_Copy`)."""
+    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            mark = conn.scalar(sa.text(_MARK))
+            rows = {
+                table: conn.scalar(sa.text(f"SELECT count(*) FROM {table}"))
+                for table in conn.scalars(sa.text(_USER_TABLES))
+            }
+            sequences = [
+                (row.name, row.value, row.called)
+                for row in conn.execute(
+                    sa.text(
+                        "SELECT format('%I.%I', schemaname, sequencename) AS name, "
+                        "coalesce(last_value, start_value) AS value, "
+                        "last_value IS NOT NULL AS called "
+                        "FROM pg_sequences"
+                    )
+                )
+            ]
+    finally:
+        engine.dispose()
+    return mark, rows, sequences
+
+
+def _undone(copy: _Copy) -> bool:
+    """Make ``copy`` what a new copy of its template is, if its test left it in a state that
+    can be undone: the rows it wrote deleted, its sequences set back and its statistics
+    zeroed. Not when a connection is left (a process that outlived its test) or a catalog
+    entry is new (the test changed the schema or the database's settings, or created a
+    temporary table), nor when a row of the template was deleted or updated: then False,
+    and the copy is dropped."""
+    engine = create_engine(copy.url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            left = conn.scalar(
+                sa.text(
+                    "SELECT (SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                    "current_database() AND backend_type = 'client backend' "
+                    "AND pid <> pg_backend_pid()) + (SELECT count(*) FROM pg_prepared_xacts "
+                    "WHERE database = current_database())"
+                )
+            )
+            if left:
+                return False
+            new = "age(xmin) <= age(CAST(:mark AS xid))"
+            catalogs = conn.scalars(
+                sa.text(
+                    "SELECT oid::regclass::text FROM pg_class "
+                    "WHERE relnamespace = 'pg_catalog'::regnamespace AND relkind = 'r' "
+                    "AND NOT relisshared AND relname NOT LIKE 'pg_statistic%'"
+                )
+            ).all()
+            changed = " OR ".join(
+                [f"EXISTS (SELECT FROM {catalog} WHERE {new})" for catalog in catalogs]
+                + [
+                    f"EXISTS (SELECT FROM pg_database WHERE datname = current_database() "
+                    f"AND {new})",
+                    f"EXISTS (SELECT FROM pg_db_role_setting WHERE setdatabase = "
+                    f"(SELECT oid FROM pg_database WHERE datname = current_database()) "
+                    f"AND {new})",
+                ]
+            )
+            if conn.scalar(sa.text(f"SELECT {changed}"), {"mark": copy.mark}):
+                return False
+            conn.exec_driver_sql("SET session_replication_role = replica")  # no trigger
+            for table, count in copy.rows.items():
+                conn.execute(sa.text(f"DELETE FROM {table} WHERE {new}"), {"mark": copy.mark})
+                if conn.scalar(sa.text(f"SELECT count(*) FROM {table}")) != count:
+                    return False
+            for sequence, value, called in copy.sequences:
+                conn.execute(
+                    sa.text("SELECT setval(CAST(:s AS regclass), :v, :c)"),
+                    {"s": sequence, "v": value, "c": called},
+                )
+            conn.exec_driver_sql(f"VACUUM {', '.join(copy.rows)}")
+            # The deletes' counts reach the statistics when this session next goes idle.
+            conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+            conn.exec_driver_sql("SELECT pg_stat_reset()")
+            copy.mark = conn.scalar(sa.text(_MARK))
+    except sa.exc.DBAPIError:
+        return False
+    finally:
+        engine.dispose()
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -233,12 +427,16 @@ def scope() -> str:
 
 
 @pytest.fixture(scope="session")
-def business_tables(db: sa.Engine) -> None:
+def business_tables(per_layout: _PerLayout, db: sa.Engine, layout: str) -> None:
     """The example tables the engine tests write to (rides, audit records, the provider's)."""
     from rides import SCHEMA
 
-    with db.begin() as connection:
-        connection.exec_driver_sql(SCHEMA)
+    def create() -> contextlib.nullcontext[None]:
+        with db.begin() as connection:
+            connection.exec_driver_sql(SCHEMA)
+        return contextlib.nullcontext()
+
+    per_layout.get("business tables", layout, create)
 
 
 @pytest.fixture
@@ -273,10 +471,8 @@ def faults() -> Faults:
 # -- worker tests ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def worker_template(server_url: str, layout: str) -> Iterator[str]:
-    """The name of a database migrated in :func:`layout`, with the tables of ``workload.py``,
-    which each :func:`worker_database_url` copies: a copy is quicker than a migration."""
+@contextlib.contextmanager
+def _worker_template(server_url: str, layout: str) -> Iterator[str]:
     from workload import SCHEMA
 
     with temporary_database(server_url, prefix="rp_template") as url:
@@ -290,6 +486,13 @@ def worker_template(server_url: str, layout: str) -> Iterator[str]:
         database = sa.make_url(url).database
         assert database is not None
         yield database
+
+
+@pytest.fixture(scope="session")
+def worker_template(per_layout: _PerLayout, server_url: str, layout: str) -> str:
+    """The name of a database migrated in :func:`layout`, with the tables of ``workload.py``,
+    which each :func:`worker_database_url` copies: a copy is quicker than a migration."""
+    return per_layout.get("worker template", layout, lambda: _worker_template(server_url, layout))
 
 
 @pytest.fixture
