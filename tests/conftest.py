@@ -25,7 +25,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar, cast
 
 import pytest
@@ -189,7 +189,7 @@ class _PerLayout:
 
 
 @pytest.fixture(scope="session")
-def per_layout() -> Iterator[_PerLayout]:
+def per_layout(server_url: str) -> Iterator[_PerLayout]:  # ends before the server does
     with contextlib.ExitStack() as ends:
         yield _PerLayout(ends)
 
@@ -218,34 +218,39 @@ def database_url(per_layout: _PerLayout, server_url: str, layout: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def db(per_layout: _PerLayout, database_url: str, layout: str) -> sa.Engine:
+def db(per_layout: _PerLayout, database_url: str, layout: str) -> Iterator[sa.Engine]:
     """An engine on :func:`database_url`, with room for 60 threads at once."""
-    return per_layout.get(
+    engine = per_layout.get(
         "engine",
         layout,
         lambda: _disposed(create_engine(database_url, pool_size=10, max_overflow=60)),
     )
+    yield engine
+    engine.dispose()  # its pooled connections, at each change of layout; it stays usable
 
 
 class _OwnDatabases:
     """The databases tests have to themselves: created when asked for, and after the test
-    dropped in the background or, for a copy of a template the test left in a state that
-    can be undone, made a new copy again there for the next test that asks.
+    dropped in the background or, for a copy of a template that passed its test and can be
+    made what a new copy is, made so there for the next test that asks (:func:`_undone`).
 
     A CREATE DATABASE writes a few hundred files, and a DROP DATABASE forces a checkpoint
     and deletes them; on a busy server each costs more than most tests (on ext4 without a
     journal, every file created afterwards skips each inode deleted in the last minute or
-    more). :func:`_undone` says what is undone and what makes a copy be dropped instead.
-    The drops left are waited for at the end of the session, and the first error raised.
+    more). The cleans and drops left are waited for at the end of the session, and the
+    first error raised there.
     """
 
     def __init__(self, server_url: str) -> None:
         self.server_url = server_url
+        self.dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drop-database")
         self.cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clean-database")
-        self.cleaned: list[Future[None]] = []
+        self.done: list[Future[None]] = []
         self.lock = threading.Lock()
-        # Per template: its copies made new again, each with what drops it at the end.
+        # Per template: its copies made new again, and the last clean of one under way.
         self.spare: dict[str, list[_Copy]] = {}
+        self.cleaning: dict[str, Future[None]] = {}
+        self.spoiled: set[str] = set()  # copies whose test failed: dropped, whatever they hold
 
     @contextlib.contextmanager
     def new(self, template: str | None = None) -> Iterator[str]:
@@ -257,144 +262,186 @@ class _OwnDatabases:
                 yield url
                 assert_keys_whole(url)
             finally:
-                self.cleaned.append(self.cleaner.submit(drop.close))
+                self._drop(drop)
             return
         copy = self._spare(template)
-        whole = False
+        passed = False
         try:
             yield copy.url
             assert_keys_whole(copy.url)
-            whole = True
+            passed = copy.url not in self.spoiled
         finally:
-            self.cleaned.append(self.cleaner.submit(self._clean, template, copy, whole))
+            cleaning = self.cleaner.submit(self._clean, template, copy, passed)
+            self.cleaning[template] = cleaning
+            self.done.append(cleaning)
+
+    def spoil(self, url: str) -> None:
+        """Drop the copy at ``url`` after its test, whatever it holds (its test failed: it
+        may have left a process running, which a drop ends)."""
+        self.spoiled.add(url)
 
     def _spare(self, template: str) -> _Copy:
-        """A copy of ``template`` made new again, or else a new one."""
+        """A copy of ``template`` made new again (once the cleans under way are done: a
+        clean takes a fraction of a copy's time), or else a new one."""
+        if template in self.cleaning:
+            wait([self.cleaning[template]])  # its error is raised at the end of the session
         with self.lock:
             spare = self.spare.get(template)
             if spare:
                 return spare.pop()
         with contextlib.ExitStack() as drop:
             url = drop.enter_context(temporary_database(self.server_url, template=template))
-            copy = _Copy(url, drop.pop_all(), *_state(url))
+            copy = _Copy(url, drop.pop_all(), **_state(url))
         return copy
 
-    def _clean(self, template: str, copy: _Copy, whole: bool) -> None:
-        if whole and _undone(copy):
-            with self.lock:
-                self.spare.setdefault(template, []).append(copy)
-        else:
-            copy.drop.close()
+    def _clean(self, template: str, copy: _Copy, passed: bool) -> None:
+        undone = False
+        try:
+            undone = passed and _undone(copy)
+        finally:
+            if undone:
+                with self.lock:
+                    self.spare.setdefault(template, []).append(copy)
+            else:
+                self._drop(copy.drop)
+
+    def _drop(self, drop: contextlib.ExitStack) -> None:
+        self.done.append(self.dropper.submit(drop.close))
 
     def close(self) -> None:
-        self.cleaner.shutdown()
+        self.cleaner.shutdown()  # before the dropper: a clean may hand it a copy
         for spare in self.spare.values():
             for copy in spare:
-                copy.drop.close()
-        for cleaned in self.cleaned:
-            cleaned.result()
+                self._drop(copy.drop)
+        self.dropper.shutdown()
+        for done in self.done:
+            done.result()
 
 
 @dataclasses.dataclass
 class _Copy:
-    """A copy of a template: its URL, what drops it, and what :func:`_undone` needs: the
-    transaction ID from which on rows and catalog entries are the tests', the number of
-    rows each table had, and each sequence's value, as copied."""
+    """A copy of a template: its URL, what drops it, and what :func:`_undone` compares with,
+    as copied: the transaction ID from which on rows and catalog entries are the tests', the
+    rows of each table, the rows of each catalog, each sequence's value, and each relation's
+    size and the planner's figures for it."""
 
     url: str
     drop: contextlib.ExitStack
     mark: str
     rows: dict[str, int]
-    sequences: list[tuple[str, int, bool]]
+    catalogs: dict[str, int]
+    sequences: dict[str, tuple[int, bool]]
+    relations: dict[str, tuple[int, int, float, int]]
 
 
-_USER_TABLES = """
+# The next transaction ID: rows and catalog entries written from now on have it or a later one.
+_MARK = "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296)::text"
+_NEW = "age(xmin) <= age(CAST(:mark AS xid))"  # a row written since the mark
+_TABLES = """
     SELECT c.oid::regclass::text FROM pg_class AS c
     JOIN pg_namespace AS n ON n.oid = c.relnamespace
     WHERE c.relkind = 'r' AND c.relpersistence = 'p'
       AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_'
 """
-# The next transaction ID: rows and catalog entries written from now on have it or a later one.
-_MARK = "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296)::text"
+_CATALOGS = """
+    SELECT oid::regclass::text FROM pg_class
+    WHERE relnamespace = 'pg_catalog'::regnamespace AND relkind = 'r' AND NOT relisshared
+"""
+_SEQUENCES = """
+    SELECT format('%I.%I', schemaname, sequencename), coalesce(last_value, start_value),
+           last_value IS NOT NULL
+    FROM pg_sequences
+"""
+# Every relation of the database's own (tables, their indexes and TOAST): its size, and the
+# figures the planner reads, which VACUUM changes (a never vacuumed table is planned as
+# 10 pages, a vacuumed empty one as empty).
+_RELATIONS = """
+    SELECT oid::text, pg_relation_size(oid), relpages, reltuples, relallvisible FROM pg_class
+    WHERE oid >= 16384 AND relkind IN ('r', 'i', 't')
+"""
 
 
-def _state(url: str) -> tuple[str, dict[str, int], list[tuple[str, int, bool]]]:
-    """A new copy's mark, row counts and sequences (see :class:`_Copy`)."""
+def _state(url: str) -> dict[str, Any]:
+    """A new copy's figures, as :class:`_Copy` holds them."""
     engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
-            mark = conn.scalar(sa.text(_MARK))
-            rows = {
-                table: conn.scalar(sa.text(f"SELECT count(*) FROM {table}"))
-                for table in conn.scalars(sa.text(_USER_TABLES))
+            return {
+                "mark": conn.scalar(sa.text(_MARK)),
+                "rows": _counts(conn, _TABLES),
+                "catalogs": _counts(conn, _CATALOGS),
+                "sequences": {
+                    name: (value, called)
+                    for name, value, called in conn.execute(sa.text(_SEQUENCES))
+                },
+                "relations": {oid: tuple(rest) for oid, *rest in conn.execute(sa.text(_RELATIONS))},
             }
-            sequences = [
-                (row.name, row.value, row.called)
-                for row in conn.execute(
-                    sa.text(
-                        "SELECT format('%I.%I', schemaname, sequencename) AS name, "
-                        "coalesce(last_value, start_value) AS value, "
-                        "last_value IS NOT NULL AS called "
-                        "FROM pg_sequences"
-                    )
-                )
-            ]
     finally:
         engine.dispose()
-    return mark, rows, sequences
+
+
+def _counts(conn: sa.Connection, tables: str) -> dict[str, int]:
+    names = conn.scalars(sa.text(tables)).all()
+    counts = " UNION ALL ".join(f"SELECT '{name}', count(*) FROM {name}" for name in names)
+    return {name: count for name, count in conn.execute(sa.text(counts))} if names else {}
 
 
 def _undone(copy: _Copy) -> bool:
-    """Make ``copy`` what a new copy of its template is, if its test left it in a state that
-    can be undone: the rows it wrote deleted, its sequences set back and its statistics
-    zeroed. Not when a connection is left (a process that outlived its test) or a catalog
-    entry is new (the test changed the schema or the database's settings, or created a
-    temporary table), nor when a row of the template was deleted or updated: then False,
-    and the copy is dropped."""
+    """Make ``copy`` what a new copy of its template is, if its test left what can be
+    undone: the rows it wrote deleted, dead rows vacuumed away, its sequences, the planner's
+    figures and the statistics set back. False, and the copy is dropped, when a connection
+    is left (a process that outlived its test), a catalog entry is new or gone (the test
+    changed the schema or the database's settings, created a temporary table, or ANALYZE
+    ran), a row of the template was deleted or updated, or a relation is more than a page
+    bigger than it was (an index does not shrink)."""
     engine = create_engine(copy.url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
+            conn.exec_driver_sql("SET lock_timeout = '10s'; SET statement_timeout = '60s'")
             left = conn.scalar(
                 sa.text(
                     "SELECT (SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                    "current_database() AND backend_type = 'client backend' "
-                    "AND pid <> pg_backend_pid()) + (SELECT count(*) FROM pg_prepared_xacts "
+                    "current_database() AND pid <> pg_backend_pid()) "
+                    "+ (SELECT count(*) FROM pg_prepared_xacts "
                     "WHERE database = current_database())"
                 )
             )
-            if left:
-                return False
-            new = "age(xmin) <= age(CAST(:mark AS xid))"
-            catalogs = conn.scalars(
-                sa.text(
-                    "SELECT oid::regclass::text FROM pg_class "
-                    "WHERE relnamespace = 'pg_catalog'::regnamespace AND relkind = 'r' "
-                    "AND NOT relisshared AND relname NOT LIKE 'pg_statistic%'"
-                )
-            ).all()
+            this = "(SELECT oid FROM pg_database WHERE datname = current_database())"
             changed = " OR ".join(
-                [f"EXISTS (SELECT FROM {catalog} WHERE {new})" for catalog in catalogs]
+                [f"EXISTS (SELECT FROM {catalog} WHERE {_NEW})" for catalog in copy.catalogs]
                 + [
-                    f"EXISTS (SELECT FROM pg_database WHERE datname = current_database() "
-                    f"AND {new})",
-                    f"EXISTS (SELECT FROM pg_db_role_setting WHERE setdatabase = "
-                    f"(SELECT oid FROM pg_database WHERE datname = current_database()) "
-                    f"AND {new})",
+                    f"EXISTS (SELECT FROM pg_database WHERE oid = {this} AND {_NEW})",
+                    f"EXISTS (SELECT FROM pg_db_role_setting WHERE setdatabase = {this} "
+                    f"AND {_NEW})",
                 ]
             )
-            if conn.scalar(sa.text(f"SELECT {changed}"), {"mark": copy.mark}):
+            if left or conn.scalar(sa.text(f"SELECT {changed}"), {"mark": copy.mark}):
+                return False
+            if _counts(conn, _CATALOGS) != copy.catalogs:
                 return False
             conn.exec_driver_sql("SET session_replication_role = replica")  # no trigger
-            for table, count in copy.rows.items():
-                conn.execute(sa.text(f"DELETE FROM {table} WHERE {new}"), {"mark": copy.mark})
-                if conn.scalar(sa.text(f"SELECT count(*) FROM {table}")) != count:
-                    return False
-            for sequence, value, called in copy.sequences:
+            for table in copy.rows:
+                conn.execute(sa.text(f"DELETE FROM {table} WHERE {_NEW}"), {"mark": copy.mark})
+            if _counts(conn, _TABLES) != copy.rows:
+                return False
+            for sequence, (value, called) in copy.sequences.items():
                 conn.execute(
                     sa.text("SELECT setval(CAST(:s AS regclass), :v, :c)"),
                     {"s": sequence, "v": value, "c": called},
                 )
             conn.exec_driver_sql(f"VACUUM {', '.join(copy.rows)}")
+            relations = conn.execute(sa.text(_RELATIONS)).all()
+            # An index keeps the first page its rows took (a B-tree's root leaf), no more.
+            if any(size > copy.relations[oid][0] + 8192 for oid, size, *_ in relations):
+                return False
+            for oid, (_, pages, tuples, visible) in copy.relations.items():
+                conn.execute(
+                    sa.text(
+                        "UPDATE pg_class SET relpages = :pages, reltuples = :tuples, "
+                        "relallvisible = :visible WHERE oid = CAST(:oid AS oid)"
+                    ),
+                    {"oid": oid, "pages": pages, "tuples": tuples, "visible": visible},
+                )
             # The deletes' counts reach the statistics when this session next goes idle.
             conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
             conn.exec_driver_sql("SELECT pg_stat_reset()")
@@ -404,6 +451,18 @@ def _undone(copy: _Copy) -> bool:
     finally:
         engine.dispose()
     return True
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Whether a test's setup or call failed, for its fixtures' teardown to read."""
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -496,7 +555,9 @@ def worker_template(per_layout: _PerLayout, server_url: str, layout: str) -> str
 
 
 @pytest.fixture
-def worker_database_url(own_databases: _OwnDatabases, worker_template: str) -> Iterator[str]:
+def worker_database_url(
+    own_databases: _OwnDatabases, worker_template: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
     """A migrated database of this test alone, with the tables of ``workload.py``.
 
     Workers act on every row they find, so a test that runs them must neither see other
@@ -504,6 +565,8 @@ def worker_database_url(own_databases: _OwnDatabases, worker_template: str) -> I
     """
     with own_databases.new(template=worker_template) as url:
         yield url
+        if request.node.stash.get(_FAILED, False):
+            own_databases.spoil(url)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from recoverypoint.testing import temporary_database
 TEMPLATE_SCHEMA = """
 CREATE TABLE parents (id bigserial PRIMARY KEY, name text NOT NULL);
 CREATE TABLE children (id bigserial PRIMARY KEY, parent bigint NOT NULL REFERENCES parents);
+CREATE INDEX parents_name ON parents (name);
 INSERT INTO parents (name) VALUES ('kept');
 """
 
@@ -49,12 +50,24 @@ def run(url: str, *statements: str) -> list[Any]:
         engine.dispose()
 
 
+PLANNED = """
+    SELECT format('%s %s %s %s', relname, relpages, reltuples, relallvisible) FROM pg_class
+    WHERE relname IN ('parents', 'children', 'parents_name', 'parents_pkey') ORDER BY relname
+"""
+
+
 def used(own_databases: Any, template: str, *statements: str) -> str:
     """The URL of a copy of ``template`` that ran ``statements``, once it is cleaned."""
     with own_databases.new(template) as url:
         run(url, *statements)
-    own_databases.cleaner.submit(lambda: None).result()  # the cleaner is one thread: in order
+    settled(own_databases)
     return str(url)
+
+
+def settled(own_databases: Any) -> None:
+    """Once the cleans and drops asked for so far are done (each is one thread: in order)."""
+    own_databases.cleaner.submit(lambda: None).result()
+    own_databases.dropper.submit(lambda: None).result()
 
 
 def exists(server_url: str, url: str) -> bool:
@@ -65,6 +78,9 @@ def exists(server_url: str, url: str) -> bool:
 def test_a_copy_whose_rows_were_written_comes_back_as_new(
     own_databases: Any, template: str
 ) -> None:
+    with own_databases.new(template) as first:
+        fresh = run(first, PLANNED)
+    settled(own_databases)
     url = used(
         own_databases,
         template,
@@ -79,6 +95,8 @@ def test_a_copy_whose_rows_were_written_comes_back_as_new(
         assert run(again, "SELECT count(*) FROM children") == [0]
         assert run(again, "INSERT INTO parents (name) VALUES ('next') RETURNING id") == [2]
         assert run(again, "INSERT INTO children (parent) VALUES (2) RETURNING id") == [1]
+        # As the planner sees them: a copy's figures (never vacuumed, planned as 10 pages).
+        assert run(again, PLANNED) == fresh
         assert run(
             again,
             "SELECT pg_stat_clear_snapshot()",
@@ -104,6 +122,17 @@ SETTING = (
         pytest.param("DELETE FROM parents WHERE name = 'kept'", id="a row deleted"),
         pytest.param("UPDATE parents SET name = 'changed'", id="a row updated"),
         pytest.param("TRUNCATE children", id="a table truncated"),
+        pytest.param("DROP INDEX parents_name", id="an index dropped"),
+        pytest.param(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I CONNECTION LIMIT 50', "
+            "current_database()); END $$",
+            id="a limit of the database",
+        ),
+        pytest.param("ANALYZE parents", id="statistics gathered"),
+        pytest.param(
+            "INSERT INTO parents (name) SELECT 'many' || n FROM generate_series(1, 2000) AS n",
+            id="an index grown",
+        ),
     ],
 )
 def test_a_copy_that_cannot_be_made_new_is_dropped(
@@ -121,8 +150,17 @@ def test_a_copy_someone_is_still_connected_to_is_dropped(
 ) -> None:
     with own_databases.new(template) as url:
         left = create_engine(url, poolclass=NullPool).connect()  # a process that outlived it
-    own_databases.cleaner.submit(lambda: None).result()
+    settled(own_databases)
     assert not exists(server_url, url)
     with pytest.raises(sa.exc.OperationalError):
         left.execute(sa.text("SELECT 1"))
     left.invalidate()
+
+
+def test_a_copy_whose_test_failed_is_dropped(
+    own_databases: Any, template: str, server_url: str
+) -> None:
+    with own_databases.new(template) as url:
+        own_databases.spoil(url)  # as worker_database_url does when its test failed
+    settled(own_databases)
+    assert not exists(server_url, url)
