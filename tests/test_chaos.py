@@ -6,6 +6,7 @@ planted violations.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -289,6 +290,24 @@ def test_the_progress_names_each_stage_and_steps_through_the_load() -> None:
     assert "checking the database" in lines[-1]
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """A process started meanwhile gets SIGINT as a terminal's foreground process does.
+
+    A child inherits an ignored SIGINT (a non-interactive shell ignores it in what it runs
+    in the background, as in `.ci/run &`), and a Python started with it ignored keeps it
+    so: the Ctrl-C would never reach the demo. A handler is not inherited: the child gets
+    the default, and Python its KeyboardInterrupt."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _children(pid: int) -> dict[int, str]:
     """The processes whose parent is ``pid``, with their command lines."""
     found = {}
@@ -314,7 +333,7 @@ def test_a_ctrl_c_stops_the_demo_and_every_process_it_started(
     and says where their logs are; none is left running."""
     command = [sys.executable, "-m", "recoverypoint", "demo", "--requests", "100000"]
     command += ["--concurrency", "2", "--database-url", server_url]
-    with (tmp_path / "out").open("w") as out:
+    with (tmp_path / "out").open("w") as out, _sigint_not_ignored():
         demo = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
