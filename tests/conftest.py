@@ -424,24 +424,37 @@ def _undone(copy: _Copy) -> bool:
                 conn.execute(sa.text(f"DELETE FROM {table} WHERE {_NEW}"), {"mark": copy.mark})
             if _counts(conn, _TABLES) != copy.rows:
                 return False
-            for sequence, (value, called) in copy.sequences.items():
-                conn.execute(
-                    sa.text("SELECT setval(CAST(:s AS regclass), :v, :c)"),
-                    {"s": sequence, "v": value, "c": called},
-                )
+            conn.execute(
+                sa.text(
+                    "SELECT setval(CAST(s AS regclass), v, c) FROM unnest(CAST(:names AS "
+                    "text[]), CAST(:values AS bigint[]), CAST(:called AS bool[])) AS t(s, v, c)"
+                ),
+                {
+                    "names": list(copy.sequences),
+                    "values": [value for value, _ in copy.sequences.values()],
+                    "called": [called for _, called in copy.sequences.values()],
+                },
+            )
             conn.exec_driver_sql(f"VACUUM {', '.join(copy.rows)}")
             relations = conn.execute(sa.text(_RELATIONS)).all()
             # An index keeps the first page its rows took (a B-tree's root leaf), no more.
             if any(size > copy.relations[oid][0] + 8192 for oid, size, *_ in relations):
                 return False
-            for oid, (_, pages, tuples, visible) in copy.relations.items():
-                conn.execute(
-                    sa.text(
-                        "UPDATE pg_class SET relpages = :pages, reltuples = :tuples, "
-                        "relallvisible = :visible WHERE oid = CAST(:oid AS oid)"
-                    ),
-                    {"oid": oid, "pages": pages, "tuples": tuples, "visible": visible},
-                )
+            oids, figures = list(copy.relations), list(copy.relations.values())
+            conn.execute(
+                sa.text(
+                    "UPDATE pg_class AS c SET relpages = f.pages, reltuples = f.tuples, "
+                    "relallvisible = f.visible FROM unnest(CAST(:oids AS oid[]), "
+                    "CAST(:pages AS int[]), CAST(:tuples AS real[]), CAST(:visible AS int[])) "
+                    "AS f(oid, pages, tuples, visible) WHERE c.oid = f.oid"
+                ),
+                {
+                    "oids": [int(oid) for oid in oids],
+                    "pages": [figure[1] for figure in figures],
+                    "tuples": [figure[2] for figure in figures],
+                    "visible": [figure[3] for figure in figures],
+                },
+            )
             # The deletes' counts reach the statistics when this session next goes idle.
             conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
             conn.exec_driver_sql("SELECT pg_stat_reset()")
