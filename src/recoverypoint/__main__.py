@@ -1,5 +1,5 @@
 """``python -m recoverypoint``: the same as the ``recoverypoint`` command."""
 
-from recoverypoint.cli import main
+from recoverypoint.cli import command
 
-raise SystemExit(main())
+raise SystemExit(command())

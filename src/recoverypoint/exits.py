@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+from collections.abc import Callable
 
 # 2 is argparse's own status for a usage error; 130 and 141 are the shells' 128 + SIGINT
 # and 128 + SIGPIPE.
@@ -30,3 +32,14 @@ def fail(command: str, status: int, message: str) -> int:
     line = f"{' '.join(['recoverypoint', *command.split()])}: error: {' '.join(message.split())}"
     print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
     return status
+
+
+def program(main: Callable[[], int]) -> int:
+    """Run ``main`` as a process's program, which ends when it returns (or raises): the
+    objects left are then never collected. The interpreter's exit would otherwise walk
+    every object the imports made, in collections that free nothing a process about to
+    end needs freed: a fifth of a short command's CPU."""
+    try:
+        return main()
+    finally:
+        gc.freeze()

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ..exits import EXIT_BROKEN_PIPE, EXIT_USAGE, fail
+from ..exits import EXIT_BROKEN_PIPE, EXIT_USAGE, fail, program
 from ._common import Handler, Subparsers
 from .console import add_console
 from .demo import add_demo
@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     for add_command in _COMMANDS:
         add_command(subparsers)
     return parser
+
+
+def command() -> int:
+    """The ``recoverypoint`` program, ``python -m recoverypoint`` as well: :func:`main` in
+    a process of its own."""
+    return program(main)
 
 
 def main(argv: list[str] | None = None) -> int:

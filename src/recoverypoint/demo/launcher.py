@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -213,6 +214,10 @@ def _serve() -> None:
     """The launcher's loop: orders in, forks and their pids out; ended processes out."""
     for name in PRELOAD:
         importlib.import_module(name)
+    # What every forked process shares, and keeps to its end: left out of their garbage
+    # collections, which would otherwise walk it in each process and copy each page of it
+    # they touch.
+    gc.freeze()
     running: set[int] = set()
     pending = b""
     try:

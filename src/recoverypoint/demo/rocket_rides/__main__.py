@@ -9,6 +9,7 @@ import logging
 import os
 
 from recoverypoint.database import DATABASE_URL_ENV
+from recoverypoint.exits import program
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,4 +183,4 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(program(main))
