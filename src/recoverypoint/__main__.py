@@ -1,5 +1,5 @@
 """``python -m recoverypoint``: the same as the ``recoverypoint`` command."""
 
-from recoverypoint.cli import command
+from recoverypoint.cli import entry
 
-raise SystemExit(command())
+raise SystemExit(entry())

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def command() -> int:
+def entry() -> int:
     """The ``recoverypoint`` program, ``python -m recoverypoint`` as well: :func:`main` in
     a process of its own."""
     return program(main)
