@@ -58,7 +58,12 @@ from recoverypoint import _pooler, migrate
 from recoverypoint.database import create_engine
 from recoverypoint.workers import Completer, CompleterResult
 
-pytestmark = pytest.mark.slow  # clusters and a PgBouncer of its own, failed over under load
+pytestmark = [
+    pytest.mark.slow,  # clusters and a PgBouncer of its own, failed over under load
+    # On one worker: the clusters' template and the PgBouncer made once, not on each, and
+    # the tests' waits on servers (most of their time) kept from idling several workers.
+    pytest.mark.xdist_group("failover"),
+]
 
 T = TypeVar("T")
 

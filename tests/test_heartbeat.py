@@ -34,6 +34,10 @@ from recoverypoint import admin
 from recoverypoint.engine import heartbeat
 from recoverypoint.workers import Completer
 
+# On one worker: most of these tests' time is waiting out leases, which on several workers
+# at once would leave the machine's cores idle.
+pytestmark = pytest.mark.xdist_group("heartbeat")
+
 T = TypeVar("T")
 CHILD = Path(__file__).with_name("heartbeat_child.py")
 POLL = 0.02
