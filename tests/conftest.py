@@ -621,19 +621,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(message)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """In a pytest-xdist worker, what collection made (every test module, what each imports,
-    the tests) lasts the whole run: left out of the garbage collector's full passes, which
-    would walk it all again and again, and in each process a test forks.
-
-    Not in a run of one process, which may import a module after collection (pytest's
-    summary imports Hypothesis where no test did), and a module that calls Hypothesis's
-    ``register_random`` then, with its referrers frozen, would be warned that they are gone.
-    """
-    if hasattr(session.config, "workerinput"):
-        gc.freeze()
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The failover tests' figures (tests/test_failover.py), passed or failed, in one place."""
     tables = [
