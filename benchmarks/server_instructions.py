@@ -19,6 +19,12 @@ tests/test_round_trips.py. Needs valgrind (Debian's package); about 4 minutes.
 
 Then, from the same database: the key row's average size, and how many of the key table's
 updates were HOT (no index entry written), for both flows' key tables.
+
+``--after-migrate SQL`` runs SQL on the database once it is migrated, to weigh a change
+of the schema before writing its migration: ``--after-migrate "DROP INDEX
+idempotency_keys_unfinished; DROP INDEX idempotency_keys_finished_at"`` counts a request
+on a key table whose finishing write can be HOT (the workers' scans would need another
+way to their keys). The file written says so.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -165,6 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--after-migrate", metavar="SQL", help="run on the migrated database")
     parser.add_argument("--database-url", help=argparse.SUPPRESS)  # the child's
     parser.add_argument("--child", choices=FLOWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -181,8 +189,13 @@ def main() -> None:
         upgrade(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(SCHEMA)
+            if args.after_migrate:
+                conn.execute(args.after_migrate)
         lines = [f"server instructions per fresh-key request ({args.requests} requests each)"]
-        print(lines[-1], flush=True)
+        if args.after_migrate:
+            lines.append(f"  on the schema as migrated, then: {args.after_migrate}")
+        print("\n".join(lines), flush=True)
+        printed = len(lines) + len(FLOWS)
         for flow_name in FLOWS:  # untimed: a backend's first connection to the database
             counted(url, counts, flow_name, 0)  # builds caches that later ones read
         per_request = {}
@@ -203,14 +216,14 @@ def main() -> None:
             lines.append(
                 f"  {flow_name:14} row {size:5.0f} B, HOT {hot:,} of {updates:,} ({share:.0%})"
             )
-        print("\n".join(lines[1 + len(FLOWS) :]))  # the rest of the figures
+        print("\n".join(lines[printed:]))  # the rest of the figures
         facts = machine.collect(HERE.parent, admin_url, None)
     write(args.results, facts, lines)
 
 
 def write(results: Path, facts: dict[str, Any], lines: list[str]) -> None:
     """``server_instructions.md`` in ``results``: the command, the machine, the figures."""
-    command = " ".join(["python", *sys.argv])
+    command = shlex.join(["python", *sys.argv])
     text = "\n".join(
         [
             "# Server instructions per fresh-key request",
