@@ -4,9 +4,11 @@ at all; a crash between phases is resumed by the completer; the workers under ma
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -196,8 +198,27 @@ def test_a_crash_between_phases_is_resumed_by_the_completer(
     assert replay.status_code == 201 and replay.json()["charge_id"] == charges[0]
 
 
+@pytest.fixture
+def own_logging() -> Iterator[None]:
+    """The root logger as it was before the test: the worker command, run here in the test's
+    process, makes it log at INFO to the stderr of the moment, as in a process of its own;
+    left so, every later test of this process formatted and wrote its INFO lines (httpx's,
+    one per request) to a stream pytest had already closed."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
-    user: User, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    user: User,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    own_logging: None,
 ) -> None:
     call_command("recoverypoint", "migrate")  # Django's database, already at the newest
     assert "(head)" in capsys.readouterr().out
