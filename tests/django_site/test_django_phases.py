@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -198,28 +197,11 @@ def test_a_crash_between_phases_is_resumed_by_the_completer(
     assert replay.status_code == 201 and replay.json()["charge_id"] == charges[0]
 
 
-@pytest.fixture
-def own_logging() -> Iterator[None]:
-    """The root logger as it was before the test: the worker command, run here in the test's
-    process, makes it log at INFO to the stderr of the moment, as in a process of its own;
-    left so, every later test of this process formatted and wrote its INFO lines (httpx's,
-    one per request) to a stream pytest had already closed."""
+def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
+    user: User, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    yield
-    for handler in root.handlers:
-        if handler not in handlers:
-            handler.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
-    user: User,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    own_logging: None,
-) -> None:
     call_command("recoverypoint", "migrate")  # Django's database, already at the newest
     assert "(head)" in capsys.readouterr().out
     _, key, charges = crash_a_ride(user, monkeypatch)
@@ -235,6 +217,8 @@ def test_manage_py_recoverypoint_migrates_and_runs_the_workers(
     )
     assert recovery_point(key) == "finished"
     assert Ride.objects.get(user=user).charge_id == charges[0]
+    # The worker's logging ended with it: this process logs as it did before.
+    assert (root.handlers, root.level) == (handlers, level)
 
 
 def test_json_reads_as_each_side_expects_in_a_phase(user: User) -> None:

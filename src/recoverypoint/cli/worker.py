@@ -21,7 +21,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -137,7 +138,11 @@ def add_worker(subparsers: _Subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _configure_logging(args.log_level)
+    with _logging(args.log_level):
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         engines = load_engines(args.app)
         _check_database(engines.db)
@@ -331,9 +336,20 @@ class _LogfmtFormatter(logging.Formatter):
         return f"{head} {body}"
 
 
-def _configure_logging(level: str) -> None:
+@contextmanager
+def _logging(level: str) -> Iterator[None]:
+    """The root logger, while the workers run: logfmt lines on stderr from ``level`` up.
+    Put back as it was once they are done, for a process that goes on after the command
+    (Django's ``call_command``, a test): left set, it would log every library's INFO
+    lines (httpx's, one per request) to a stderr that may be closed by then."""
+    root = logging.getLogger()
+    handlers, before = list(root.handlers), root.level
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogfmtFormatter())
-    root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(before)
