@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,9 +20,11 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from psycopg.pq import PipelineStatus, TransactionStatus
+from psycopg.pq import PipelineStatus, Trace, TransactionStatus
+from sqlalchemy.pool import NullPool
 
 import recoverypoint as rp
+from recoverypoint import _pooler
 from recoverypoint.database import create_engine
 from recoverypoint.engine import _libpq, _pg, sql
 
@@ -379,6 +382,78 @@ def _prepared_on(db: sa.Engine) -> tuple[set[str], Any]:
         names = set(conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars())
         threshold = conn.connection.driver_connection.prepare_threshold  # type: ignore[union-attr]
     return names, threshold
+
+
+class Traced:
+    """What the next connection a pool makes sends before the pool hands it out: its
+    queries as libpq's trace shows them, listened for ahead of every other listener."""
+
+    def __init__(self, pool_events: Any) -> None:
+        self.pool_events = pool_events
+        self.file = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by sent()
+        sa.event.listen(pool_events, "connect", self._trace, insert=True)
+
+    def _trace(self, dbapi_connection: Any, record: Any) -> None:
+        pgconn = _pooler._driver(dbapi_connection).pgconn
+        pgconn.trace(self.file.fileno())
+        pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS | Trace.REGRESS_MODE)
+
+    def sent(self, driver: Any) -> list[str]:
+        """The queries traced on ``driver`` (the connection handed out), tracing ended."""
+        driver.pgconn.untrace()
+        sa.event.remove(self.pool_events, "connect", self._trace)
+        with self.file:
+            self.file.seek(0)
+            messages = [line.split("\t") for line in self.file.read().splitlines()]
+        return [
+            f"{kind} {text.strip()}"
+            for side, _, kind, text, *_ in messages
+            if side == "F" and kind in ("Query", "Parse")
+        ]
+
+
+@pytest.mark.parametrize("isolation_level", [None, "AUTOCOMMIT"])
+def test_the_pooler_check_is_one_query_and_leaves_the_connection_as_it_was(
+    database_url: str, isolation_level: str | None
+) -> None:
+    # Whether a pooler sits between is asked of every connection the pool makes (the new
+    # processes of a service that forks, a NullPool's every checkout): one round trip, with
+    # no BEGIN nor ROLLBACK around it, and the connection in the engine's own mode after.
+    options = {"isolation_level": isolation_level} if isolation_level else {}
+    db = create_engine(database_url, poolclass=NullPool, **options)
+    rp.Engine(db)
+    db.connect().close()  # the first connection: the dialect asks the server its settings
+    traced = Traced(db)
+    with db.connect() as conn:
+        driver = conn.connection.driver_connection
+        assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
+        assert driver.autocommit is (isolation_level == "AUTOCOMMIT")  # type: ignore[union-attr]
+        assert conn.connection.info.get(_pooler.UNPREPARED) is None  # PostgreSQL itself
+    db.dispose()
+
+
+def test_the_pooler_check_after_a_listener_that_left_a_transaction_open(database_url: str) -> None:
+    # A listener of the application's, before the engine's, that executed without
+    # committing: the connection cannot go to autocommit then. The check runs in that
+    # transaction and ends it, as it always has, and the connection works.
+    db = create_engine(database_url, poolclass=NullPool)
+
+    @sa.event.listens_for(db, "connect")
+    def mine(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.cursor().execute("SELECT 1")
+
+    rp.Engine(db)
+    db.connect().close()
+    traced = Traced(db)
+    with db.connect() as conn:
+        driver = conn.connection.driver_connection
+        assert traced.sent(driver) == [
+            'Query "BEGIN"', 'Query "SELECT 1"', 'Query "SELECT pg_backend_pid()"',
+            'Query "ROLLBACK"',
+        ]  # fmt: skip
+        assert driver.info.transaction_status == TransactionStatus.IDLE  # type: ignore[union-attr]
+        assert conn.scalar(sa.text("SELECT 2")) == 2
+    db.dispose()
 
 
 @pytest.mark.parametrize("setting", [None, True, False])

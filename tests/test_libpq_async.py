@@ -17,8 +17,9 @@ import sqlalchemy.ext.asyncio as sa_async
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rides import count
+from sqlalchemy.pool import NullPool
 from sqlalchemy.util import greenlet_spawn
-from test_libpq import ECHO, stored_text
+from test_libpq import ECHO, Traced, stored_text
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
@@ -203,3 +204,18 @@ def _ride(scope: str) -> rp.Operation[Any]:
         return rp.Response(201)
 
     return op
+
+
+async def test_the_pooler_check_is_one_query_on_the_async_engine_too(database_url: str) -> None:
+    # As tests/test_libpq.py's sync case: one round trip through SQLAlchemy's adapter.
+    db = sa_async.create_async_engine(normalize_url(database_url), poolclass=NullPool)
+    engine = rp.AsyncEngine(db)
+    async with db.connect():  # the first connection: the dialect asks the server its settings
+        pass
+    traced = Traced(db.sync_engine)
+    async with db.connect() as conn:
+        driver = (await conn.get_raw_connection()).driver_connection
+        assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
+        assert driver.autocommit is False
+    await engine.dispose()
+    await db.dispose()

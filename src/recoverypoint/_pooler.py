@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 from sqlalchemy import event
 
 logger = logging.getLogger("recoverypoint")
@@ -61,6 +62,15 @@ def _never(dbapi_connection: Any, record: Any) -> None:
 
 
 def _unless_pooled(dbapi_connection: Any, record: Any) -> None:
+    driver = _driver(dbapi_connection)
+    # In autocommit the SELECT is one round trip, where a transaction takes three (BEGIN,
+    # the SELECT, the ROLLBACK that hands the connection to the pool outside one), at every
+    # connection the pool makes. Unless a listener before this one left a transaction
+    # open: the mode cannot change then, and the check ends it as it always has.
+    autocommit = dbapi_connection.autocommit
+    alone = driver.pgconn.transaction_status == TransactionStatus.IDLE
+    if alone:
+        dbapi_connection.autocommit = True
     # The adapter's cursor: an async engine's runs it on the event loop (SQLAlchemy's
     # greenlet), a sync engine's directly.
     cursor = dbapi_connection.cursor()
@@ -69,8 +79,10 @@ def _unless_pooled(dbapi_connection: Any, record: Any) -> None:
         (pid,) = cursor.fetchone()
     finally:
         cursor.close()
-    dbapi_connection.rollback()  # the SELECT began a transaction: the pool hands out none
-    driver = _driver(dbapi_connection)
+    if alone:
+        dbapi_connection.autocommit = autocommit
+    else:
+        dbapi_connection.rollback()  # the pool hands out no transaction
     if pid == driver.pgconn.backend_pid:
         return
     _unprepared(dbapi_connection, record)
