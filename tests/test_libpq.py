@@ -386,12 +386,20 @@ def _prepared_on(db: sa.Engine) -> tuple[set[str], Any]:
 
 class Traced:
     """What the next connection a pool makes sends before the pool hands it out: its
-    queries as libpq's trace shows them, listened for ahead of every other listener."""
+    queries as libpq's trace shows them, listened for ahead of every other listener.
+    A context: the listener and the trace's file go with it, whatever happened."""
 
     def __init__(self, pool_events: Any) -> None:
         self.pool_events = pool_events
-        self.file = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by sent()
-        sa.event.listen(pool_events, "connect", self._trace, insert=True)
+        self.file = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by __exit__
+
+    def __enter__(self) -> Traced:
+        sa.event.listen(self.pool_events, "connect", self._trace, insert=True)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sa.event.remove(self.pool_events, "connect", self._trace)
+        self.file.close()
 
     def _trace(self, dbapi_connection: Any, record: Any) -> None:
         pgconn = _pooler._driver(dbapi_connection).pgconn
@@ -400,16 +408,14 @@ class Traced:
 
     def sent(self, driver: Any) -> list[str]:
         """The queries traced on ``driver`` (the connection handed out), tracing ended."""
-        driver.pgconn.untrace()
-        sa.event.remove(self.pool_events, "connect", self._trace)
-        with self.file:
-            self.file.seek(0)
-            messages = [line.split("\t") for line in self.file.read().splitlines()]
-        return [
-            f"{kind} {text.strip()}"
-            for side, _, kind, text, *_ in messages
-            if side == "F" and kind in ("Query", "Parse")
-        ]
+        driver.pgconn.untrace()  # flushes what libpq wrote
+        self.file.seek(0)
+        queries = []
+        for line in self.file.read().splitlines():
+            side, _, kind, *text = line.split("\t", 3)  # a message without a body has none
+            if side == "F" and kind in ("Query", "Parse"):
+                queries.append(f"{kind} {text[0].strip()}")
+        return queries
 
 
 @pytest.mark.parametrize("isolation_level", [None, "AUTOCOMMIT"])
@@ -421,15 +427,16 @@ def test_the_pooler_check_is_one_query_and_leaves_the_connection_as_it_was(
     # no BEGIN nor ROLLBACK around it, and the connection in the engine's own mode after.
     options = {"isolation_level": isolation_level} if isolation_level else {}
     db = create_engine(database_url, poolclass=NullPool, **options)
-    rp.Engine(db)
-    db.connect().close()  # the first connection: the dialect asks the server its settings
-    traced = Traced(db)
-    with db.connect() as conn:
-        driver = conn.connection.driver_connection
-        assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
-        assert driver.autocommit is (isolation_level == "AUTOCOMMIT")  # type: ignore[union-attr]
-        assert conn.connection.info.get(_pooler.UNPREPARED) is None  # PostgreSQL itself
-    db.dispose()
+    try:
+        rp.Engine(db)
+        db.connect().close()  # the first connection: the dialect asks the server its settings
+        with Traced(db) as traced, db.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
+            assert driver.autocommit is (isolation_level == "AUTOCOMMIT")  # type: ignore[union-attr]
+            assert conn.connection.info.get(_pooler.UNPREPARED) is None  # PostgreSQL itself
+    finally:
+        db.dispose()
 
 
 def test_the_pooler_check_after_a_listener_that_left_a_transaction_open(database_url: str) -> None:
@@ -442,18 +449,19 @@ def test_the_pooler_check_after_a_listener_that_left_a_transaction_open(database
     def mine(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.cursor().execute("SELECT 1")
 
-    rp.Engine(db)
-    db.connect().close()
-    traced = Traced(db)
-    with db.connect() as conn:
-        driver = conn.connection.driver_connection
-        assert traced.sent(driver) == [
-            'Query "BEGIN"', 'Query "SELECT 1"', 'Query "SELECT pg_backend_pid()"',
-            'Query "ROLLBACK"',
-        ]  # fmt: skip
-        assert driver.info.transaction_status == TransactionStatus.IDLE  # type: ignore[union-attr]
-        assert conn.scalar(sa.text("SELECT 2")) == 2
-    db.dispose()
+    try:
+        rp.Engine(db)
+        db.connect().close()
+        with Traced(db) as traced, db.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert traced.sent(driver) == [
+                'Query "BEGIN"', 'Query "SELECT 1"', 'Query "SELECT pg_backend_pid()"',
+                'Query "ROLLBACK"',
+            ]  # fmt: skip
+            assert driver.info.transaction_status == TransactionStatus.IDLE  # type: ignore[union-attr]
+            assert conn.scalar(sa.text("SELECT 2")) == 2
+    finally:
+        db.dispose()
 
 
 @pytest.mark.parametrize("setting", [None, True, False])

@@ -206,16 +206,23 @@ def _ride(scope: str) -> rp.Operation[Any]:
     return op
 
 
-async def test_the_pooler_check_is_one_query_on_the_async_engine_too(database_url: str) -> None:
-    # As tests/test_libpq.py's sync case: one round trip through SQLAlchemy's adapter.
-    db = sa_async.create_async_engine(normalize_url(database_url), poolclass=NullPool)
+@pytest.mark.parametrize("isolation_level", [None, "AUTOCOMMIT"])
+async def test_the_pooler_check_is_one_query_on_the_async_engine_too(
+    database_url: str, isolation_level: str | None
+) -> None:
+    # As tests/test_libpq.py's sync case: one round trip through SQLAlchemy's adapter, and
+    # the connection handed out in the engine's mode.
+    options = {"isolation_level": isolation_level} if isolation_level else {}
+    db = sa_async.create_async_engine(normalize_url(database_url), poolclass=NullPool, **options)
     engine = rp.AsyncEngine(db)
-    async with db.connect():  # the first connection: the dialect asks the server its settings
-        pass
-    traced = Traced(db.sync_engine)
-    async with db.connect() as conn:
-        driver = (await conn.get_raw_connection()).driver_connection
-        assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
-        assert driver.autocommit is False
-    await engine.dispose()
-    await db.dispose()
+    try:
+        async with db.connect():  # the first connection: the dialect asks the server its settings
+            pass
+        with Traced(db.sync_engine) as traced:
+            async with db.connect() as conn:
+                driver = (await conn.get_raw_connection()).driver_connection
+                assert traced.sent(driver) == ['Query "SELECT pg_backend_pid()"']
+                assert driver.autocommit is (isolation_level == "AUTOCOMMIT")
+    finally:
+        await engine.dispose()
+        await db.dispose()

@@ -68,8 +68,8 @@ def _unless_pooled(dbapi_connection: Any, record: Any) -> None:
     # connection the pool makes. Unless a listener before this one left a transaction
     # open: the mode cannot change then, and the check ends it as it always has.
     autocommit = dbapi_connection.autocommit
-    alone = driver.pgconn.transaction_status == TransactionStatus.IDLE
-    if alone:
+    idle = driver.pgconn.transaction_status == TransactionStatus.IDLE
+    if idle:
         dbapi_connection.autocommit = True
     # The adapter's cursor: an async engine's runs it on the event loop (SQLAlchemy's
     # greenlet), a sync engine's directly.
@@ -79,7 +79,7 @@ def _unless_pooled(dbapi_connection: Any, record: Any) -> None:
         (pid,) = cursor.fetchone()
     finally:
         cursor.close()
-    if alone:
+    if idle:
         dbapi_connection.autocommit = autocommit
     else:
         dbapi_connection.rollback()  # the pool hands out no transaction
