@@ -223,12 +223,14 @@ def ride_operation(name: str = "bench_create_ride", *, fast: bool = True) -> rp.
 class RecoveryPointFlow:
     """The same flow declared as an Operation; one Engine shared by every client."""
 
+    scope = "1"
+
     def __init__(self, engine: rp.Engine, op: rp.Operation[Any]) -> None:
         self.engine, self.op = engine, op
 
     def run(self, key: str) -> rp.Outcome:
         return self.engine.run(
-            self.op, key=key, params=PARAMS, scope="1", request=rp.Request("POST", "/rides")
+            self.op, key=key, params=PARAMS, scope=self.scope, request=rp.Request("POST", "/rides")
         )
 
     def close(self) -> None:
@@ -341,6 +343,32 @@ class DBOSFlow:
 
         DBOS.destroy(destroy_registry=True)
         self.db.dispose()
+
+
+class PreparedSelect:
+    """The floor of a replay on PostgreSQL: one prepared ``SELECT`` of a finished key's
+    stored answer by its unique key, on a connection held open, in autocommit. What a
+    replay cannot do with less: one round trip, one index probe, the row decoded."""
+
+    STATEMENT = (
+        "SELECT response_status, response_headers, response_body FROM idempotency_keys"
+        " WHERE idempotency_key = %s AND scope = %s AND operation = %s"
+    )
+
+    def __init__(self, url: str, scope: str, operation: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.scope, self.operation = scope, operation
+
+    def run(self, key: str) -> Any:
+        row = self.conn.execute(
+            self.STATEMENT, (key, self.scope, self.operation), prepare=True
+        ).fetchone()
+        if row is None or row[0] is None:
+            raise RuntimeError("no stored answer to read")
+        return row
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 class RedisGet:

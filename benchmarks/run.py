@@ -46,6 +46,7 @@ from flows import (
     DBOSFlow,
     PhaseAPI,
     PowertoolsStyle,
+    PreparedSelect,
     RecoveryPointFlow,
     RedisGet,
     Reference,
@@ -264,6 +265,13 @@ class Replayers:
         engine.register(operation)
         flow = RecoveryPointFlow(engine, operation)
         self._add("recoverypoint", flow.run, "postgres")
+        # The floor a replay is judged against: the same finished key's stored answer read
+        # by one prepared SELECT.
+        floor = PreparedSelect(url, flow.scope, operation.name)
+        self.stack.callback(floor.close)
+        self.runs["prepared-select"] = floor.run
+        self.keys["prepared-select"] = self.keys["recoverypoint"]
+        self.servers["prepared-select"] = "postgres"
         ref = Reference(url)
         self.stack.callback(ref.close)
         self._add("reference", ref.run, "postgres")
