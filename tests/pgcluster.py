@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from ports import free_port
 
 BIN = Path("/usr/lib/postgresql/15/bin")
 PGBOUNCER = Path("/usr/sbin/pgbouncer")
@@ -58,14 +58,6 @@ def missing() -> list[str]:
         except KeyError:
             lacking.append(f"the {OS_USER!r} OS user")
     return lacking
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on at the moment of asking."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _as_server_user(*command: str | Path | int) -> list[str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from docs_snippets import Block, blocks, page
+from ports import free_port
 from sqlalchemy.engine import make_url
 
 from recoverypoint.database import create_engine
@@ -49,12 +50,6 @@ def normal(line: str) -> str:
     return re.sub(r"ch_[0-9a-f]{12}", "ch_<id>", line.strip())
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture(params=["postgresql", "postgres"])
 def plain_server_url(server_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """``(url, name)`` of an empty database of this test: ``postgresql://`` as psql and
@@ -74,7 +69,7 @@ class Reader:
         self.project = project
         self.url = url
         self.database = database
-        self.port = free_port()
+        self.port = str(free_port())
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RECOVERYPOINT_")}
         self.api: subprocess.Popen[str] | None = None
         self.background: list[subprocess.Popen[str]] = []

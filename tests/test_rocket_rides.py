@@ -50,12 +50,6 @@ class Service:
         return self.log.read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _example(*args: str) -> list[str]:
     return [sys.executable, "-m", "recoverypoint.demo.rocket_rides", *args]
 
@@ -63,10 +57,21 @@ def _example(*args: str) -> list[str]:
 def _start(
     stack: ExitStack, tmp: Path, name: str, *args: str
 ) -> tuple[Service, subprocess.Popen[bytes]]:
-    port = _free_port()
+    # A socket already listening, handed over: a port merely found free can be taken by
+    # another process's outgoing connection before the server binds it.
+    listener = stack.enter_context(socket.socket())
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
     log = tmp / f"{name}.log"
     out = stack.enter_context(log.open("wb"))
-    proc = subprocess.Popen(_example(*args, "--port", str(port)), cwd=ROOT, stdout=out, stderr=out)
+    proc = subprocess.Popen(
+        _example(*args, "--fd", str(listener.fileno())),
+        cwd=ROOT,
+        stdout=out,
+        stderr=out,
+        pass_fds=(listener.fileno(),),
+    )
 
     def stop() -> None:
         proc.terminate()

@@ -157,17 +157,22 @@ def prepare(db: sa.Engine) -> tuple[tuple[str, bool], ...]:
     return tuple((email, bool(declined)) for email, declined in rows)
 
 
-def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStack) -> _Services:
-    """Start the provider, the API processes and the workers; stopped with ``stack``."""
-    faults, seed = config.faults, config.seed
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        provider_port = probe.getsockname()[1]
+def _listening(stack: ExitStack) -> socket.socket:
+    """A loopback socket on a port the kernel picks, listening, to be inherited."""
     listener = stack.enter_context(socket.socket())
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
     listener.set_inheritable(True)
-    provider_url = f"http://127.0.0.1:{provider_port}"
+    return listener
+
+
+def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStack) -> _Services:
+    """Start the provider, the API processes and the workers; stopped with ``stack``."""
+    faults, seed = config.faults, config.seed
+    # Each server gets a socket already listening: a port merely found free could be taken
+    # (by any process's outgoing connection) before the server binds it.
+    provider_listener, listener = (_listening(stack) for _ in range(2))
+    provider_url = f"http://127.0.0.1:{provider_listener.getsockname()[1]}"
     db = ("--database-url", database_url)
     no_faults = {"RECOVERYPOINT_FAULTS": ""}  # whatever this process's environment says
 
@@ -182,7 +187,9 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
 
     # Every process is forked from one that imported their modules once; it holds the
     # listening socket for the API processes. Stopped after every group (the stack is LIFO).
-    launcher = Launcher(log=workdir / "launcher.log", pass_fds=(listener.fileno(),))
+    launcher = Launcher(
+        log=workdir / "launcher.log", pass_fds=(provider_listener.fileno(), listener.fileno())
+    )
     stack.callback(launcher.close)
 
     def group(
@@ -211,8 +218,8 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             "recoverypoint.demo.rocket_rides",
             "provider",
             *db,
-            "--port",
-            str(provider_port),
+            "--fd",
+            str(provider_listener.fileno()),
             "--fail-rate",
             str(faults.provider_before),
             "--fail-after-charge-rate",
@@ -221,6 +228,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
             str(seed + start),
         ],
         env=lambda start: no_faults,
+        keep_fds=(provider_listener.fileno(),),
     )
     wait_until_serving(provider_url, provider)
     fd = listener.fileno()

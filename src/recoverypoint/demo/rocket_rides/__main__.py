@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import Any
 
 from recoverypoint.database import DATABASE_URL_ENV
 from recoverypoint.exits import program
@@ -71,14 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         help="run the operation on rp.AsyncEngine, its phases async def, on the event loop "
         "(the workers then take recoverypoint.demo.rocket_rides.workers:async_engine)",
     )
-    api.add_argument(
-        "--fd",
-        type=int,
-        default=None,
-        metavar="FD",
-        help="serve on this inherited listening socket instead of --host/--port, as "
-        "several processes (and restarts) can share one",
-    )
     api.set_defaults(handler=_api)
 
     simulate = commands.add_parser("simulate", help="book rides through the retrying client")
@@ -108,6 +101,26 @@ def _database_url(parser: argparse.ArgumentParser) -> None:
 def _listen(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
+    parser.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited listening socket instead of --host/--port, as "
+        "several processes (and restarts) can share one, and a port chosen by whoever "
+        "started the process is never taken by another in between",
+    )
+
+
+def _serve(app: Any, args: argparse.Namespace) -> None:
+    import socket
+
+    import uvicorn
+
+    if args.fd is None:
+        uvicorn.run(app, host=args.host, port=args.port)
+    else:
+        uvicorn.Server(uvicorn.Config(app)).run(sockets=[socket.socket(fileno=args.fd)])
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -125,8 +138,6 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _provider(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from recoverypoint.database import create_engine
 
     from .provider import Faults, create_app
@@ -136,17 +147,15 @@ def _provider(args: argparse.Namespace) -> int:
     db = create_engine(args.database_url)
     require(db, "provider_charges")
     faults = Faults(args.fail_rate, args.fail_after_charge_rate, args.latency_ms, args.seed)
-    uvicorn.run(create_app(db, faults), host=args.host, port=args.port)
+    _serve(create_app(db, faults), args)
     db.dispose()
     return 0
 
 
 def _api(args: argparse.Namespace) -> int:
-    import socket
     from datetime import timedelta
 
     import httpx
-    import uvicorn
 
     import recoverypoint as rp
 
@@ -167,11 +176,7 @@ def _api(args: argparse.Namespace) -> int:
             client = httpx.AsyncClient(base_url=args.provider_url, timeout=10.0)
             rides = async_ride_operation(client, lock_timeout)
             app = create_app(engine, rides, async_engine=async_engine)
-        if args.fd is None:
-            uvicorn.run(app, host=args.host, port=args.port)
-        else:
-            server = uvicorn.Server(uvicorn.Config(app))
-            server.run(sockets=[socket.socket(fileno=args.fd)])
+        _serve(app, args)
     engine.dispose()
     return 0
 
