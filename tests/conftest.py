@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings
 from partitioned import partition_by_scope
 from rides import Faults, Provider
 from sqlalchemy.pool import NullPool
@@ -42,6 +43,12 @@ from recoverypoint.embedded import embedded_database
 from recoverypoint.testing import temporary_database
 
 pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest as a user does
+
+# No deadline per example: the suite runs on busy machines, where one example of a quick
+# test can take 250 ms and Hypothesis's default deadline (200 ms) would fail it as flaky.
+# Loaded here, before the test modules: their own @settings start from it.
+settings.register_profile("recoverypoint", deadline=None)
+settings.load_profile("recoverypoint")
 
 SERVER_URL_ENV = "RECOVERYPOINT_TEST_DATABASE_URL"
 
