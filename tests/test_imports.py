@@ -61,6 +61,7 @@ def loaded_after(code: str, packages: tuple[str, ...]) -> list[str]:
     return ast.literal_eval(done.stdout)
 
 
+@pytest.mark.slow  # new interpreters, importing recoverypoint
 def test_the_command_and_the_pytest_plugin_start_without_alembic() -> None:
     """Alembic costs a command 0.15 s of CPU at start: only migrating imports it (the
     pytest plugin is loaded by every pytest run of a project that installs recoverypoint)."""
@@ -68,6 +69,7 @@ def test_the_command_and_the_pytest_plugin_start_without_alembic() -> None:
     assert loaded_after(code, ("alembic",)) == []
 
 
+@pytest.mark.slow  # new interpreters, importing recoverypoint
 def test_a_sync_service_its_workers_and_the_commands_start_without_the_orm() -> None:
     """SQLAlchemy's ORM and asyncio extension cost a process a tenth of a second at start:
     only the async engine, and a phase's ``session``, import them."""

@@ -15,6 +15,8 @@ from sqlalchemy.pool import NullPool
 from recoverypoint.database import create_engine
 from recoverypoint.testing import temporary_database
 
+pytestmark = pytest.mark.slow  # each test creates a template and its copies, and drops them
+
 TEMPLATE_SCHEMA = """
 CREATE TABLE parents (id bigserial PRIMARY KEY, name text NOT NULL);
 CREATE TABLE children (id bigserial PRIMARY KEY, parent bigint NOT NULL REFERENCES parents);
