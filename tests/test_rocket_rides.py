@@ -25,6 +25,7 @@ import http_servers
 import httpx
 import pytest
 import sqlalchemy as sa
+from ports import free_port
 from rides import count
 
 from recoverypoint.client import Client, Retry, RetryPolicy
@@ -55,23 +56,25 @@ def _example(*args: str) -> list[str]:
 
 
 def _start(
-    stack: ExitStack, tmp: Path, name: str, *args: str
+    stack: ExitStack, tmp: Path, name: str, *args: str, by_port: bool = False
 ) -> tuple[Service, subprocess.Popen[bytes]]:
-    # A socket already listening, handed over: a port merely found free can be taken by
-    # another process's outgoing connection before the server binds it.
-    listener = stack.enter_context(socket.socket())
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
+    """Start a process of the example, on a socket already listening, handed over (a port
+    merely found free can be taken by another process's outgoing connection before the
+    server binds it), or ``by_port``, as docs/how-to/rocket-rides.md starts it, on a port
+    from outside the ephemeral range."""
     log = tmp / f"{name}.log"
     out = stack.enter_context(log.open("wb"))
-    proc = subprocess.Popen(
-        _example(*args, "--fd", str(listener.fileno())),
-        cwd=ROOT,
-        stdout=out,
-        stderr=out,
-        pass_fds=(listener.fileno(),),
-    )
+    fds: tuple[int, ...] = ()
+    if by_port:
+        port = free_port()
+        where = ["--port", str(port)]
+    else:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port, fds = listener.getsockname()[1], (listener.fileno(),)
+        where = ["--fd", str(listener.fileno())]
+    proc = subprocess.Popen(_example(*args, *where), cwd=ROOT, stdout=out, stderr=out, pass_fds=fds)
 
     def stop() -> None:
         proc.terminate()
@@ -139,7 +142,17 @@ def every_service(
             on_async = ["--async"] if engine == "AsyncEngine" else []
             ours = started[engine] = {}
             for name, knobs in faults.items():
-                provider = _start(stack, tmp, f"{engine}-{name}-provider", "provider", *db, *knobs)
+                # The how-to's --port, once; --fd, which the demo uses, for the others.
+                by_port = engine == "Engine" and name == "healthy"
+                provider = _start(
+                    stack,
+                    tmp,
+                    f"{engine}-{name}-provider",
+                    "provider",
+                    *db,
+                    *knobs,
+                    by_port=by_port,
+                )
                 ours[f"{name}-provider"] = provider
                 ours[name] = _start(
                     stack,
@@ -150,6 +163,7 @@ def every_service(
                     "--provider-url",
                     provider[0].url,
                     *on_async,
+                    by_port=by_port,
                 )
         for ours in started.values():
             for service, proc in ours.values():

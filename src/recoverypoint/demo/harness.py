@@ -4,12 +4,14 @@ completer and the enqueuer finish, stop everything, check.
 The processes, each from the Rocket Rides example shipped in ``recoverypoint.demo.rocket_rides``:
 
 - the fake payment provider, failing before and after charges at the mix's rates;
-- ``api_processes`` API processes sharing one listening socket, which this process holds:
-  when an injected fault kills one, the others (and its replacement) accept the next
-  connections, and connections that arrive while none is up wait in the socket's
-  backlog instead of being refused;
+- ``api_processes`` API processes sharing one listening socket;
 - one completer and one enqueuer (``recoverypoint worker``), the enqueuer with its own
   fault between publish and delete.
+
+The provider and the API processes serve on listening sockets this process holds: when an
+injected fault kills an API process, the others (and its replacement) accept the next
+connections, and connections that arrive while none is up (a provider restarting, say)
+wait in the socket's backlog instead of being refused.
 
 Every group is supervised: whatever exits is started again.
 """
@@ -186,7 +188,7 @@ def _start(config: DemoConfig, database_url: str, workdir: Path, stack: ExitStac
         }
 
     # Every process is forked from one that imported their modules once; it holds the
-    # listening socket for the API processes. Stopped after every group (the stack is LIFO).
+    # provider's and the API's listening sockets. Stopped after every group (LIFO stack).
     launcher = Launcher(
         log=workdir / "launcher.log", pass_fds=(provider_listener.fileno(), listener.fileno())
     )
