@@ -34,9 +34,7 @@ def test_the_delays_of_one_attempt_differ() -> None:
     attempt=st.integers(min_value=0, max_value=200),
     jitter=st.floats(min_value=0, max_value=1),
 )
-@settings(
-    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=50, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_the_claims_sql_schedules_as_python_does(
     db: sa.Engine, attempt: int, jitter: float
 ) -> None:

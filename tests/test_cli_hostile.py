@@ -19,7 +19,6 @@ from recoverypoint.database import create_engine
 from recoverypoint.exits import EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 
 HOSTILE = settings(
-    deadline=None,
     database=None,
     max_examples=200,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -19,7 +19,6 @@ from workload import plant_keys
 pytestmark = pytest.mark.slow  # hypothesis over the console's forms and queries
 
 HOSTILE = settings(
-    deadline=None,
     database=None,  # no .hypothesis directory in the checkout
     max_examples=150,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -30,7 +30,6 @@ from recoverypoint.cli.console import standalone, trusted_hosts
 from recoverypoint.exits import EXIT_USAGE
 
 HOSTILE = settings(
-    deadline=None,
     database=None,
     max_examples=150,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -109,9 +109,7 @@ def test_a_signal_ends_it_as_it_ends_any_process(launcher: Launcher, tmp_path: P
     process.terminate()  # ended: nothing to signal, no error
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     args=st.lists(
         st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")), max_size=4

@@ -574,9 +574,7 @@ def _finished(tx: rp.AtomicContext, params: Any) -> rp.Response:
     return rp.Response(201, {"ok": True})
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.one_of(
         st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=40),
@@ -605,7 +603,7 @@ def test_any_scope_the_engine_accepts_is_fenced_and_replayed_in_its_own_scope(
     assert count(db, jobs, key=key, scope=scope) == 2
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     st.datetimes(
         min_value=datetime(1970, 1, 1),

@@ -53,9 +53,7 @@ def fill(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
         )
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(before=ROWS, after=ROWS)
 @pytest.mark.slow
 def test_rows_put_back_are_the_rows_read(

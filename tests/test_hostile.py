@@ -50,7 +50,6 @@ import recoverypoint as rp
 # No example database: the file must not leave a .hypothesis directory in the checkout,
 # and each run starts from the explicit examples and fresh draws.
 HOSTILE = settings(
-    deadline=None,
     database=None,
     suppress_health_check=[
         HealthCheck.function_scoped_fixture,

@@ -728,7 +728,7 @@ def test_fastapi_a_body_past_the_limit_is_refused_before_it_is_read_whole(
 UNDECLARED = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     chunks=st.lists(st.binary(max_size=40), max_size=12),
     limit=st.integers(min_value=0, max_value=200),

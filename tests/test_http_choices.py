@@ -292,7 +292,7 @@ _NAMES = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(key_header=_NAMES, replayed_header=_NAMES)
 def test_header_names_are_tokens_or_refused_with_a_value_error(
     key_header: Any, replayed_header: Any
@@ -311,7 +311,7 @@ def test_header_names_are_tokens_or_refused_with_a_value_error(
     assert made.key_header.lower() != made.replayed_header.lower()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     classes=st.one_of(
         st.lists(st.integers(-10, 10), max_size=6),
@@ -332,7 +332,7 @@ def test_stored_classes_are_some_of_2_to_5_or_refused(classes: Any) -> None:
     assert all(type(c) is int for c in made.stored_classes)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     name=_TOKEN,
     lines=st.lists(st.text(max_size=40), max_size=3),
@@ -344,7 +344,7 @@ def test_a_chosen_key_header_is_named_in_every_refusal(name: str, lines: list[st
         assert name in exc.message or "idempotency key" in exc.message
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     returned=st.one_of(
         st.just(""),
@@ -395,7 +395,6 @@ def test_the_docs_choices_example(
 @pytest.mark.slow
 @settings(
     max_examples=40,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(

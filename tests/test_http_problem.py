@@ -17,7 +17,7 @@ from recoverypoint.integrations._sfv import BareItem, Item, ParseError, Token, p
 from recoverypoint.keys import canonical_json
 
 # No example database: no .hypothesis directory in the checkout.
-PROPERTIES = settings(database=None, deadline=None)
+PROPERTIES = settings(database=None)
 
 
 @pytest.mark.parametrize(

@@ -373,7 +373,6 @@ def test_a_return_value_that_cannot_be_stored_finishes_the_key_and_never_runs_ag
 # -- hostile arguments -----------------------------------------------------------------------
 
 HOSTILE = settings(
-    deadline=None,
     database=None,
     max_examples=60,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

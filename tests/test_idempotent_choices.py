@@ -183,7 +183,7 @@ def test_any_scope_a_rule_yields_is_used_or_refused_before_the_function_runs(
     def place() -> int:
         return work(db, sent["item"])
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
     @given(tenant=_HOSTILE_SCOPES)
     def check(tenant: Any) -> None:
         sent.update(item=unique("item"), tenant=tenant)

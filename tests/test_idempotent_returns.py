@@ -227,7 +227,6 @@ def _has_surrogate(value: object) -> bool:
 
 
 RETURNS = settings(
-    deadline=None,
     database=None,
     max_examples=150,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -94,7 +94,7 @@ JSON_VALUES = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(JSON_VALUES)
 @pytest.mark.slow
 def test_canonical_json_is_the_text_json_dumps_gives(value: object) -> None:

@@ -124,9 +124,7 @@ def test_a_lease_nobody_holds_is_free_on_both_sides(db: sa.Engine) -> None:
     assert judged(db, None, 90.0) == (True, None, 0)
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     timeout_ms=st.integers(1, int(leases.MAX_LOCK_TIMEOUT.total_seconds() * 1000)),
     offset_ms=st.integers(-5_000, 5_000),

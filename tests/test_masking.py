@@ -110,7 +110,7 @@ def test_a_database_without_its_secret_is_told_to_migrate(worker_db: sa.Engine) 
         admin.Mask.of(worker_db)
 
 
-@settings(database=None, deadline=None, max_examples=300)
+@settings(database=None, max_examples=300)
 @given(value=st.text(), other=st.text())
 @pytest.mark.slow
 def test_a_masked_value_is_a_keyed_digest_and_nothing_else(value: str, other: str) -> None:
@@ -130,7 +130,7 @@ JSON = st.recursive(
 )
 
 
-@settings(database=None, deadline=None, max_examples=200)
+@settings(database=None, max_examples=200)
 @given(value=JSON)
 @pytest.mark.slow
 def test_masked_json_keeps_the_shape_and_masks_every_leaf(value: Any) -> None:

@@ -182,7 +182,6 @@ def quiet_observer_log(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 
 ISOLATION = settings(
-    deadline=None,
     database=None,
     max_examples=60,
     suppress_health_check=[HealthCheck.function_scoped_fixture],

@@ -175,10 +175,7 @@ def test_renamed_headers_show_under_their_names(engine: rp.Engine) -> None:
         assert "X-Request-Id header" in op["responses"]["400"]["description"]
 
 
-# deadline=None: an app and its schema are built per example, slower on a busy machine.
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.from_regex(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}", fullmatch=True))
 def test_any_key_header_name_the_integration_takes_is_declared_as_it_is(
     engine: rp.Engine, name: str
@@ -252,9 +249,7 @@ def hostile_app(engine: rp.Engine) -> Iterator[TestClient]:
         yield client
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=_HOSTILE)
 def test_a_hostile_key_is_our_400_problem_or_accepted_never_a_500(
     hostile_app: TestClient, db: sa.Engine, key: str

@@ -329,7 +329,7 @@ _STATES = st.one_of(
 
 
 @given(state=_STATES)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 def test_an_error_is_an_outage_by_its_sqlstate_class_alone(state: str) -> None:
     # Connection (08), resources (53), system (58000, 58030), the shutdowns (57P0x), a read-only
     # server (25006) are the database's failures; serialization failures, timeouts, and

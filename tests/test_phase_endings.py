@@ -259,7 +259,6 @@ def test_a_sessions_commit_is_the_phases(engine: rp.Engine, db: sa.Engine, walle
 
 SQL_TEXTS = settings(
     max_examples=150,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
@@ -327,7 +326,6 @@ def test_statements_the_server_cannot_run_here(text: str, ends: bool) -> None:
 
 PHASES = settings(
     max_examples=30,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 

@@ -69,7 +69,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "te", "trailer",
 NAME = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz-"), max_size=12)
 
 
-@settings(database=None, deadline=None, max_examples=300)
+@settings(database=None, max_examples=300)
 @given(before=NAME, word=st.sampled_from(CREDENTIAL_WORDS), after=NAME, upper=st.booleans())
 def test_no_header_whose_name_names_a_credential_is_kept(
     before: str, word: str, after: str, upper: bool
@@ -79,7 +79,7 @@ def test_no_header_whose_name_names_a_credential_is_kept(
     assert safe_headers({name: "secret", "Location": "/x"}) == {"Location": "/x"}
 
 
-@settings(database=None, deadline=None, max_examples=300)
+@settings(database=None, max_examples=300)
 @given(name=NAME.filter(lambda n: n), value=st.text(max_size=20))
 def test_every_other_header_is_kept_exactly(name: str, value: str) -> None:
     assume(not any(w in name for w in CREDENTIAL_WORDS) and name not in HOP_BY_HOP)

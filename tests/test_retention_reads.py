@@ -171,7 +171,7 @@ def test_duplicates_racing_past_the_retention_make_one_new_request(
     assert keys_of(db, op) == 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(seconds=st.integers(min_value=1, max_value=10**6), aged=st.integers(0, 2 * 10**6))
 @pytest.mark.slow
 def test_the_rule_at_any_retention_and_age(db: sa.Engine, seconds: int, aged: int) -> None:

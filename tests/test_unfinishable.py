@@ -250,7 +250,6 @@ def test_the_console_shows_them(worker_db: sa.Engine) -> None:
 
 @settings(
     max_examples=20,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
@@ -287,9 +286,7 @@ def test_any_operation_a_key_names_is_reported_whole(
         assert sum(named in line for line in errors) == 1, (named, errors)
 
 
-@settings(
-    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=50, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     age=st.floats(0, 10_000, allow_nan=False),
     interval=st.none() | st.floats(0, 3_000, allow_nan=False),

@@ -294,7 +294,7 @@ def test_the_async_engine_waits_on_the_event_loop(database_url: str, db: sa.Engi
     assert runs(db, item) == 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     wait=st.one_of(
         st.floats(allow_nan=True, allow_infinity=True),
@@ -325,7 +325,7 @@ def test_a_bad_wait_is_a_value_error_and_stores_nothing(
     assert count(db, "SELECT count(*) FROM idempotency_keys WHERE operation = :o", o=op.name) == 0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(scope=st.text(max_size=50), name=st.text(min_size=1, max_size=50), key=st.text(max_size=50))
 def test_the_channel_and_lock_python_computes_are_the_ones_postgresql_uses(
     db: sa.Engine, scope: str, name: str, key: str

@@ -249,7 +249,7 @@ async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(
     watched = len(loop._selector.get_map()) if anyio_backend == "asyncio" else 0  # type: ignore[attr-defined]
     turns: list[int] = []
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, suppress_health_check=list(HealthCheck))
     @given(st.integers(0, 40))
     def draw(n: int) -> None:  # hypothesis drives sync functions: drawn first, then run
         turns.append(n)

@@ -345,7 +345,6 @@ def wire_post(live_server: Any) -> Callable[..., tuple[int, dict[str, str], byte
 
 @settings(
     max_examples=60,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(name=_NAMES)

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 HOSTILE = settings(
     max_examples=60,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 URLS = {"function": "/function", "async": "/async", "class": "/class", "drf": "/drf"}

@@ -186,7 +186,6 @@ def run(user: User, wallet: int) -> rp.Outcome:
 
 PHASES = settings(
     max_examples=40,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
