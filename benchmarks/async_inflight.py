@@ -54,7 +54,7 @@ ASYNC_CLIENTS = 20
 # -- the fake provider, in a process of its own --------------------------------------------
 
 
-def _provider(port: int) -> None:
+def _provider(listening: socket.socket) -> None:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -66,23 +66,21 @@ def _provider(port: int) -> None:
         return JSONResponse({"id": "ch_" + request.headers["idempotency-key"][:20]})
 
     app = Starlette(routes=[Route("/charges", charges, methods=["POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", backlog=4096)
+    config = uvicorn.Config(app, log_level="warning", backlog=4096)
+    uvicorn.Server(config).run(sockets=[listening])
 
 
 def start_provider() -> tuple[multiprocessing.Process, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = multiprocessing.get_context("spawn").Process(target=_provider, args=(port,))
-    process.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("the fake provider did not start")
+    """The provider's process, handed a socket already listening: a port probed free and
+    bound again by the child could be taken in between (by an outgoing connection's port)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=4096) as listening:
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        process = multiprocessing.get_context("spawn").Process(target=_provider, args=(listening,))
+        process.start()
+        # Connections queue on the socket from now on: an answer says the provider serves.
+        ready = httpx.post(f"{url}/charges", headers={"Idempotency-Key": "ready"}, timeout=30)
+        ready.raise_for_status()
+    return process, url
 
 
 # -- the operations ------------------------------------------------------------------------
