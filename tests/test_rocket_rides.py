@@ -69,9 +69,7 @@ def _start(
         port = free_port()
         where = ["--port", str(port)]
     else:
-        listener = stack.enter_context(socket.socket())
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=128))
         port, fds = listener.getsockname()[1], (listener.fileno(),)
         where = ["--fd", str(listener.fileno())]
     proc = subprocess.Popen(_example(*args, *where), cwd=ROOT, stdout=out, stderr=out, pass_fds=fds)
