@@ -1,14 +1,30 @@
-"""The API reference as mkdocstrings renders it (griffe, numpy style): every parameter a
-docstring documents is shown with its own default, the one its signature gives."""
+"""The API reference as mkdocstrings renders it (griffe, numpy style, with mkdocs.yml's
+extensions): every parameter a docstring documents is shown with its own default, the one
+its signature gives, and a default written as a constant is shown as the constant's value."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import griffe
+import yaml
 
-SOURCE = Path(__file__).parent.parent / "src"
+ROOT = Path(__file__).parent.parent
+SOURCE = ROOT / "src"
+
+
+def _load() -> griffe.Module:
+    """The package as the site's build loads it: with the extensions mkdocs.yml names."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    (mkdocstrings,) = [p["mkdocstrings"] for p in config["plugins"] if "mkdocstrings" in p]
+    names = mkdocstrings["handlers"]["python"]["options"]["extensions"]
+    extensions = griffe.load_extensions(*(str(ROOT / name) for name in names))
+    package = griffe.load("recoverypoint", search_paths=[str(SOURCE)], extensions=extensions)
+    assert isinstance(package, griffe.Module)
+    return package
 
 
 def _functions(obj: griffe.Object | griffe.Alias) -> Iterator[griffe.Function]:
@@ -37,7 +53,7 @@ def _documented_defaults(function: griffe.Function) -> Iterator[tuple[str, str, 
 
 
 def test_each_documented_parameter_shows_its_own_default() -> None:
-    package = griffe.load("recoverypoint", search_paths=[str(SOURCE)])
+    package = _load()
     wrong = [
         f"{function.path}({name}): shown {shown}, is {actual}"
         for function in _functions(package)
@@ -45,3 +61,23 @@ def test_each_documented_parameter_shows_its_own_default() -> None:
         if shown != actual
     ]
     assert wrong == []
+
+
+def test_a_default_written_as_a_constant_is_shown_as_its_value() -> None:
+    # lock_timeout=DEFAULT_LOCK_TIMEOUT tells a reader nothing; timedelta(seconds=90) does.
+    # What counts as a value is read from the running package, not from the extension's rule.
+    shown_as_names = []
+    for function in _functions(_load()):
+        for parameter in function.parameters:
+            default = parameter.default
+            if not isinstance(default, griffe.ExprName):
+                continue
+            module, _, name = default.canonical_path.rpartition(".")
+            if not module.startswith("recoverypoint"):
+                continue
+            value = getattr(importlib.import_module(module), name)
+            if isinstance(value, (int, float, str, timedelta, tuple)):
+                shown_as_names.append(f"{function.path}({parameter.name}={default})")
+    assert shown_as_names == []
+    operation = _load()["Operation.__init__"]
+    assert str(operation.parameters["lock_timeout"].default) == "timedelta(seconds=90)"
