@@ -1,0 +1,106 @@
+"""Each change to ``src/`` tells its users in CHANGELOG.md, or says it has nothing to tell.
+
+CI runs ``python tools/changelog_check.py`` on its clone. Every commit since the rule began
+(the commit that added this file) that changes a file under ``src/`` must also add or edit a
+line of CHANGELOG.md's ``## Unreleased`` section, or end its message with the trailer
+``Changelog: none``, for a change no user can see: a refactor, a comment, a name inside a
+module. The trailer is the lighter rule, and deliberate: it costs one line where an entry
+would say nothing, yet a commit can no longer forget the changelog silently; whoever writes
+it has decided, in the history, that users see no difference. A commit that landed without
+either is made good by a later one that edits the Unreleased section and names it in a
+trailer ``Changelog-for: <hash>`` (history is not rewritten).
+
+Exit status 0 when every commit keeps the rule; 1 with each commit that does not, and what
+to do; 2 when the history is not there to read (a shallow clone).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+CHANGELOG = "CHANGELOG.md"
+SOURCE = "src/"
+RULE = "tools/changelog_check.py"
+TRAILER = re.compile(r"^Changelog:\s*none\s*$", re.IGNORECASE | re.MULTILINE)
+COVERS = re.compile(r"^Changelog-for:\s*([0-9a-f]{7,40})\s*$", re.IGNORECASE | re.MULTILINE)
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def unreleased_lines(text: str) -> range:
+    """The line numbers (1-based) of the ``## Unreleased`` section, its heading's included."""
+    lines = text.splitlines()
+    start = lines.index("## Unreleased") + 1 if "## Unreleased" in lines else 0
+    if not start:
+        return range(0)
+    after = (i for i, line in enumerate(lines[start:], start + 1) if line.startswith("## "))
+    return range(start, next(after, len(lines) + 1))
+
+
+def touches_unreleased(repo: Path, commit: str) -> bool:
+    """Whether ``commit`` adds or edits a line of CHANGELOG.md's Unreleased section."""
+    diff = _git(repo, "diff", "-U0", f"{commit}^", commit, "--", CHANGELOG)
+    section = unreleased_lines(_git(repo, "show", f"{commit}:{CHANGELOG}"))
+    for found in _HUNK.finditer(diff):
+        first, count = int(found.group(1)), int(found.group(2) or 1)
+        if count and any(line in section for line in range(first, first + count)):
+            return True
+    return False
+
+
+def offenders(repo: Path) -> list[str]:
+    """``hash subject`` of each commit since the rule began that breaks it."""
+    added = _git(repo, "log", "--diff-filter=A", "--format=%H", "--", RULE).split()
+    if not added:
+        return []  # the rule is not committed yet
+    commits = _git(repo, "rev-list", "--no-merges", "--reverse", f"{added[-1]}..HEAD").split()
+    broken: dict[str, str] = {}
+    for commit in commits:
+        files = _git(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).split()
+        message = _git(repo, "log", "-1", "--format=%B", commit)
+        told = CHANGELOG in files and touches_unreleased(repo, commit)
+        if told:  # it may make good earlier commits that told nothing
+            for named in COVERS.findall(message):
+                for earlier in [c for c in broken if c.startswith(named.lower())]:
+                    del broken[earlier]
+        if told or TRAILER.search(message):
+            continue
+        if any(name.startswith(SOURCE) for name in files):
+            broken[commit] = _git(repo, "log", "-1", "--format=%h %s", commit).strip()[:100]
+    return list(broken.values())
+
+
+def main(argv: list[str]) -> int:
+    repo = Path(argv[0]) if argv else Path(__file__).resolve().parents[1]
+    if _git(repo, "rev-parse", "--is-shallow-repository").strip() == "true":
+        print(
+            "changelog check: this clone has part of the history only; "
+            "fetch the rest (git fetch --unshallow) and run it again",
+            file=sys.stderr,
+        )
+        return 2
+    broken = offenders(repo)
+    for line in broken:
+        print(f"changelog check: {line}", file=sys.stderr)
+    if broken:
+        print(
+            f"these commits change {SOURCE} without a line under '## Unreleased' in "
+            f"{CHANGELOG}: amend each (before it lands) to add a line saying what a user sees, "
+            "or to end its message with 'Changelog: none' where users see nothing; once "
+            "landed, a commit that adds the line and the trailer 'Changelog-for: <hash>'",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
