@@ -12,6 +12,7 @@ compared as placeholders.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,6 +192,13 @@ def test_the_tutorial_works_word_for_word(
         ]
         exec(compile(reader.adapt(client.body), client.where, "exec"), {"__name__": "client"})
         assert capsys.readouterr().out.startswith("201 {'charge_id': 'ch_")
+        # Its schema shows the key, so a client generated from it sends one.
+        with urllib.request.urlopen(f"http://127.0.0.1:{reader.port}/openapi.json") as answer:
+            payments = json.load(answer)["paths"]["/payments"]["post"]
+        assert {"name": "Idempotency-Key", "in": "header", "required": True}.items() <= next(
+            p for p in payments["parameters"] if p["name"] == "Idempotency-Key"
+        ).items()
+        assert "409" in payments["responses"]
     finally:
         reader.stop()
 

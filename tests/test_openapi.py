@@ -73,9 +73,12 @@ class Detail(BaseModel):
 UNPARSED = {400: {"model": Detail, "description": "The body could not be parsed."}}
 
 
-def shop(engine: rp.Engine, **choices: Any) -> tuple[FastAPI, Idempotency]:
+def shop(
+    engine: rp.Engine, *, declared: bool = True, marked: bool = True, **choices: Any
+) -> tuple[FastAPI, Idempotency]:
     """An app of four idempotent routes, single-step and phased, sync and async, and one
-    that is not idempotent."""
+    that is not idempotent; with ``declared=False`` without ``declare_openapi``, with
+    ``marked=False`` its sync phased route without ``@idempotency.phased()``."""
     idempotency = Idempotency(engine, **{"scope": UNSCOPED, **choices})
     orders: rp.Operation[Any] = rp.Operation(f"order_{uuid.uuid4().hex[:8]}")
 
@@ -85,7 +88,8 @@ def shop(engine: rp.Engine, **choices: Any) -> tuple[FastAPI, Idempotency]:
 
     engine.register(orders)
     app = FastAPI()
-    declare_openapi(app)
+    if declared:
+        declare_openapi(app)
     app.add_middleware(SingleStepMiddleware)
     name = uuid.uuid4().hex[:8]
 
@@ -99,10 +103,11 @@ def shop(engine: rp.Engine, **choices: Any) -> tuple[FastAPI, Idempotency]:
     async def single_async(order: Order) -> dict[str, int]:
         return {"quantity": order.quantity}
 
-    @app.post("/phased", status_code=201, responses=UNPARSED)
-    @idempotency.phased()
     def phased(request: Request, order: Order) -> Response:
         return idempotency.run(orders, request, order.model_dump())
+
+    route = app.post("/phased", status_code=201, responses=UNPARSED)
+    route(idempotency.phased()(phased) if marked else phased)
 
     @app.post("/phased/async", status_code=201, responses=UNPARSED)
     @idempotency.phased(key_required=False)
@@ -198,6 +203,45 @@ def test_the_schema_is_declared_once_however_often_it_is_asked_for(engine: rp.En
     assert len(operation(app, "/single")["parameters"]) == 1
     with TestClient(app) as client:
         assert client.get("/openapi.json").json() == first
+
+
+def _warnings_of(caplog: pytest.LogCaptureFixture, app: FastAPI) -> list[str]:
+    """What the integration warned of while two of each idempotent request were served."""
+    order = {"item": "tea", "quantity": 1}
+    with caplog.at_level("WARNING", logger="recoverypoint"), TestClient(app) as client:
+        for path in ["/single", "/single/async", "/phased", "/phased/async"] * 2:
+            key = {"Idempotency-Key": str(uuid.uuid4())}
+            assert client.post(path, json=order, headers=key).status_code == 201
+    return [r.getMessage() for r in caplog.records if r.name.startswith("recoverypoint")]
+
+
+def test_an_app_without_declare_openapi_is_warned_of_once(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # FastAPI gives a library no way into an app's schema: the one line is said, once.
+    app, _ = shop(engine, declared=False)
+    assert "Idempotency-Key" not in json.dumps(app.openapi())
+    (warning,) = _warnings_of(caplog, app)
+    assert "declare_openapi(app)" in warning
+
+
+def test_a_phased_route_left_unmarked_is_warned_of_once(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, _ = shop(engine, marked=False)
+    assert "parameters" not in operation(app, "/phased")
+    (warning,) = _warnings_of(caplog, app)
+    assert "shop.<locals>.phased" in warning and "@idempotency.phased()" in warning
+
+
+def test_a_declared_app_and_one_without_a_schema_are_not_warned_of(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, _ = shop(engine)
+    assert _warnings_of(caplog, app) == []
+    app, _ = shop(engine, declared=False)
+    app.openapi_url = None  # as FastAPI(openapi_url=None): no schema to declare in
+    assert _warnings_of(caplog, app) == []
 
 
 # -- the key format the schema declares is the one the integration reads --------------

@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from datetime import timedelta
@@ -109,6 +110,7 @@ class Idempotency(BaseIdempotency[Request]):
         key runs unprotected (under a key of its own, which no retry can name), its answer
         marked ``Idempotent-Unprotected: true``.
         """
+        _warn_undeclared(request.scope)
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
             return _response(scope)
@@ -135,6 +137,7 @@ class Idempotency(BaseIdempotency[Request]):
         if self.async_engine is None or not is_async(operation):
             run = functools.partial(self.run, key_required=key_required)
             return await run_in_threadpool(run, operation, request, params)
+        _warn_undeclared(request.scope)
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
             return _response(scope)
@@ -197,8 +200,10 @@ def declare_openapi(app: Any) -> None:
     signature, and a route that calls ``run`` inside its body shows neither: hence this one
     call per application, which wraps ``app.openapi`` (FastAPI's way to extend its schema).
     The key is declared in the schema only; the integration still reads and checks it, so a
-    bad key is its 400, never FastAPI's 422.
+    bad key is its 400, never FastAPI's 422. An application served without this call, or a
+    route that calls ``run`` without ``phased``, is warned of in the log at its first request.
     """
+    _DECLARED.add(app)
     generate: Callable[[], dict[str, Any]] = app.openapi
     done: list[dict[str, Any]] = []  # the schema last declared in: FastAPI caches it
 
@@ -225,6 +230,42 @@ def _declare_routes(schema: dict[str, Any], routes: Iterable[BaseRoute]) -> None
                 declare(operation, declaration, f"#/components/schemas/{PROBLEM_COMPONENT}")
                 components = schema.setdefault("components", {}).setdefault("schemas", {})
                 components[PROBLEM_COMPONENT] = copy.deepcopy(PROBLEM_SCHEMA)
+
+
+# Applications declare_openapi was called on, and those and endpoints already warned of.
+_DECLARED: weakref.WeakSet[Any] = weakref.WeakSet()
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _warn_undeclared(scope: Scope) -> None:
+    """Warn, once per application and once per route, of an OpenAPI schema that will not show
+    the key: FastAPI gives a library no way into an application's schema, so what it cannot
+    declare by itself it says at the first request, naming the one line that declares it."""
+    app, endpoint = scope.get("app"), scope.get("endpoint")
+    if getattr(app, "openapi_url", None) and app not in _DECLARED and _first_time(app):
+        logger.warning(
+            "this application's OpenAPI schema (/docs, generated clients) shows neither the "
+            "key header nor the answers of its idempotent routes: call "
+            "recoverypoint.integrations.fastapi.declare_openapi(app) once, after creating it"
+        )
+    if endpoint is not None and declaration_of(endpoint) is None and _first_time(endpoint):
+        logger.warning(
+            "%s calls Idempotency.run but is not marked @idempotency.phased() (below the "
+            "route's decorator): its OpenAPI schema shows no key header",
+            getattr(endpoint, "__qualname__", repr(endpoint)),
+        )
+
+
+def _first_time(warned_of: object) -> bool:
+    """Whether nothing was said of ``warned_of`` yet; never, for what cannot be weakly
+    referenced (rather a warning never than one at every request)."""
+    try:
+        if warned_of in _WARNED:
+            return False
+        _WARNED.add(warned_of)
+    except TypeError:
+        return False
+    return True
 
 
 # When the scope function runs, for the error that says it failed.
@@ -276,6 +317,7 @@ class SingleStepMiddleware:
             await self.app(scope, receive, send)
             return
         idempotency, operation, key_required = found
+        _warn_undeclared(scope)
         request = Request(scope)
         try:
             tenant = idempotency._scope_of(request, _IN_MIDDLEWARE, (HTTPException,))
