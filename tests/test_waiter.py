@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ import sqlalchemy.ext.asyncio as sa_async
 from anyio import fail_after
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg.waiting import Ready, Wait
 from rides import count
 
 import recoverypoint as rp
@@ -318,6 +320,18 @@ async def test_the_waiter_stands_in_only_for_a_wait_it_knows(
     connection_class: type, fits: bool
 ) -> None:
     assert _waiter.fits(connection_class) is fits
+
+
+class _ReadyOf31(enum.IntFlag):  # psycopg 3.1's Ready: no NONE
+    R = 1
+    W = 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_waiter_stands_in_only_where_psycopg_has_the_flags_it_uses() -> None:
+    assert _waiter.fits(_Psycopg33, ready=Ready, waits=Wait)
+    assert not _waiter.fits(_Psycopg33, ready=_ReadyOf31, waits=Wait)
+    assert not _waiter.fits(_Psycopg33, ready=Ready, waits=_ReadyOf31)
 
 
 async def test_a_psycopg_whose_wait_the_waiter_does_not_know_keeps_its_own(
