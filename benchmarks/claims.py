@@ -17,6 +17,7 @@ settings says (:func:`sized_server`): ``shared_buffers`` that hold the key table
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -189,9 +190,21 @@ def initdb(data: Path) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port for a server that binds it itself, below the ephemeral range: one the
+    kernel picks with bind(0) is ephemeral, and an outgoing connection can take it before
+    the server binds it ("address already in use")."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for port in random.sample(range(20000, low), max(0, min(200, low - 20000))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port between 20000 and {low}")
 
 
 def prewarm(url: str) -> None:
