@@ -21,10 +21,12 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from test_demo_existing import RECOVERYPOINT_ROWS, count, demo, tables_of
 
 import recoverypoint as rp
 from recoverypoint import admin, distribute
@@ -1005,3 +1007,94 @@ def test_rocket_rides_is_placed_so_its_phases_stay_in_their_scope(citus: sa.Engi
     finally:
         with citus.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {', '.join(TABLES)}")
+
+
+@contextmanager
+def _database_on_every_node(citus: sa.Engine) -> Iterator[sa.Engine]:
+    """A database of its own on the coordinator and on each worker, with the extension and
+    the nodes added as in the cluster's database (``demo --existing`` refuses that one: it
+    holds the other tests' keys); dropped on every node at the end. Made through the
+    coordinator alone, which reaches its workers by the names it has for them."""
+    name = f"rp_citus_demo_{uuid.uuid4().hex[:12]}"
+    with citus.connect() as conn:
+        nodes = conn.execute(
+            sa.text(
+                "SELECT nodename, nodeport, groupid FROM pg_dist_node "
+                "WHERE noderole = 'primary' ORDER BY groupid"
+            )
+        ).all()
+    hosts = [host for host, _, group in nodes if group != 0]
+    ports = [port for _, port, group in nodes if group != 0]
+    failed = "SELECT nodename, result FROM run_command_on_workers(:c) WHERE NOT success"
+    cluster = create_engine(citus.url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    db = create_engine(citus.url.set(database=name), poolclass=sa.NullPool)
+    try:
+        with cluster.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+            assert conn.execute(sa.text(failed), {"c": f"CREATE DATABASE {name}"}).all() == []
+        with db.begin() as conn:
+            conn.exec_driver_sql("CREATE EXTENSION citus")
+            # In the new database on each worker (no node is added here yet).
+            extension = (
+                "SELECT node_name, result FROM master_run_on_worker(:h, :p, :c, false) "
+                "WHERE NOT success"
+            )
+            commands = ["CREATE EXTENSION citus"] * len(hosts)
+            created = conn.execute(sa.text(extension), {"h": hosts, "p": ports, "c": commands})
+            assert created.all() == []
+        with db.begin() as conn:
+            for host, port, group in nodes:
+                added = "citus_set_coordinator_host" if group == 0 else "citus_add_node"
+                conn.execute(sa.text(f"SELECT {added}(:h, :p)"), {"h": host, "p": port})
+        yield db
+    finally:
+        db.dispose()
+        with cluster.connect() as conn:
+            # FORCE: the run's connections (a killed process's) must not keep it.
+            dropped = f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+            conn.exec_driver_sql(dropped)
+            assert conn.execute(sa.text(failed), {"c": dropped}).all() == []
+        cluster.dispose()
+
+
+def test_the_demo_runs_in_a_database_on_every_node_and_leaves_it_as_it_found_it(
+    citus: sa.Engine, tmp_path: Path
+) -> None:
+    """``recoverypoint demo --existing`` on the coordinator, as tests/test_demo_existing.py
+    runs it on one server: every invariant holds, recoverypoint's tables stay distributed
+    without a row of the run's, the user's table is untouched, and the next run is taken."""
+    from recoverypoint.demo.rocket_rides.schema import TABLES
+
+    with _database_on_every_node(citus) as db:
+        with db.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE orders (id int PRIMARY KEY, total int)")
+            conn.exec_driver_sql("INSERT INTO orders VALUES (1, 4200)")
+        url = db.url.render_as_string(hide_password=False)
+        out = tmp_path / "demo.json"
+        ran = demo(url, "--existing", "--json", str(out))
+
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert "every invariant holds" in ran.stdout
+        report = json.loads(out.read_text())
+        assert report["figures"]["requests sent"] == 20
+        assert all(inv["count"] == 0 for inv in report["invariants"].values())
+        with db.connect() as conn:
+            assert conn.execute(sa.text("SELECT id, total FROM orders")).all() == [(1, 4200)]
+        assert not tables_of(db) & set(TABLES)
+        assert {"idempotency_keys", "staged_jobs", "recoverypoint_alembic_version"} <= tables_of(db)
+        assert all(count(db, table) == 0 for table in RECOVERYPOINT_ROWS)
+        assert count(db, "worker_passes") == 0
+        # Placed as migrate --citus places them, on the cluster's workers, and left so.
+        distributed = (
+            "SELECT count(*) FROM pg_dist_partition WHERE partmethod = 'h' "
+            "AND logicalrelid = ANY(CAST(:t AS regclass[]))"
+        )
+        assert _count(db, distributed, t=list(RECOVERYPOINT_ROWS)) == len(RECOVERYPOINT_ROWS)
+        holding = (
+            "SELECT count(DISTINCT nodename || ':' || nodeport) FROM citus_shards "
+            "WHERE table_name = CAST('idempotency_keys' AS regclass)"
+        )
+        workers = "SELECT count(*) FROM pg_dist_node WHERE groupid <> 0 AND noderole = 'primary'"
+        assert _count(db, holding) == _count(citus, workers)
+        again = demo(url, "--existing", "--requests", "4")
+        assert again.returncode == 0, again.stdout + again.stderr
