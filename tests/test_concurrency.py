@@ -129,7 +129,16 @@ def test_atomic_phase_outliving_its_lease_is_not_taken_over_mid_phase(
             {"s": scope, "k": tx.key_id},
         )
         a_in_phase.set()
-        time.sleep(2.0)  # twice the lease
+        # A stays in the phase until B waits for it, on the key row the phase holds; the
+        # bound only turns a hang into a failure.
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE :a = ANY(pg_blocking_pids(pid))"
+        a_pid = tx.scalar("SELECT pg_backend_pid()")
+        for _ in range(6000):
+            if count(db, waiting, a=a_pid):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("B never waited for A's phase")
         return rp.Response(200, {"ok": True})
 
     engine.register(op)
@@ -139,6 +148,8 @@ def test_atomic_phase_outliving_its_lease_is_not_taken_over_mid_phase(
     )
     a.start()
     assert a_in_phase.wait(10)
+    # The lease runs out in the phase: no write of the key row can come in to backdate it
+    # (the phase holds it, from just after the commit that renewed the lease).
     time.sleep(1.2)
     b = engine.run(op, key="k", params={}, scope=scope)
     a.join()

@@ -400,12 +400,18 @@ def test_serialization_failures_are_retried(engine: rp.Engine, db: sa.Engine, sc
         conn.execute(sa.text("INSERT INTO counters (name, n) VALUES (:n, 0)"), {"n": name})
     op: rp.Operation[Any] = rp.Operation(f"count_{uuid.uuid4().hex[:8]}")
     retries: list[str] = []
+    all_read = Event()
 
     @op.atomic_phase("finished")
     def bump(tx: rp.AtomicContext, params: dict[str, Any]) -> rp.Response:
         n = tx.scalar("SELECT n FROM counters WHERE name = %s", (name,))
         retries.append("ran")
-        time.sleep(0.01)  # let the others read the same n
+        # The 8 first runs all read the same n before any writes it: no run can start
+        # again before one of them has committed, so these are the first 8 to get here.
+        if len(retries) <= 8:
+            if len(retries) == 8:
+                all_read.set()
+            all_read.wait()
         tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + 1, name))
         return rp.Response(200, {"n": n + 1})
 
@@ -414,7 +420,8 @@ def test_serialization_failures_are_retried(engine: rp.Engine, db: sa.Engine, sc
         *(functools.partial(engine.run, op, key=f"k{i}", scope=scope, params={}) for i in range(8))
     )
     assert sorted(o.body["n"] for o in outcomes) == list(range(1, 9))
-    assert len(retries) > 8  # some phases ran again after a serialization failure
+    # The 7 first runs that read the n the first to commit changed failed, and ran again.
+    assert len(retries) >= 15
     assert count(db, "SELECT n FROM counters WHERE name = :n", n=name) == 8
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -72,9 +73,41 @@ def apps(http_engine: rp.Engine, gates: Gates) -> tuple[FastAPI, flask.Flask]:
     return fastapi_app(http_engine, op, gates), flask_app(http_engine, op, gates)
 
 
+class Served:
+    """The FastAPI app, counting the requests it has served to the end, per tenant: what a
+    request runs after its answer (its background tasks) has run by then."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._done: dict[str, int] = {}
+        self._changed = threading.Condition()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                tenant = dict(scope["headers"]).get(b"x-tenant", b"").decode()
+                with self._changed:
+                    self._done[tenant] = self._done.get(tenant, 0) + 1
+                    self._changed.notify_all()
+
+    def wait(self, tenant: str, requests: int) -> None:
+        """Until ``requests`` requests of ``tenant`` have been served to the end (a minute
+        at most, for a busy machine)."""
+        with self._changed:
+            served = self._changed.wait_for(lambda: self._done.get(tenant, 0) >= requests, 60)
+        assert served, f"{requests} requests of {tenant} were not served to the end"
+
+
 @pytest.fixture(scope="module")
-def servers(apps: tuple[FastAPI, flask.Flask]) -> Iterator[dict[str, str]]:
-    with serve_asgi(apps[0]) as fastapi_url, serve_wsgi(apps[1]) as flask_url:
+def served(apps: tuple[FastAPI, flask.Flask]) -> Served:
+    return Served(apps[0])
+
+
+@pytest.fixture(scope="module")
+def servers(served: Served, apps: tuple[FastAPI, flask.Flask]) -> Iterator[dict[str, str]]:
+    with serve_asgi(served) as fastapi_url, serve_wsgi(apps[1]) as flask_url:
         yield {"fastapi": fastapi_url, "flask": flask_url}
 
 
@@ -445,16 +478,6 @@ def key_row(db: sa.Engine, scope: str) -> dict[str, Any]:
         )
 
 
-def wait_for_notes(gates: Gates, item: str) -> list[Any]:
-    """What the item's background tasks noted, once one has (they run after the answer; a
-    minute at most, for a busy machine)."""
-    deadline = time.monotonic() + 60
-    while not gates.notes(item) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # time enough for a task that should not run to show up
-    return gates.notes(item)
-
-
 # -- single-step: the answer is the endpoint's own, kept byte for byte --------------------
 
 
@@ -549,23 +572,26 @@ def test_a_body_that_fails_validation_leaves_no_key_and_the_fixed_body_runs_once
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_background_tasks_run_after_the_answer_is_committed(
-    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, mode: str
+    servers: dict[str, str], served: Served, gates: Gates, db: sa.Engine, scope: str, mode: str
 ) -> None:
     item = new_item()
     target = f"{servers['fastapi']}/{mode}/background"
     first = post(target, "key-1", item, scope)
 
     assert first.status_code == 201
-    assert wait_for_notes(gates, item) == [201]  # the key was finished when the task ran
+    served.wait(scope, 1)
+    assert gates.notes(item) == [201]  # the key was finished when the task ran
     again = post(target, "key-1", item, scope)
     assert again.headers["idempotent-replayed"] == "true"
-    assert wait_for_notes(gates, item) == [201]  # a replay runs no background task
+    served.wait(scope, 2)
+    assert gates.notes(item) == [201]  # a replay runs no background task
     assert runs(db, item) == 1
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_failing_background_task_changes_neither_the_answer_nor_the_key(
     servers: dict[str, str],
+    served: Served,
     gates: Gates,
     db: sa.Engine,
     scope: str,
@@ -576,7 +602,8 @@ def test_a_failing_background_task_changes_neither_the_answer_nor_the_key(
     target = f"{servers['fastapi']}/{mode}/background"
     with caplog.at_level(logging.ERROR, logger="recoverypoint.http"):
         first = post(target, "key-1", item, scope)
-        assert wait_for_notes(gates, item) == [201]
+        served.wait(scope, 1)
+        assert gates.notes(item) == [201]
     again = post(target, "key-1", item, scope)
 
     assert first.status_code == again.status_code == 201
@@ -591,7 +618,7 @@ def test_a_failing_background_task_changes_neither_the_answer_nor_the_key(
 
 @pytest.mark.parametrize("query", ["", "?stream=true"], ids=["json", "streaming"])
 def test_background_tasks_never_run_for_an_answer_that_was_not_committed(
-    servers: dict[str, str], gates: Gates, db: sa.Engine, scope: str, query: str
+    servers: dict[str, str], served: Served, gates: Gates, db: sa.Engine, scope: str, query: str
 ) -> None:
     item = new_item("lease")
     target = f"{servers['fastapi']}/sync/lease{query}"
@@ -611,7 +638,8 @@ def test_background_tasks_never_run_for_an_answer_that_was_not_committed(
 
     assert second.status_code == 201 and "idempotent-replayed" not in second.headers
     assert assert_problem(lost, 409)["type"].endswith(":lock-lost")
-    assert wait_for_notes(gates, item) == [201]  # the second request's task only
+    served.wait(scope, 2)
+    assert gates.notes(item) == [201]  # the second request's task only
     assert runs(db, item) == 2  # a lease released by force: the endpoint ran twice
 
 

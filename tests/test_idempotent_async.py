@@ -194,19 +194,26 @@ def test_a_failure_propagates_and_the_retry_runs_with_the_same_downstream_key(
 def test_a_cancelled_call_releases_its_lease_and_the_next_call_runs(
     database_url: str, db: sa.Engine, payments: tuple[Payments, str]
 ) -> None:
-    _, url = payments
+    api, url = payments
     name = unique("cancelled")
 
     async def test(engine: Any) -> None:
         delays = [3.0, 0.0]
+        downstream: list[str] = []
         async with httpx.AsyncClient() as client:
 
             @rp.idempotent(engine, key="order_id", name=name)
             async def charge(order_id: str) -> str:
+                downstream.append(rp.downstream_key())
                 return await charge_at(client, url, 100, delay=delays.pop(0))
 
             task = asyncio.create_task(charge("o-3"))
-            await asyncio.sleep(0.5)  # inside the provider's 3 s
+            # Cancelled while the provider holds the request (for 3 s), once it has it.
+            for _ in range(6000):  # the bound only turns a hang into a failure
+                if downstream and api.calls[downstream[0]]:
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done() and api.calls[downstream[0]] == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
