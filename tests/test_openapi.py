@@ -79,11 +79,17 @@ UNPARSED = {400: {"model": Detail, "description": "The body could not be parsed.
 
 
 def shop(
-    engine: rp.Engine, *, declared: bool = True, marked: bool = True, **choices: Any
+    engine: rp.Engine,
+    *,
+    declared: bool = True,
+    marked: bool = True,
+    middleware: bool = True,
+    **choices: Any,
 ) -> tuple[FastAPI, Idempotency]:
     """An app of four idempotent routes, single-step and phased, sync and async, and one
     that is not idempotent; with ``declared=False`` without ``declare_openapi``, with
-    ``marked=False`` its sync phased route without ``@idempotency.phased()``."""
+    ``marked=False`` its sync phased route without ``@idempotency.phased()``, with
+    ``middleware=False`` without its own SingleStepMiddleware (an outer app's serves it)."""
     idempotency = Idempotency(engine, **{"scope": UNSCOPED, **choices})
     orders: rp.Operation[Any] = rp.Operation(f"order_{uuid.uuid4().hex[:8]}")
 
@@ -95,7 +101,8 @@ def shop(
     app = FastAPI()
     if declared:
         declare_openapi(app)
-    app.add_middleware(SingleStepMiddleware)
+    if middleware:
+        app.add_middleware(SingleStepMiddleware)
     name = uuid.uuid4().hex[:8]
 
     @app.post("/single", status_code=201, responses=UNPARSED)
@@ -244,9 +251,48 @@ def test_a_declared_app_and_one_without_a_schema_are_not_warned_of(
 ) -> None:
     app, _ = shop(engine)
     assert _warnings_of(caplog, app) == []
-    app, _ = shop(engine, declared=False)
+    app, _ = shop(engine, declared=False, marked=False)
     app.openapi_url = None  # as FastAPI(openapi_url=None): no schema to declare in
     assert _warnings_of(caplog, app) == []
+
+
+def test_a_route_left_out_of_the_schema_is_not_warned_of(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, idempotency = shop(engine)
+    orders: rp.Operation[Any] = rp.Operation(f"hidden_{uuid.uuid4().hex[:8]}")
+    orders.atomic_phase("finished")(lambda tx, params: rp.Response(201, {}))
+    engine.register(orders)
+
+    @app.post("/hidden", status_code=201, include_in_schema=False)
+    def hidden(request: Request) -> Response:
+        return idempotency.run(orders, request, {})
+
+    with caplog.at_level("WARNING", logger="recoverypoint"), TestClient(app) as client:
+        answer = client.post("/hidden", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 201
+    assert [r for r in caplog.records if r.name.startswith("recoverypoint")] == []
+
+
+@pytest.mark.parametrize("declared", ["the mounted app", "the outer app"])
+def test_a_mounted_app_is_judged_by_its_own_schema(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture, declared: str
+) -> None:
+    # The middleware on the outer app, the routes in the mounted one: /sub/openapi.json is
+    # the mounted app's schema, which declare_openapi(outer) does not reach.
+    inner, _ = shop(engine, declared=declared == "the mounted app", middleware=False)
+    outer = FastAPI()
+    if declared == "the outer app":
+        declare_openapi(outer)
+    outer.add_middleware(SingleStepMiddleware)
+    outer.mount("/sub", inner)
+    with caplog.at_level("WARNING", logger="recoverypoint"), TestClient(outer) as client:
+        for _ in range(2):
+            key = {"Idempotency-Key": str(uuid.uuid4())}
+            order = {"item": "tea", "quantity": 1}
+            assert client.post("/sub/single", json=order, headers=key).status_code == 201
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("recoverypoint")]
+    assert len(warned) == (declared == "the outer app"), warned
 
 
 # -- the key format the schema declares is the one the integration reads --------------

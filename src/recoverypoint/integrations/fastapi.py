@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -110,7 +111,7 @@ class Idempotency(BaseIdempotency[Request]):
         key runs unprotected (under a key of its own, which no retry can name), its answer
         marked ``Idempotent-Unprotected: true``.
         """
-        _warn_undeclared(request.scope)
+        _warn_undeclared(request.scope.get("app"), request.scope.get("route"), phased=True)
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
             return _response(scope)
@@ -137,7 +138,7 @@ class Idempotency(BaseIdempotency[Request]):
         if self.async_engine is None or not is_async(operation):
             run = functools.partial(self.run, key_required=key_required)
             return await run_in_threadpool(run, operation, request, params)
-        _warn_undeclared(request.scope)
+        _warn_undeclared(request.scope.get("app"), request.scope.get("route"), phased=True)
         scope = self._scope_of(request, _IN_ROUTE, (HTTPException,))
         if isinstance(scope, Reply):
             return _response(scope)
@@ -232,23 +233,35 @@ def _declare_routes(schema: dict[str, Any], routes: Iterable[BaseRoute]) -> None
                 components[PROBLEM_COMPONENT] = copy.deepcopy(PROBLEM_SCHEMA)
 
 
-# Applications declare_openapi was called on, and those and endpoints already warned of.
+# Applications declare_openapi was called on, and those and endpoints already warned of (by
+# sync endpoints' threads too: hence the lock).
 _DECLARED: weakref.WeakSet[Any] = weakref.WeakSet()
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+_WARNING = threading.Lock()
 
 
-def _warn_undeclared(scope: Scope) -> None:
+def _warn_undeclared(app: Any, route: Any, *, phased: bool) -> None:
     """Warn, once per application and once per route, of an OpenAPI schema that will not show
     the key: FastAPI gives a library no way into an application's schema, so what it cannot
-    declare by itself it says at the first request, naming the one line that declares it."""
-    app, endpoint = scope.get("app"), scope.get("endpoint")
-    if getattr(app, "openapi_url", None) and app not in _DECLARED and _first_time(app):
+    declare by itself it says at the first request, naming the one line that declares it.
+    ``app`` is the application whose schema shows ``route`` (a mounted one's own); nothing
+    is said where there is no schema (Starlette's, ``openapi_url=None``,
+    ``include_in_schema=False``)."""
+    if not getattr(app, "openapi_url", None) or not getattr(route, "include_in_schema", True):
+        return
+    if app not in _DECLARED and _first_time(app):
         logger.warning(
             "this application's OpenAPI schema (/docs, generated clients) shows neither the "
             "key header nor the answers of its idempotent routes: call "
             "recoverypoint.integrations.fastapi.declare_openapi(app) once, after creating it"
         )
-    if endpoint is not None and declaration_of(endpoint) is None and _first_time(endpoint):
+    endpoint = getattr(route, "endpoint", None)  # not the route: Starlette's compare equal
+    if (
+        phased
+        and endpoint is not None
+        and declaration_of(endpoint) is None
+        and _first_time(endpoint)
+    ):
         logger.warning(
             "%s calls Idempotency.run but is not marked @idempotency.phased() (below the "
             "route's decorator): its OpenAPI schema shows no key header",
@@ -259,13 +272,14 @@ def _warn_undeclared(scope: Scope) -> None:
 def _first_time(warned_of: object) -> bool:
     """Whether nothing was said of ``warned_of`` yet; never, for what cannot be weakly
     referenced (rather a warning never than one at every request)."""
-    try:
-        if warned_of in _WARNED:
+    with _WARNING:
+        try:
+            if warned_of in _WARNED:
+                return False
+            _WARNED.add(warned_of)
+        except TypeError:
             return False
-        _WARNED.add(warned_of)
-    except TypeError:
-        return False
-    return True
+        return True
 
 
 # When the scope function runs, for the error that says it failed.
@@ -312,12 +326,14 @@ class SingleStepMiddleware:
         self.limiter = anyio.CapacityLimiter(max_threads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = _single_step_of(scope) if scope["type"] == "http" else None
+        app, route = _route_of(scope) if scope["type"] == "http" else (None, None)
+        endpoint = getattr(route, "endpoint", None)
+        found = _SINGLE_STEPS.get(endpoint) if endpoint is not None else None
         if found is None:
             await self.app(scope, receive, send)
             return
         idempotency, operation, key_required = found
-        _warn_undeclared(scope)
+        _warn_undeclared(app, route, phased=False)
         request = Request(scope)
         try:
             tenant = idempotency._scope_of(request, _IN_MIDDLEWARE, (HTTPException,))
@@ -558,22 +574,23 @@ def _resolved_signature(endpoint: Callable[..., Any]) -> inspect.Signature:
         return inspect.signature(endpoint)
 
 
-def _single_step_of(scope: Scope) -> tuple[Idempotency, Operation[Any], bool] | None:
-    endpoint = _endpoint(getattr(scope.get("app"), "routes", ()), scope)
-    return _SINGLE_STEPS.get(endpoint) if endpoint is not None else None
-
-
-def _endpoint(routes: Iterable[BaseRoute], scope: Scope) -> Any:
-    """The endpoint Starlette's router will pick for ``scope``: the first full match,
-    looking inside mounts as the router does."""
-    for route in routes:
-        match, child = route.matches(scope)
-        if match is Match.FULL:
-            nested = getattr(route, "routes", None)
-            if nested:
-                return _endpoint(nested, {**scope, **child})
-            return child.get("endpoint")
-    return None
+def _route_of(scope: Scope) -> tuple[Any, BaseRoute | None]:
+    """The route Starlette's router will pick for ``scope`` (the first full match, looking
+    inside mounts as the router does), and the application it belongs to: a mounted one's
+    own, whose schema shows it."""
+    app = scope.get("app")
+    routes: Iterable[BaseRoute] = getattr(app, "routes", ())
+    while True:
+        for route in routes:
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                break
+        else:
+            return app, None
+        nested = getattr(route, "routes", None)
+        if not nested:
+            return app, route
+        app, routes, scope = getattr(route, "app", app), nested, {**scope, **child}
 
 
 async def _read_body(request: Request, receive: Receive, limit: int) -> bytes | None:
