@@ -5,6 +5,7 @@ repository made for each test."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -51,9 +52,12 @@ class Repo:
         self.commit("the rule")
 
     def git(self, *args: str) -> str:
+        # Whatever the machine's git configuration (signing, colour), none of it applies.
+        env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
         return subprocess.run(
             ["git", "-c", "user.name=T", "-c", "user.email=t@example.com", *args],
             cwd=self.path,
+            env=env,
             capture_output=True,
             text=True,
             check=True,
@@ -116,14 +120,39 @@ def test_the_trailer_says_users_see_nothing(repo: Repo) -> None:
     assert repo.offenders() == []
 
 
+def test_the_words_count_only_as_the_trailer_at_the_end(repo: Repo) -> None:
+    repo.write("src/pkg.py", "A = 2\n")
+    repo.commit("A is 2\n\nChangelog: none\n\nthough users see it")
+    assert repo.offenders() == ["A is 2"]
+
+
+def test_a_commit_that_deletes_the_changelog_is_judged_not_a_crash(repo: Repo) -> None:
+    repo.write("src/pkg.py", "A = 2\n")
+    (repo.path / "CHANGELOG.md").unlink()
+    repo.commit("A is 2, and no changelog")
+    assert repo.offenders() == ["A is 2, and no changelog"]
+
+
+def test_a_branch_forked_before_the_rule_is_not_held_to_it(repo: Repo) -> None:
+    repo.git("checkout", "-q", "-b", "old", "HEAD~1")
+    repo.write("src/other.py", "B = 1\n")
+    repo.commit("B, before the rule")
+    repo.git("checkout", "-q", "main")
+    repo.git("merge", "-q", "--no-edit", "old")
+    assert repo.offenders() == []
+
+
 def test_a_later_commit_makes_good_one_that_landed_untold(repo: Repo) -> None:
     repo.write("src/pkg.py", "A = 2\n")
     untold = repo.commit("A is 2, untold")
-    repo.write("src/pkg.py", "A = 3\n")
-    repo.commit("A is 3, untold as well")
+    repo.write("src/pkg.py", "A = 3  # why\n")
+    comment = repo.commit("A comment, without its trailer")
     repo.edit_changelog("- Something.", "- Something.\n- A is 2.")
     repo.commit(f"CHANGELOG: A is 2\n\nChangelog-for: {untold}")
-    assert repo.offenders() == ["A is 3, untold as well"]
+    assert repo.offenders() == ["A comment, without its trailer"]
+    repo.write("tests/test_pkg.py", "")
+    repo.commit(f"A test\n\nChangelog: none\nChangelog-for: {comment}")
+    assert repo.offenders() == []
 
 
 def test_a_shallow_clone_is_refused(repo: Repo, tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ line of CHANGELOG.md's ``## Unreleased`` section, or end its message with the tr
 module. The trailer is the lighter rule, and deliberate: it costs one line where an entry
 would say nothing, yet a commit can no longer forget the changelog silently; whoever writes
 it has decided, in the history, that users see no difference. A commit that landed without
-either is made good by a later one that edits the Unreleased section and names it in a
-trailer ``Changelog-for: <hash>`` (history is not rewritten).
+either is made good by a later one that names it in a trailer ``Changelog-for: <hash>`` and
+itself edits the Unreleased section or carries ``Changelog: none`` (history is not
+rewritten). Only commits that descend from the rule's are judged: a branch forked before
+it and merged after it is not held to it.
 
 Exit status 0 when every commit keeps the rule; 1 with each commit that does not, and what
 to do; 2 when the history is not there to read (a shallow clone).
@@ -24,15 +26,19 @@ from pathlib import Path
 CHANGELOG = "CHANGELOG.md"
 SOURCE = "src/"
 RULE = "tools/changelog_check.py"
-TRAILER = re.compile(r"^Changelog:\s*none\s*$", re.IGNORECASE | re.MULTILINE)
-COVERS = re.compile(r"^Changelog-for:\s*([0-9a-f]{7,40})\s*$", re.IGNORECASE | re.MULTILINE)
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
-    ).stdout
+    # Plumbing, and no colour or external diff whatever the user's configuration says.
+    command = ["git", "-C", str(repo), "-c", "color.ui=never", *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def _trailers(repo: Path, commit: str, key: str) -> list[str]:
+    """The values of ``commit``'s trailers named ``key`` (the message's last paragraph)."""
+    found = _git(repo, "log", "-1", f"--format=%(trailers:key={key},valueonly)", commit)
+    return [value.strip().lower() for value in found.splitlines() if value.strip()]
 
 
 def unreleased_lines(text: str) -> range:
@@ -47,8 +53,13 @@ def unreleased_lines(text: str) -> range:
 
 def touches_unreleased(repo: Path, commit: str) -> bool:
     """Whether ``commit`` adds or edits a line of CHANGELOG.md's Unreleased section."""
-    diff = _git(repo, "diff", "-U0", f"{commit}^", commit, "--", CHANGELOG)
-    section = unreleased_lines(_git(repo, "show", f"{commit}:{CHANGELOG}"))
+    diff = _git(repo, "diff-tree", "-p", "-U0", "--no-ext-diff", "--root", commit, "--", CHANGELOG)
+    if not diff:
+        return False
+    try:
+        section = unreleased_lines(_git(repo, "show", f"{commit}:{CHANGELOG}"))
+    except subprocess.CalledProcessError:  # the commit deleted it
+        return False
     for found in _HUNK.finditer(diff):
         first, count = int(found.group(1)), int(found.group(2) or 1)
         if count and any(line in section for line in range(first, first + count)):
@@ -61,19 +72,20 @@ def offenders(repo: Path) -> list[str]:
     added = _git(repo, "log", "--diff-filter=A", "--format=%H", "--", RULE).split()
     if not added:
         return []  # the rule is not committed yet
-    commits = _git(repo, "rev-list", "--no-merges", "--reverse", f"{added[-1]}..HEAD").split()
+    since = added[-1]
+    commits = _git(
+        repo, "rev-list", "--no-merges", "--reverse", "--ancestry-path", f"{since}..HEAD"
+    )
     broken: dict[str, str] = {}
-    for commit in commits:
-        files = _git(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).split()
-        message = _git(repo, "log", "-1", "--format=%B", commit)
-        told = CHANGELOG in files and touches_unreleased(repo, commit)
+    for commit in commits.split():
+        told = touches_unreleased(repo, commit) or "none" in _trailers(repo, commit, "Changelog")
         if told:  # it may make good earlier commits that told nothing
-            for named in COVERS.findall(message):
-                for earlier in [c for c in broken if c.startswith(named.lower())]:
+            for named in _trailers(repo, commit, "Changelog-for"):
+                for earlier in [c for c in broken if c.startswith(named)]:
                     del broken[earlier]
-        if told or TRAILER.search(message):
             continue
-        if any(name.startswith(SOURCE) for name in files):
+        files = _git(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root", commit)
+        if any(name.startswith(SOURCE) for name in files.split()):
             broken[commit] = _git(repo, "log", "-1", "--format=%h %s", commit).strip()[:100]
     return list(broken.values())
 
@@ -95,7 +107,7 @@ def main(argv: list[str]) -> int:
             f"these commits change {SOURCE} without a line under '## Unreleased' in "
             f"{CHANGELOG}: amend each (before it lands) to add a line saying what a user sees, "
             "or to end its message with 'Changelog: none' where users see nothing; once "
-            "landed, a commit that adds the line and the trailer 'Changelog-for: <hash>'",
+            "landed, a commit that does either and carries the trailer 'Changelog-for: <hash>'",
             file=sys.stderr,
         )
         return 1
