@@ -32,10 +32,10 @@ def _literal_value(default: Any, pkg: griffe.Module) -> str | griffe.Expr | None
         return None
     try:
         constant = pkg.modules_collection.get_member(path)
+        if constant.is_alias:
+            constant = constant.final_target
     except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
         return None
-    if constant.is_alias:
-        constant = constant.final_target
     if not isinstance(constant, griffe.Attribute) or constant.value is None:
         return None
     value = constant.value
