@@ -22,7 +22,7 @@ import sqlalchemy.ext.asyncio as sa_async
 from anyio import fail_after
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from psycopg.waiting import Ready, Wait
+from psycopg.waiting import Ready
 from rides import count
 
 import recoverypoint as rp
@@ -327,11 +327,15 @@ class _ReadyOf31(enum.IntFlag):  # psycopg 3.1's Ready: no NONE
     W = 2
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_waiter_stands_in_only_where_psycopg_has_the_flags_it_uses() -> None:
-    assert _waiter.fits(_Psycopg33, ready=Ready, waits=Wait)
-    assert not _waiter.fits(_Psycopg33, ready=_ReadyOf31, waits=Wait)
-    assert not _waiter.fits(_Psycopg33, ready=Ready, waits=_ReadyOf31)
+def test_the_waiter_stands_in_only_where_psycopg_has_the_flags_it_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _waiter.fits(_Psycopg33)
+    monkeypatch.setattr(_waiter, "Ready", _ReadyOf31)
+    assert not _waiter.fits(_Psycopg33)
+    monkeypatch.setattr(_waiter, "Ready", Ready)
+    monkeypatch.setattr(_waiter, "Wait", _ReadyOf31)  # no RW
+    assert not _waiter.fits(_Psycopg33)
 
 
 async def test_a_psycopg_whose_wait_the_waiter_does_not_know_keeps_its_own(

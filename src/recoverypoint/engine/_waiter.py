@@ -227,13 +227,14 @@ def _lost(pgconn: Any) -> str:
     return message.decode(errors="replace").strip() or "the connection to the server was lost"
 
 
-def fits(connection_class: type, ready: type = Ready, waits: type = Wait) -> bool:
+def fits(connection_class: type) -> bool:
     """Whether :meth:`Waiter.wait` can stand in for ``connection_class``'s ``wait``: a
     coroutine whose parameters it takes all of, in a psycopg whose ``Ready`` and ``Wait``
     have the members the waiter uses (psycopg 3.1 has no ``Ready.NONE``). A psycopg that
     waits otherwise (a new parameter its own code would pass) keeps its own wait."""
-    members = {ready: ("NONE", "R", "W"), waits: ("R", "W", "RW")}
-    if not all(hasattr(flags, name) for flags, names in members.items() for name in names):
+    if not all(hasattr(Ready, name) for name in ("NONE", "R", "W")):
+        return False
+    if not all(hasattr(Wait, name) for name in ("R", "W", "RW")):
         return False
     wait = getattr(connection_class, "wait", None)
     if not inspect.iscoroutinefunction(wait):
