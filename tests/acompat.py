@@ -1,6 +1,6 @@
 """Concurrency for the engine's tests, spelled twice: asyncio's (``AEvent``, ``aspawn``,
-``ajoin``, ``agather``) for tests/test_engine_async.py, and the same names without the
-``a``, on threads, for tests/test_engine_sync.py, which tools/async_to_sync.py generates
+``await_set``, ``ajoin``, ``agather``) for tests/test_engine_async.py, and the same names
+without the ``a``, on threads, for tests/test_engine_sync.py, which tools/async_to_sync.py generates
 from it by renaming them.
 
 A spawned call takes the function and its arguments, not a coroutine: the sync twin must
@@ -42,6 +42,17 @@ def spawn(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
 
     threading.Thread(target=call, daemon=True).start()
     return future
+
+
+async def await_set(event: asyncio.Event) -> None:
+    """Wait until ``event`` is set; fail after JOIN_TIMEOUT instead of hanging."""
+    await asyncio.wait_for(event.wait(), JOIN_TIMEOUT)
+
+
+def wait_set(event: threading.Event) -> None:
+    """Wait until ``event`` is set; fail after JOIN_TIMEOUT instead of hanging."""
+    if not event.wait(JOIN_TIMEOUT):
+        raise TimeoutError(f"not set within {JOIN_TIMEOUT} s")
 
 
 async def ajoin(task: asyncio.Task[T]) -> T:

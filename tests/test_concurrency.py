@@ -152,7 +152,8 @@ def test_atomic_phase_outliving_its_lease_is_not_taken_over_mid_phase(
     # (the phase holds it, from just after the commit that renewed the lease).
     time.sleep(1.2)
     b = engine.run(op, key="k", params={}, scope=scope)
-    a.join()
+    a.join(60)
+    assert not a.is_alive(), "A's phase never ended"
 
     assert a_outcome[0].status == 200 and not a_outcome[0].replayed
     assert b.replayed and b.body == {"ok": True}

@@ -144,6 +144,13 @@ def test_no_page_reads_the_whole_table(db: sa.Engine) -> None:
     # passes whatever the page did. So each connection the pages used flushes them as it is
     # returned, before the request ends: pg_stat_force_next_flush() has the backend flush
     # them at its next transaction's end, before it answers that COMMIT.
+    with db.connect() as conn:
+        version = conn.exec_driver_sql("SHOW server_version_num").scalar_one()
+    if int(version) < 150000:
+        pytest.skip(
+            "needs pg_stat_force_next_flush() (PostgreSQL 15): before it, a page's scans "
+            "may be counted after the check"
+        )
     pages_db = create_engine(db.url)
 
     @sa.event.listens_for(pages_db, "checkin")

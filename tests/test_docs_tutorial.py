@@ -193,7 +193,8 @@ def test_the_tutorial_works_word_for_word(
         exec(compile(reader.adapt(client.body), client.where, "exec"), {"__name__": "client"})
         assert capsys.readouterr().out.startswith("201 {'charge_id': 'ch_")
         # Its schema shows the key, so a client generated from it sends one.
-        with urllib.request.urlopen(f"http://127.0.0.1:{reader.port}/openapi.json") as answer:
+        schema = f"http://127.0.0.1:{reader.port}/openapi.json"
+        with urllib.request.urlopen(schema, timeout=60) as answer:
             payments = json.load(answer)["paths"]["/payments"]["post"]
         assert {"name": "Idempotency-Key", "in": "header", "required": True}.items() <= next(
             p for p in payments["parameters"] if p["name"] == "Idempotency-Key"

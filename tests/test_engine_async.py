@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
-from acompat import AEvent, agather, ajoin, aspawn
+from acompat import AEvent, agather, ajoin, aspawn, await_set
 from rides import Provider, count
 
 import recoverypoint as rp
@@ -428,7 +428,7 @@ async def test_serialization_failures_are_retried(
         if len(retries) <= 8:
             if len(retries) == 8:
                 all_read.set()
-            await all_read.wait()
+            await await_set(all_read)
         await tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + 1, name))
         return rp.Response(200, {"n": n + 1})
 

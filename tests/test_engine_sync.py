@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from acompat import Event, gather, join, spawn
+from acompat import Event, gather, join, spawn, wait_set
 from rides import Provider, count
 
 import recoverypoint as rp
@@ -411,7 +411,7 @@ def test_serialization_failures_are_retried(engine: rp.Engine, db: sa.Engine, sc
         if len(retries) <= 8:
             if len(retries) == 8:
                 all_read.set()
-            all_read.wait()
+            wait_set(all_read)
         tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + 1, name))
         return rp.Response(200, {"n": n + 1})
 

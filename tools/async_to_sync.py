@@ -77,6 +77,7 @@ NAMES = [
     # The tests' concurrency (tests/acompat.py): tasks become threads.
     ("AEvent", "Event"),
     ("aspawn", "spawn"),
+    ("await_set", "wait_set"),
     ("ajoin", "join"),
     ("agather", "gather"),
 ]
