@@ -17,10 +17,9 @@ settings says (:func:`sized_server`): ``shared_buffers`` that hold the key table
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,6 +34,11 @@ import recoverypoint as rp
 from recoverypoint.engine import store
 from recoverypoint.keys import key_seed
 from recoverypoint.migrate import upgrade
+
+# The tests' loopback ports (below the ephemeral range) for the servers started here, and by
+# reaper_soak and server_instructions through this module.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port
 
 SCOPE, OPERATION = "bench", "claim_only"
 CHUNK = 1_000_000
@@ -187,24 +191,6 @@ def initdb(data: Path) -> None:
         check=True,
         capture_output=True,
     )
-
-
-def free_port() -> int:
-    """A loopback port for a server that binds it itself, below the ephemeral range: one the
-    kernel picks with bind(0) is ephemeral, and an outgoing connection can take it before
-    the server binds it ("address already in use")."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    for port in random.sample(range(20000, low), max(0, min(200, low - 20000))):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port between 20000 and {low}")
 
 
 def prewarm(url: str) -> None:
