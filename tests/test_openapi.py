@@ -27,6 +27,7 @@ import pytest
 import sqlalchemy as sa
 from docs_snippets import blocks, page
 from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
@@ -227,14 +228,47 @@ def _warnings_of(caplog: pytest.LogCaptureFixture, app: FastAPI) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("recoverypoint")]
 
 
-def test_an_app_without_declare_openapi_is_warned_of_once(
+def own_openapi(app: FastAPI) -> None:
+    """Give ``app`` an ``openapi`` function of its own, as FastAPI's docs show to extend it."""
+
+    def openapi() -> dict[str, Any]:
+        if not app.openapi_schema:
+            app.openapi_schema = get_openapi(title="own", version="1", routes=app.routes)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def test_an_app_declares_its_idempotent_routes_with_nothing_written(
     engine: rp.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # FastAPI gives a library no way into an app's schema: the one line is said, once.
     app, _ = shop(engine, declared=False)
+    assert key_parameter(operation(app, "/single"))["required"] is True
+    assert key_parameter(operation(app, "/phased/async"))["required"] is False
+    assert _warnings_of(caplog, app) == []
+
+
+def test_declared_twice_the_answers_are_described_once(engine: rp.Engine) -> None:
+    app, _ = shop(engine)  # declare_openapi(app) as well
+    bad_key = operation(app, "/single")["responses"]["400"]["description"]
+    assert bad_key.count("; or ") == 1, bad_key
+    assert len(operation(app, "/phased")["parameters"]) == 1
+
+
+def test_an_app_with_its_own_openapi_is_warned_of_once_until_it_declares(
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, _ = shop(engine, declared=False)
+    own_openapi(app)
     assert "Idempotency-Key" not in json.dumps(app.openapi())
     (warning,) = _warnings_of(caplog, app)
     assert "declare_openapi(app)" in warning
+    caplog.clear()
+    app, _ = shop(engine, declared=False)
+    own_openapi(app)
+    declare_openapi(app)  # after assigning its own
+    assert key_parameter(operation(app, "/single"))["required"] is True
+    assert _warnings_of(caplog, app) == []
 
 
 def test_a_phased_route_left_unmarked_is_warned_of_once(
@@ -274,16 +308,16 @@ def test_a_route_left_out_of_the_schema_is_not_warned_of(
     assert [r for r in caplog.records if r.name.startswith("recoverypoint")] == []
 
 
-@pytest.mark.parametrize("declared", ["the mounted app", "the outer app"])
+@pytest.mark.parametrize("inner_openapi", ["FastAPI's", "its own"])
 def test_a_mounted_app_is_judged_by_its_own_schema(
-    engine: rp.Engine, caplog: pytest.LogCaptureFixture, declared: str
+    engine: rp.Engine, caplog: pytest.LogCaptureFixture, inner_openapi: str
 ) -> None:
     # The middleware on the outer app, the routes in the mounted one: /sub/openapi.json is
-    # the mounted app's schema, which declare_openapi(outer) does not reach.
-    inner, _ = shop(engine, declared=declared == "the mounted app", middleware=False)
+    # the mounted app's schema, which the outer app's openapi() does not make.
+    inner, _ = shop(engine, declared=False, middleware=False)
+    if inner_openapi == "its own":
+        own_openapi(inner)
     outer = FastAPI()
-    if declared == "the outer app":
-        declare_openapi(outer)
     outer.add_middleware(SingleStepMiddleware)
     outer.mount("/sub", inner)
     with caplog.at_level("WARNING", logger="recoverypoint"), TestClient(outer) as client:
@@ -291,8 +325,10 @@ def test_a_mounted_app_is_judged_by_its_own_schema(
             key = {"Idempotency-Key": str(uuid.uuid4())}
             order = {"item": "tea", "quantity": 1}
             assert client.post("/sub/single", json=order, headers=key).status_code == 201
+        schema = client.get("/sub/openapi.json").json()
     warned = [r.getMessage() for r in caplog.records if r.name.startswith("recoverypoint")]
-    assert len(warned) == (declared == "the outer app"), warned
+    assert len(warned) == (inner_openapi == "its own"), warned
+    assert ("Idempotency-Key" in json.dumps(schema)) is (inner_openapi == "FastAPI's")
 
 
 # -- the key format the schema declares is the one the integration reads --------------

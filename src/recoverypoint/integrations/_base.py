@@ -316,9 +316,9 @@ class BaseIdempotency(Generic[RequestT]):
 
     def phased(self, *, key_required: bool = True) -> Callable[[E], E]:
         """Declare an endpoint that calls ``run`` in the application's schema (FastAPI's
-        OpenAPI with ``declare_openapi``, DRF's with drf-spectacular), as a single-step
-        endpoint declares itself: the key header, the replay header, the problem answers.
-        Say the same ``key_required`` as the endpoint's ``run``. It changes nothing else."""
+        OpenAPI, DRF's with drf-spectacular), as a single-step endpoint declares itself:
+        the key header, the replay header, the problem answers. Say the same
+        ``key_required`` as the endpoint's ``run``. It changes nothing else."""
 
         def declare(endpoint: E) -> E:
             return declared(endpoint, self._declaration(key_required))

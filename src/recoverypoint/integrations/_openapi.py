@@ -3,9 +3,9 @@ web framework.
 
 An endpoint served through an integration carries a :class:`Declaration` (set by
 ``single_step``, or by ``phased`` for a route that calls ``run``); the framework's schema
-hook (``recoverypoint.integrations.fastapi.declare_openapi``, drf-spectacular's extension in
-``recoverypoint.integrations.django``) finds it and calls :func:`declare` on the route's
-operation:
+hook (``FastAPI.openapi``, which ``recoverypoint.integrations.fastapi`` wraps;
+drf-spectacular's extension in ``recoverypoint.integrations.django``) finds it and calls
+:func:`declare` on the route's operation:
 
 - the key header, as :func:`~recoverypoint.integrations._problem.read_key` accepts it: a bare
   key (``8e03978e-40d5``) or a quoted one (``"8e03978e-40d5"``), 1 to 255 printable ASCII

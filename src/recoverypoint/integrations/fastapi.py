@@ -1,13 +1,14 @@
 """FastAPI and Starlette: idempotent endpoints that answer as the IETF draft says.
 
-Only Starlette is imported, so this serves any Starlette application, FastAPI's included.
-Install with ``pip install 'recoverypoint[fastapi]'``.
+Starlette is what it serves, so any Starlette application, FastAPI's included; with FastAPI
+installed, every FastAPI application's OpenAPI schema declares its idempotent routes (the
+key, the replay header, the problem answers), with nothing written (see
+``declare_openapi`` for an application with an ``openapi`` function of its own). Install
+with ``pip install 'recoverypoint[fastapi]'``.
 
 A phased operation, from a sync or an async route::
 
     idempotency = Idempotency(engine, scope=lambda request: request.user.identity)
-
-    declare_openapi(app)  # the key and the answers in app.openapi(), for clients
 
     @app.post("/rides")
     @idempotency.phased()  # declared in the schema
@@ -190,32 +191,65 @@ class Idempotency(BaseIdempotency[Request]):
 
 
 def declare_openapi(app: Any) -> None:
-    """Declare, in ``app.openapi()`` (and so in ``/openapi.json``, ``/docs`` and the clients
-    generated from them), what each route served through an :class:`Idempotency` sends and
-    answers: the key header (required or not, its format), ``Idempotent-Replayed`` and the
+    """Declare the idempotent routes in ``app.openapi()`` when the application replaced it
+    with an ``openapi`` function of its own (FastAPI's way to extend a schema): call it once,
+    after that assignment. Any other FastAPI application declares them with nothing written.
+
+    What is declared, in ``/openapi.json``, ``/docs`` and the clients generated from them:
+    what each route served through an :class:`Idempotency` sends and answers, the key header
+    (required or not, its format), ``Idempotent-Replayed`` and the
     ``application/problem+json`` answers (400, 409, 413, 422, 423, 503). Single-step
     endpoints declare themselves; a route that calls ``run`` says so with
-    ``@idempotency.phased()``.
-
-    FastAPI learns of a route only from its decorator's arguments and its endpoint's
-    signature, and a route that calls ``run`` inside its body shows neither: hence this one
-    call per application, which wraps ``app.openapi`` (FastAPI's way to extend its schema).
-    The key is declared in the schema only; the integration still reads and checks it, so a
-    bad key is its 400, never FastAPI's 422. An application served without this call, or a
-    route that calls ``run`` without ``phased``, is warned of in the log at its first request.
+    ``@idempotency.phased()``. The key is declared in the schema only; the integration still
+    reads and checks it, so a bad key is its 400, never FastAPI's 422.
     """
-    _DECLARED.add(app)
     generate: Callable[[], dict[str, Any]] = app.openapi
-    done: list[dict[str, Any]] = []  # the schema last declared in: FastAPI caches it
 
     def openapi() -> dict[str, Any]:
-        schema = generate()
-        if not done or done[0] is not schema:
-            _declare_routes(schema, app.routes)
-            done[:] = [schema]
-        return schema
+        return _declared_in(app, generate())
 
+    setattr(openapi, _DECLARES, True)
     app.openapi = openapi
+
+
+def _declare_every_fastapi_schema() -> None:
+    """Wrap ``FastAPI.openapi``, which ``/openapi.json`` and ``/docs`` call, so that every
+    FastAPI application's schema declares its idempotent routes with nothing written by its
+    authors: FastAPI learns of a route only from its decorator's arguments and its
+    endpoint's signature, which a route that calls ``run`` inside its body leaves silent,
+    and it offers a library no hook into an application's schema but this method."""
+    try:
+        from fastapi import FastAPI
+    except ImportError:  # Starlette alone, which has no schema
+        return
+    generate = FastAPI.openapi
+    if getattr(generate, _DECLARES, False):
+        return  # this module imported twice (importlib.reload)
+
+    @functools.wraps(generate)
+    def openapi(self: Any) -> dict[str, Any]:
+        return _declared_in(self, generate(self))
+
+    setattr(openapi, _DECLARES, True)
+    setattr(FastAPI, "openapi", openapi)  # noqa: B010 (mypy refuses assigning a method)
+
+
+# Marks a function that declares the idempotent routes in what it returns.
+_DECLARES = "__recoverypoint_declares__"
+# Where an application keeps the schema its routes were last declared in.
+_DECLARED_IN = "_recoverypoint_declared_in"
+_DECLARING = threading.Lock()
+
+
+def _declared_in(app: Any, schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``app``'s idempotent routes declared, once per schema object: FastAPI
+    caches it, and declaring twice (two threads asking at once) would repeat the answers'
+    descriptions."""
+    with _DECLARING:
+        if vars(app).get(_DECLARED_IN) is not schema:
+            _declare_routes(schema, app.routes)
+            vars(app)[_DECLARED_IN] = schema
+    return schema
 
 
 def _declare_routes(schema: dict[str, Any], routes: Iterable[BaseRoute]) -> None:
@@ -233,27 +267,27 @@ def _declare_routes(schema: dict[str, Any], routes: Iterable[BaseRoute]) -> None
                 components[PROBLEM_COMPONENT] = copy.deepcopy(PROBLEM_SCHEMA)
 
 
-# Applications declare_openapi was called on, and those and endpoints already warned of (by
-# sync endpoints' threads too: hence the lock).
-_DECLARED: weakref.WeakSet[Any] = weakref.WeakSet()
+# Applications and endpoints already warned of (by sync endpoints' threads too: hence the
+# lock).
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 _WARNING = threading.Lock()
 
 
 def _warn_undeclared(app: Any, route: Any, *, phased: bool) -> None:
     """Warn, once per application and once per route, of an OpenAPI schema that will not show
-    the key: FastAPI gives a library no way into an application's schema, so what it cannot
-    declare by itself it says at the first request, naming the one line that declares it.
+    the key, naming the one line that declares it: an application whose ``openapi`` is a
+    function of its own that does not declare them, a route that calls ``run`` unmarked.
     ``app`` is the application whose schema shows ``route`` (a mounted one's own); nothing
     is said where there is no schema (Starlette's, ``openapi_url=None``,
     ``include_in_schema=False``)."""
     if not getattr(app, "openapi_url", None) or not getattr(route, "include_in_schema", True):
         return
-    if app not in _DECLARED and _first_time(app):
+    own = getattr(app, "__dict__", {}).get("openapi")
+    if own is not None and not getattr(own, _DECLARES, False) and _first_time(app):
         logger.warning(
-            "this application's OpenAPI schema (/docs, generated clients) shows neither the "
-            "key header nor the answers of its idempotent routes: call "
-            "recoverypoint.integrations.fastapi.declare_openapi(app) once, after creating it"
+            "this application's own openapi() shows neither the key header nor the answers of "
+            "its idempotent routes in its schema (/docs, generated clients): call "
+            "recoverypoint.integrations.fastapi.declare_openapi(app) once, after assigning it"
         )
     endpoint = getattr(route, "endpoint", None)  # not the route: Starlette's compare equal
     if (
@@ -627,3 +661,6 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+_declare_every_fastapi_schema()

@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import recoverypoint as rp
-from recoverypoint.integrations.fastapi import Idempotency, declare_openapi
+from recoverypoint.integrations.fastapi import Idempotency
 
 AMOUNT, CURRENCY = 2000, "usd"
 
@@ -58,7 +58,7 @@ class Declined(BaseModel):
 
 
 # The API's own answers, for its schema; the key's and the integration's are declared by
-# `declare_openapi` and `phased`.
+# `phased`.
 _ANSWERS: dict[int | str, dict[str, Any]] = {
     201: {"model": RideBooked, "description": "The ride is booked and charged."},
     400: {"model": Refusal, "description": "The body could not be parsed (FastAPI's answer)."},
@@ -228,7 +228,6 @@ def create_app(
         engine, async_engine=async_engine, scope=lambda request: scope_of(request.state.user_id)
     )
     app = FastAPI(title="Rocket Rides")
-    declare_openapi(app)
 
     def user_id(request: Request, authorization: Annotated[str | None, Header()] = None) -> int:
         if not authorization:
