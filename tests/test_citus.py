@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from test_demo_existing import RECOVERYPOINT_ROWS, count, demo, tables_of
+from test_demo_existing import RECOVERYPOINT_ROWS, demo, run_in_it_and_check_it_is_left_as_found
 
 import recoverypoint as rp
 from recoverypoint import admin, distribute
@@ -1063,27 +1063,12 @@ def test_the_demo_runs_in_a_database_on_every_node_and_leaves_it_as_it_found_it(
     """``recoverypoint demo --existing`` on the coordinator, as tests/test_demo_existing.py
     runs it on one server: every invariant holds, recoverypoint's tables stay distributed
     without a row of the run's, the user's table is untouched, and the next run is taken."""
-    from recoverypoint.demo.rocket_rides.schema import TABLES
-
     with _database_on_every_node(citus) as db:
         with db.begin() as conn:
             conn.exec_driver_sql("CREATE TABLE orders (id int PRIMARY KEY, total int)")
             conn.exec_driver_sql("INSERT INTO orders VALUES (1, 4200)")
         url = db.url.render_as_string(hide_password=False)
-        out = tmp_path / "demo.json"
-        ran = demo(url, "--existing", "--json", str(out))
-
-        assert ran.returncode == 0, ran.stdout + ran.stderr
-        assert "every invariant holds" in ran.stdout
-        report = json.loads(out.read_text())
-        assert report["figures"]["requests sent"] == 20
-        assert all(inv["count"] == 0 for inv in report["invariants"].values())
-        with db.connect() as conn:
-            assert conn.execute(sa.text("SELECT id, total FROM orders")).all() == [(1, 4200)]
-        assert not tables_of(db) & set(TABLES)
-        assert {"idempotency_keys", "staged_jobs", "recoverypoint_alembic_version"} <= tables_of(db)
-        assert all(count(db, table) == 0 for table in RECOVERYPOINT_ROWS)
-        assert count(db, "worker_passes") == 0
+        run_in_it_and_check_it_is_left_as_found(url, db, tmp_path)
         # Placed as migrate --citus places them, on the cluster's workers, and left so.
         distributed = (
             "SELECT count(*) FROM pg_dist_partition WHERE partmethod = 'h' "

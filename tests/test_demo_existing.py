@@ -58,10 +58,9 @@ def count(db: sa.Engine, table: str) -> int:
         return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
-def test_the_demo_runs_in_the_users_database_and_leaves_it_as_it_found_it(
-    users_db: tuple[str, sa.Engine], tmp_path: Path
-) -> None:
-    url, db = users_db
+def run_in_it_and_check_it_is_left_as_found(url: str, db: sa.Engine, tmp_path: Path) -> None:
+    """Run the demo with ``--existing`` in the database of ``url`` (``db``), which holds the
+    user's ``orders`` row: every invariant holds, and the database is left as found."""
     out = tmp_path / "demo.json"
     ran = demo(url, "--existing", "--json", str(out))
 
@@ -77,9 +76,14 @@ def test_the_demo_runs_in_the_users_database_and_leaves_it_as_it_found_it(
     # recoverypoint's tables stay, migrated, without a row of the run's.
     assert {"idempotency_keys", "staged_jobs", "recoverypoint_alembic_version"} <= tables_of(db)
     assert all(count(db, table) == 0 for table in RECOVERYPOINT_ROWS)
-    with db.connect() as conn:
-        passes = "SELECT count(*) FROM worker_passes"
-        assert conn.execute(sa.text(passes)).scalar_one() == 0
+    assert count(db, "worker_passes") == 0
+
+
+def test_the_demo_runs_in_the_users_database_and_leaves_it_as_it_found_it(
+    users_db: tuple[str, sa.Engine], tmp_path: Path
+) -> None:
+    url, db = users_db
+    run_in_it_and_check_it_is_left_as_found(url, db, tmp_path)
     # So the same database takes the next run.
     again = demo(url, "--existing", "--requests", "4")
     assert again.returncode == 0, again.stdout + again.stderr
