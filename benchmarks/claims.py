@@ -32,7 +32,6 @@ import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint.engine import store
-from recoverypoint.keys import key_seed
 from recoverypoint.migrate import upgrade
 
 # The tests' loopback ports (below the ephemeral range) for the servers started here, and by
@@ -224,8 +223,7 @@ def claim_request(key: str) -> store.ClaimRequest:
         path="/x",
         params_json="{}",
         fingerprint="f",
-        seed=key_seed("bench", SCOPE, OPERATION, key),
-        token=uuid.uuid4(),
+        namespace="bench",
         lock_timeout=90.0,
     )
 
@@ -244,7 +242,7 @@ class Claimer:
         request = claim_request(key)
         schedule = self.engine._schedule()  # a fresh key: generation 0
         return self.engine._transact(
-            lambda conn: store.claim(conn, request, 0, schedule, bound=False)
+            lambda conn: store.claim(conn, request, uuid.uuid4(), 0, schedule, bound=False)
         )
 
     def close(self) -> None:

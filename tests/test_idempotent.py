@@ -4,9 +4,10 @@ over HTTP on loopback (``idempotent_payments``): every effect is counted where i
 from __future__ import annotations
 
 import contextvars
+import inspect
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from idempotent_payments import Payments, payments_api
 from pydantic import BaseModel
 
 import recoverypoint as rp
+from recoverypoint.idempotent.shape import Shape
 
 
 class Receipt(BaseModel):
@@ -185,6 +187,47 @@ def test_the_same_key_with_other_arguments_is_a_params_mismatch(
     assert refund("r-1", 500, Card("4242", "Ada")) == 500  # equal arguments: a replay
     assert ran == [500]
     assert len(key_rows(db, name)) == 1
+
+
+def _bound_as_the_signature_does(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return TypeError
+    bound.apply_defaults()
+    return list(bound.arguments.items())
+
+
+def _by_shape(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    try:
+        return list(Shape(fn, ()).bind(args, kwargs).items())
+    except TypeError:
+        return TypeError
+
+
+def _plain(a: int, b: str = "b", c: float = 1.5) -> None: ...
+def _positional_only(a: int, /, b: int = 2) -> None: ...
+def _keyword_only(a: int, *, b: int = 2) -> None: ...
+def _starred(a: int, *rest: int, **named: int) -> None: ...
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fn=st.sampled_from([_plain, _positional_only, _keyword_only, _starred]),
+    values=st.lists(st.integers(), max_size=5),
+    by_name=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(), max_size=3),
+)
+def test_a_call_binds_its_arguments_as_python_does_however_they_are_passed(
+    fn: Callable[..., Any], values: list[int], by_name: dict[str, int]
+) -> None:
+    # The arguments by name, defaults applied, in the signature's order; or the TypeError
+    # the function itself would raise: the same whether a call takes the shortcut for
+    # arguments passed by position or not (break the shortcut's length check, and this
+    # fails).
+    assert _by_shape(fn, tuple(values), by_name) == _bound_as_the_signature_does(
+        fn, tuple(values), by_name
+    )
+    assert _by_shape(fn, tuple(values), {}) == _bound_as_the_signature_does(fn, tuple(values), {})
 
 
 def test_concurrent_calls_in_threads_run_the_body_once(

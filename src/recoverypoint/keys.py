@@ -176,11 +176,9 @@ def check_size(text: str, limit: int) -> None:
 
 def fingerprint(method: str, path: str, params_json: str) -> str:
     """SHA-256 of the canonical request: a reused key must carry the same one."""
-    digest = hashlib.sha256()
-    for part in (method.upper(), path, params_json):
-        digest.update(part.encode())
-        digest.update(b"\x00")
-    return digest.hexdigest()
+    # One text, encoded and hashed at once: the same bytes as the three parts hashed each
+    # behind its NUL, in a third of the calls (a replay computes it too).
+    return hashlib.sha256(f"{method.upper()}\x00{path}\x00{params_json}\x00".encode()).hexdigest()
 
 
 MAX_NAMESPACE_LENGTH = 255

@@ -62,11 +62,16 @@ class ClaimRequest(NamedTuple):
     path: str
     params_json: str
     fingerprint: str
-    seed: str
-    """What every key derived for the request is made from (:func:`.keys.key_seed`)."""
-    token: uuid.UUID
+    namespace: str
+    """The database's, of derived keys: :attr:`seed` is made from it."""
     lock_timeout: float
     """Seconds: the operation's, stored with the lease the claim takes."""
+
+    @property
+    def seed(self) -> str:
+        """What every key derived for the request is made from (:func:`.keys.key_seed`):
+        made when a claim writes it, which a replay never does."""
+        return key_seed(self.namespace, self.scope, self.operation, self.key)
 
 
 class KeyId(NamedTuple):
@@ -156,7 +161,7 @@ class KeyRecord(NamedTuple):
         )
 
     @classmethod
-    def new_row(cls, row: Sequence[str | None], request: ClaimRequest) -> KeyRecord:
+    def new_row(cls, row: Sequence[str | None], request: ClaimRequest, seed: str) -> KeyRecord:
         """The record the claim inserted, from what it wrote and the columns it returned
         (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time in seconds since the
         epoch, address, the params as jsonb stored them, which every later run of the key
@@ -177,7 +182,7 @@ class KeyRecord(NamedTuple):
             None,
             None,
             1,
-            request.seed,
+            seed,
             int(generation),
             ctid,
             0.0,  # its point was reached as it was inserted
@@ -222,10 +227,17 @@ class Finished(NamedTuple):
             int(version),
             fingerprint,
             int(status),
-            None if headers is None else json.loads(headers),
+            _headers(headers),
             body,
             expired == "t",  # a boolean's text
         )
+
+
+def _headers(stored: str | None) -> dict[str, str] | None:
+    # Most responses carry no headers of their own: their '{}' is not parsed.
+    if stored is None:
+        return None
+    return {} if stored == "{}" else json.loads(stored)
 
 
 @dataclass
@@ -390,8 +402,7 @@ class Registry:
             path=path,
             params_json=params_json,
             fingerprint=fingerprint(method, path, params_json),
-            seed=key_seed(namespace, scope, operation.name, key),
-            token=uuid.uuid4(),
+            namespace=namespace,
             lock_timeout=operation.lock_timeout.total_seconds(),
         )
 

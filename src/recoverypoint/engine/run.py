@@ -315,7 +315,7 @@ class Engine(Registry):
             # A cancellation (or an interrupt) that lands on COMMIT does not stop it: give
             # the lease up, which does nothing if the claim rolled back after all.
             if claim.run is not None:
-                self._abandon(claim.run, exc, claim_request)
+                self._abandon(claim.run, exc, claim)
             raise
         if claim.run is None:  # a finished key: its replay, or the answer it was abandoned with
             assert isinstance(first, Outcome)
@@ -483,7 +483,9 @@ class Engine(Registry):
         elif finished is not None:
             self.judge(operation, request, params, finished)
             return replay(finished)
-        record = store.claim(tx, request, generation, self._schedule(), bound=self.bound)
+        record = store.claim(
+            tx, request, claim.token, generation, self._schedule(), bound=self.bound
+        )
         if record is None:
             # The row was deleted between the conflict and the read: a reaper raced us.
             raise KeyInUse(key=request.key, retry_after=1)
@@ -500,9 +502,7 @@ class Engine(Registry):
                 raise KeyInUse(key=request.key, retry_after=lease_left)
             # An unfinished key whose lease is free or expired: take it over, unless it is
             # out of attempts (however they ended: a crash counts), which abandons it.
-            key = KeyId(
-                record.scope, record.id, request.token, lock_timeout, operation.max_attempts
-            )
+            key = KeyId(record.scope, record.id, claim.token, lock_timeout, operation.max_attempts)
             if record.exhausted(operation.max_attempts):
                 abandoned = _abandon_exhausted(tx, key)
                 if abandoned is None:
@@ -514,7 +514,7 @@ class Engine(Registry):
                 lease_left = 1 if taken is None else max(1, taken.lease_left(lock_timeout))
                 raise KeyInUse(key=request.key, retry_after=lease_left)
             record = taken
-        run = claim.run = _Run(self, operation, record, request.token, claim.observed)
+        run = claim.run = _Run(self, operation, record, claim.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
             store.held(tx, run.key, record)
             if self.bound:
@@ -541,11 +541,11 @@ class Engine(Registry):
             self._abandon(run, exc)
             raise
 
-    def _abandon(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
+    def _abandon(self, run: _Run, exc: BaseException, claim: _Claim | None = None) -> None:
         # A cancelled request gives its lease up and counts the attempt all the same.
         _pg.shielded(self._give_up, run, exc, claim)
 
-    def _give_up(self, run: _Run, exc: BaseException, claim: ClaimRequest | None = None) -> None:
+    def _give_up(self, run: _Run, exc: BaseException, claim: _Claim | None = None) -> None:
         """Delete the key of a run withdrawn before it recorded anything; otherwise give
         the lease up, keep the recovery point and count the attempt. ``claim``: the claim
         was interrupted at its COMMIT, whose outcome is waited for first."""
@@ -585,7 +585,7 @@ class Engine(Registry):
             error,
         )
 
-    def _settle(self, claim: ClaimRequest) -> None:
+    def _settle(self, claim: _Claim) -> None:
         """Wait until the claim of ``claim``, interrupted at its COMMIT, has committed or
         rolled back. Interrupted again, psycopg closes the connection, and the server may
         still be committing: a release sent on another connection meanwhile would find no
@@ -638,7 +638,7 @@ class _Claim:
     object, not in its return value: an interrupt may land on its COMMIT after it took the
     lease, and the caller must then give the lease up."""
 
-    __slots__ = ("abandoned", "observed", "operation", "params", "request", "run")
+    __slots__ = ("_token", "abandoned", "observed", "operation", "params", "request", "run")
 
     def __init__(
         self,
@@ -650,7 +650,7 @@ class _Claim:
         self.operation = operation
         """The operation the request names; the key may be judged by an older version."""
         self.request = request
-        """What the claim writes and compares: the key, the params' fingerprint, the token."""
+        """What the claim writes and compares: the key, the params' fingerprint."""
         self.params = params
         """The params as the caller passed them, for judging a key reused with other ones."""
         self.observed = observed
@@ -661,6 +661,15 @@ class _Claim:
         self.abandoned: tuple[Operation[Any], KeyRecord] | None = None
         """The key and the version that started it, when the claim abandoned it (out of
         attempts) instead of taking it."""
+        self._token: uuid.UUID | None = None
+
+    @property
+    def token(self) -> uuid.UUID:
+        """The lease the claim takes, made when it first writes: a replay takes none. The
+        same in every attempt of the claim, and for :meth:`Engine._settle`."""
+        if self._token is None:
+            self._token = uuid.uuid4()
+        return self._token
 
 
 class _ClaimById:
@@ -698,10 +707,10 @@ def _abandon_exhausted(tx: Transaction, key: KeyId) -> Outcome | None:
     return Outcome(ABANDONED_RESPONSE.status, as_answered(stored), {}, replayed=False)
 
 
-def _wait_for(tx: Transaction, claim: ClaimRequest, schedule: dict[str, Any], bound: bool) -> None:
+def _wait_for(tx: Transaction, claim: _Claim, schedule: dict[str, Any], bound: bool) -> None:
     """Make ``claim`` again and roll it back (see :meth:`Engine._settle`)."""
     # Rolled back: no generation is stored.
-    store.claim(tx, claim, 0, schedule, bound=bound)
+    store.claim(tx, claim.request, claim.token, 0, schedule, bound=bound)
     raise _Settled  # rolled back: nothing is written
 
 

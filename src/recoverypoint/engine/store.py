@@ -61,20 +61,23 @@ def forget_expired(
 def claim(
     tx: Transaction,
     request: ClaimRequest,
+    token: UUID,
     generation: int,
     schedule: dict[str, Any],
     *,
     bound: bool,
 ) -> KeyRecord | None:
-    """Take the key if it can be taken, a new row at its recorded generation (read by the
-    claim on one server; ``generation``, as :func:`finished_key` read it, where the keys are
-    distributed); ``None`` only if the row vanished (reaped) meanwhile.
+    """Take the key under the lease ``token`` if it can be taken, a new row at its recorded
+    generation (read by the claim on one server; ``generation``, as :func:`finished_key`
+    read it, where the keys are distributed); ``None`` only if the row vanished (reaped)
+    meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
     Citus (see :func:`bind`)."""
     first_delay = backoff_delay(
         0, base=schedule["retry_base"], cap=schedule["retry_cap"], jitter=schedule["jitter"]
     )
+    seed = request.seed
     params = {
         "first_delay": first_delay,
         "generation": generation,
@@ -86,14 +89,14 @@ def claim(
         "path": request.path,
         "params": request.params_json,
         "fingerprint": request.fingerprint,
-        "seed": request.seed,
-        "token": request.token,
+        "seed": seed,
+        "token": token,
         "lock_timeout": request.lock_timeout,
     }
     with _waiting_for_key:
         row = tx.fetch(sql.CLAIM_BOUND if bound else sql.CLAIM, params)
     if row is not None:
-        return KeyRecord.new_row(row, request)
+        return KeyRecord.new_row(row, request, seed)
     return _fetch_record(tx, sql.CLAIMED_BEFORE, params)
 
 
