@@ -17,7 +17,11 @@ One caller, one call at a time (latency, not throughput). The sides:
   trips); a replay GETs the record, checks it is completed, unexpired and for the same
   payload, and decodes the stored result (one round trip);
 * ``rp first`` / ``rp replay``: ``@rp.idempotent(engine, key="order_id")`` on the function,
-  with a fresh key for every call, and with one finished key called again and again.
+  with a fresh key for every call, and with one finished key called again and again;
+* ``engine replay``: the same finished key through the engine itself (``Engine.run`` /
+  ``AsyncEngine.run`` of the decorated function's operation, its params as the decorator
+  passes them): what a replay costs a service that calls the engine, without the
+  decorator's binding of arguments and rebuilding of the return value.
 
 Each side runs ``--calls`` calls in a block; the blocks take turns, the order rotated each
 round, ``--rounds`` rounds (each side warmed up first). Per round: p50 and p99 of one call,
@@ -64,6 +68,7 @@ SIDES = (
     "redis replay",
     "rp first",
     "rp replay",
+    "engine replay",
 )
 FLOOR_ROWS = 1000
 FLOOR_SCHEMA = (
@@ -180,6 +185,7 @@ def sync_sides(url: str, redis_url: str, stack: list[Callable[[], None]]) -> dic
     stack.append(lambda: _delete_prefix(client, powertools.prefix))
     finished, stored = fresh(), fresh()
     decorated(finished, 1250)
+    operation, params = decorated.operation, {"order_id": finished, "amount": 1250}
     powertools.first(client, stored, 1250)
     return {
         "bare": lambda i: charge_order(fresh(), 1250),
@@ -191,6 +197,7 @@ def sync_sides(url: str, redis_url: str, stack: list[Callable[[], None]]) -> dic
         "redis replay": lambda i: powertools.replay(client, stored, 1250),
         "rp first": lambda i: decorated(fresh(), 1250),
         "rp replay": lambda i: decorated(finished, 1250),
+        "engine replay": lambda i: engine.run(operation, key=finished, params=params, scope=""),
     }
 
 
@@ -211,6 +218,7 @@ async def async_sides(
     stack.append(lambda: _delete_prefix_async(client, powertools.prefix))
     finished, stored = fresh(), fresh()
     await decorated(finished, 1250)
+    operation, params = decorated.operation, {"order_id": finished, "amount": 1250}
     await powertools.first_async(client, stored, 1250)
 
     async def select(i: int) -> Any:
@@ -228,6 +236,7 @@ async def async_sides(
         "redis replay": lambda i: powertools.replay_async(client, stored, 1250),
         "rp first": lambda i: decorated(fresh(), 1250),
         "rp replay": lambda i: decorated(finished, 1250),
+        "engine replay": lambda i: engine.run(operation, key=finished, params=params, scope=""),
     }
 
 
@@ -383,8 +392,9 @@ def report(results: dict[str, Any], facts: dict[str, Any], args: argparse.Namesp
 
 
 def targets(sides: dict[str, list[dict[str, float]]]) -> list[str]:
-    """The issue's targets, each a ratio within a round, median (min to max) of the rounds:
-    a replay's p99 within 2.5x the SELECT floor's; a first call within one round trip of
+    """The issues' targets, each a ratio within a round, median (min to max) of the rounds:
+    a replay's p99 within 1.25x the SELECT floor's, through the decorator and through the
+    engine (the performance issue's; 2.5x before it); a first call within one round trip of
     the floor plus the function, a round trip taken as the floor's p50 (one prepared SELECT
     is one round trip), so within 2 x floor + function at p50 (at p99: floor's p99 + its
     p50 + the function's p99)."""
@@ -398,6 +408,8 @@ def targets(sides: dict[str, list[dict[str, float]]]) -> list[str]:
 
     replay = ratios(lambda r: r["rp replay"]["p99"] / r["select floor"]["p99"])
     replay50 = ratios(lambda r: r["rp replay"]["p50"] / r["select floor"]["p50"])
+    engine = ratios(lambda r: r["engine replay"]["p99"] / r["select floor"]["p99"])
+    engine50 = ratios(lambda r: r["engine replay"]["p50"] / r["select floor"]["p50"])
     first50 = ratios(
         lambda r: r["rp first"]["p50"] / (2 * r["select floor"]["p50"] + r["bare"]["p50"])
     )
@@ -415,8 +427,10 @@ def targets(sides: dict[str, list[dict[str, float]]]) -> list[str]:
         )
     )
     return [
-        f"- replay p99 / SELECT floor p99 (target ≤ 2.5): {verdict(replay, 2.5)}",
+        f"- replay p99 / SELECT floor p99 (target ≤ 1.25): {verdict(replay, 1.25)}",
         f"- beside it, replay p50 / SELECT floor p50: {_spread(replay50)}",
+        f"- engine replay p99 / SELECT floor p99 (target ≤ 1.25): {verdict(engine, 1.25)}",
+        f"- beside it, engine replay p50 / SELECT floor p50: {_spread(engine50)}",
         f"- first call p50 / (2 x SELECT floor p50 + function p50) (target ≤ 1): "
         f"{verdict(first50, 1)}",
         f"- first call p99 / (SELECT floor p99 + p50 + function p99) (target ≤ 1): "
