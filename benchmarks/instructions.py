@@ -1,6 +1,6 @@
 """Client instructions per fresh-key request, counted by valgrind's callgrind.
 
-    python benchmarks/instructions.py --database-url URL [--requests 300] [--async]
+    python benchmarks/instructions.py --database-url URL [--requests 300] [--async | --replay]
 
 Seconds and CPU time drift on a shared machine; the instructions a process executes do
 not. For each flow this runs a child process under ``valgrind --tool=callgrind`` twice, once
@@ -11,6 +11,10 @@ round trips are counted by tests/test_round_trips.py). Needs valgrind (Debian's 
 
 ``--async`` counts the async sides of ``async_flow.py`` instead, one task at a time, on
 asyncio's loop and on uvloop: ``rp.AsyncEngine`` and the flow by hand on asyncpg.
+
+``--replay`` counts replays of one finished key instead: ``Engine.run`` of the flow's
+operation, beside the floor a replay is judged against, one prepared ``SELECT`` of the
+stored answer by psycopg (``flows.PreparedSelect``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).parent))
 
 from async_flow import ASYNC_SIDES, loop_factory
-from flows import SCHEMA, RecoveryPointFlow, Reference, ride_operation
+from flows import SCHEMA, PreparedSelect, RecoveryPointFlow, Reference, ride_operation
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
@@ -39,6 +43,8 @@ from recoverypoint.migrate import upgrade
 
 WARM_UP = 60  # psycopg prepares a statement on its 5th run; the pool fills; caches warm
 FLOWS = ("reference", "recoverypoint")
+REPLAYS = ("prepared-select", "recoverypoint-replay")
+REPLAYED = "replayed-key"  # finished by every replay child before it counts anything
 # An async flow is named side@loop: an async_flow.py side on one loop.
 ASYNC_FLOWS = tuple(
     f"{side}@{loop}" for loop in ("asyncio", "uvloop") for side in ("asyncpg", "recoverypoint")
@@ -51,6 +57,9 @@ def child(url: str, flow_name: str, requests: int) -> None:
         side, loop = flow_name.split("@")
         with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
             runner.run(async_child(url, side, requests))
+        return
+    if flow_name in REPLAYS:
+        replay_child(url, flow_name, requests)
         return
     flow = sync_flow(url, flow_name)
     for _ in range(WARM_UP + requests):
@@ -66,6 +75,20 @@ def sync_flow(url: str, flow_name: str) -> Any:
     operation = ride_operation()
     engine.register(operation)
     return RecoveryPointFlow(engine, operation)
+
+
+def replay_child(url: str, flow_name: str, requests: int) -> None:
+    """Finish one key, then replay it (or read its answer by the floor's SELECT)."""
+    flow = sync_flow(url, "recoverypoint")
+    flow.run(REPLAYED)  # the first child finishes it; every later one replays it
+    if flow_name == "prepared-select":
+        floor = PreparedSelect(url, flow.scope, flow.op.name)
+        for _ in range(WARM_UP + requests):
+            floor.run(REPLAYED)
+        floor.close()
+        return
+    for _ in range(WARM_UP + requests):
+        flow.run(REPLAYED)
 
 
 async def async_child(url: str, side: str, requests: int) -> None:
@@ -101,8 +124,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--async", dest="use_async", action="store_true")
-    parser.add_argument("--child", choices=FLOWS + ASYNC_FLOWS, help=argparse.SUPPRESS)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--async", dest="use_async", action="store_true")
+    mode.add_argument("--replay", action="store_true")
+    parser.add_argument("--child", choices=FLOWS + ASYNC_FLOWS + REPLAYS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.database_url, args.child, args.requests)
@@ -119,13 +144,18 @@ def main() -> None:
         upgrade(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(SCHEMA)
-        print(f"client instructions per fresh-key request ({args.requests} requests each)")
+        what = "replay of a finished key" if args.replay else "fresh-key request"
+        print(f"client instructions per {what} ({args.requests} requests each)")
         per_request = {}
-        for flow_name in ASYNC_FLOWS if args.use_async else FLOWS:
+        flows = ASYNC_FLOWS if args.use_async else REPLAYS if args.replay else FLOWS
+        for flow_name in flows:
             extra = collected(url, flow_name, args.requests) - collected(url, flow_name, 0)
             per_request[flow_name] = extra / args.requests
             print(f"  {flow_name:23} {per_request[flow_name] / 1000:8,.0f}k", flush=True)
-        if args.use_async:
+        if args.replay:
+            ratio = per_request["recoverypoint-replay"] / per_request["prepared-select"]
+            print(f"  recoverypoint / a prepared SELECT: {ratio:.2f}")
+        elif args.use_async:
             for loop in ("asyncio", "uvloop"):
                 ratio = per_request[f"recoverypoint@{loop}"] / per_request[f"asyncpg@{loop}"]
                 print(f"  recoverypoint / asyncpg by hand on {loop}: {ratio:.2f}")
