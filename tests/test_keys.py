@@ -140,6 +140,21 @@ def test_size_is_counted_in_bytes_up_to_the_limit() -> None:
         check_size("é" * 5, 9)
 
 
+def test_a_fingerprint_stored_by_an_earlier_release_still_matches() -> None:
+    # A stored key is judged by its fingerprint: one computed otherwise than before would
+    # make every retry of a key in flight across an upgrade a ParamsMismatch. Computed
+    # with 0.1.0's code (SHA-256 of the upper-cased method, the path and the params' JSON,
+    # each followed by a NUL).
+    assert (
+        fingerprint("POST", "/rides", '{"origin_lat":37.7749,"origin_lon":-122.4194}')
+        == "fc05d2841800f09fc47182f22bd72cd1cf44fdfed836d34e67d887916c26615d"
+    )
+    assert (
+        fingerprint("post", "/caf\u00e9/\u2603", '{"k":"\U0001f600"}')
+        == "ab60e4b32545c7da677a8c2eb96084821074f527551eab3dca031eba2fa5677d"
+    )
+
+
 def test_fingerprints_tell_every_part_of_the_request_apart() -> None:
     base = fingerprint("POST", "/a", "{}")
     assert fingerprint("post", "/a", "{}") == base
