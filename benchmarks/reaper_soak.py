@@ -4,9 +4,11 @@ reaper, as shipped (its interval, batch size, autovacuum as migrated), deletes t
 they are ``--retention`` seconds old. Every ``--sample`` seconds: the key table's size, its
 live and dead rows, the keys past their retention still there (the reaper's backlog),
 autovacuum's runs, and ``key_generations``, which records each deleted key's next
-generation for 30 days.
+generation for ``--generations-retention`` seconds (30 days as shipped; with a few minutes,
+the soak shows whether the reaper's pruning of them keeps up too).
 
     .venv/bin/python benchmarks/reaper_soak.py --minutes 20
+    .venv/bin/python benchmarks/reaper_soak.py --minutes 20 --generations-retention 300
 
 Without ``--database-url`` it runs on a private PostgreSQL of this machine's binaries with
 PostgreSQL's defaults (autovacuum on), started and removed here; with one, on that
@@ -41,6 +43,7 @@ from claims import binaries, free_port, initdb
 import recoverypoint as rp
 from recoverypoint import migrate
 from recoverypoint.database import create_engine
+from recoverypoint.generations import DEFAULT_GENERATIONS_RETENTION
 from recoverypoint.testing import temporary_database
 from recoverypoint.workers import Reaper
 
@@ -62,10 +65,11 @@ SELECT pg_total_relation_size('idempotency_keys'), pg_relation_size('idempotency
     s.n_live_tup, s.n_dead_tup, s.autovacuum_count,
     (SELECT count(*) FROM idempotency_keys
      WHERE finished_at < now() - make_interval(secs => :retention)),
-    pg_total_relation_size('key_generations'),
-    (SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = 'key_generations'),
-    s.vacuum_count
-FROM pg_stat_user_tables AS s WHERE s.relname = 'idempotency_keys'
+    pg_total_relation_size('key_generations'), g.n_live_tup, s.vacuum_count, g.n_dead_tup,
+    (SELECT count(*) FROM key_generations
+     WHERE deleted_at < now() - make_interval(secs => :generations_retention))
+FROM pg_stat_user_tables AS s, pg_stat_user_tables AS g
+WHERE s.relname = 'idempotency_keys' AND g.relname = 'key_generations'
 """
 FIELDS = (
     "keys_total_bytes",
@@ -77,6 +81,8 @@ FIELDS = (
     "generations_bytes",
     "generations_live",
     "vacuums",
+    "generations_dead",
+    "generations_backlog",
 )
 
 
@@ -139,9 +145,12 @@ class Producer(threading.Thread):
                 self.inserted += due
 
 
-def sample(db: sa.Engine, retention: float) -> dict[str, int]:
+def sample(db: sa.Engine, retention: float, generations_retention: float) -> dict[str, int]:
     with db.connect() as conn:
-        row = conn.execute(sa.text(_SAMPLE), {"retention": retention}).one()
+        row = conn.execute(
+            sa.text(_SAMPLE),
+            {"retention": retention, "generations_retention": generations_retention},
+        ).one()
     return dict(zip(FIELDS, (int(v or 0) for v in row), strict=True))
 
 
@@ -155,7 +164,8 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
         "# The reaper under a steady stream of finished keys",
         "",
         f"Written by `benchmarks/reaper_soak.py` ({args.rate:,} finished keys a second over "
-        f"{args.scopes:,} scopes for {args.minutes} minutes; retention {args.retention} s; "
+        f"{args.scopes:,} scopes for {args.minutes} minutes; retention {args.retention} s, "
+        f"deleted keys' generations {args.generations_retention:,.0f} s; "
         f"the reaper every {args.interval} s, batches of {Reaper.default_batch_size}; "
         "autovacuum as migrated). Reported, never asserted.",
         "",
@@ -165,7 +175,7 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
         "",
         "| minute | inserted a second | key table MiB (heap) | live rows | dead rows | "
         "past retention (backlog) | vacuums: autovacuum · the reaper's | "
-        "key_generations MiB · rows |",
+        "key_generations MiB · live rows · dead rows · past retention |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in samples:
@@ -173,8 +183,8 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
             f"| {s['t'] / 60:.1f} | {s['rate']:,.0f} | {mib(s['keys_total_bytes'])} "
             f"({mib(s['keys_heap_bytes'])}) | {s['live']:,} | {s['dead']:,} | "
             f"{s['backlog']:,} | {s['autovacuums']} · {s['vacuums']} | "
-            f"{mib(s['generations_bytes'])} · "
-            f"{s['generations_live']:,} |"
+            f"{mib(s['generations_bytes'])} · {s['generations_live']:,} · "
+            f"{s.get('generations_dead', 0):,} · {s.get('generations_backlog', 0):,} |"
         )
     if len(steady) >= 2:
         first, last = steady[0], steady[-1]
@@ -187,6 +197,19 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
             f"{statistics.median(s['dead'] for s in steady):,.0f}; key_generations "
             f"{mib(first['generations_bytes'])} → {mib(last['generations_bytes'])} MiB.",
         ]
+    kept = [s for s in samples if s["t"] >= args.generations_retention + 2 * args.interval]
+    if len(kept) >= 2:
+        first, last = kept[0], kept[-1]
+        lines += [
+            "",
+            f"From minute {first['t'] / 60:.1f} (one retention of the generations and two "
+            f"passes past the first deletions' retention) to the end: key_generations "
+            f"{mib(first['generations_bytes'])} → {mib(last['generations_bytes'])} MiB, "
+            f"{first['generations_live']:,} → {last['generations_live']:,} live rows, "
+            f"past their retention median "
+            f"{statistics.median(s['generations_backlog'] for s in kept):,.0f} (at most "
+            f"{max(s['generations_backlog'] for s in kept):,}).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -197,6 +220,12 @@ def main() -> None:
     parser.add_argument("--scopes", type=int, default=10_000, help="scopes they spread over")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--retention", type=float, default=60.0, help="seconds a key is kept")
+    parser.add_argument(
+        "--generations-retention",
+        type=float,
+        default=DEFAULT_GENERATIONS_RETENTION.total_seconds(),
+        help="seconds a deleted key's generation is kept (default: as shipped, 30 days)",
+    )
     parser.add_argument(
         "--interval", type=float, default=Reaper.default_interval, help="between passes"
     )
@@ -250,7 +279,12 @@ def soak(args: argparse.Namespace, server: str) -> None:
             args.rate,
         )
         retention = timedelta(seconds=args.retention)
-        reaper = Reaper(engine, retention=retention, abandoned_retention=retention)
+        reaper = Reaper(
+            engine,
+            retention=retention,
+            abandoned_retention=retention,
+            generations_retention=timedelta(seconds=args.generations_retention),
+        )
         reaping = threading.Thread(
             target=reaper.run_forever, args=(args.interval,), name="reaper", daemon=True
         )
@@ -262,7 +296,7 @@ def soak(args: argparse.Namespace, server: str) -> None:
             while (now := time.monotonic()) - began < args.minutes * 60:
                 time.sleep(max(0.0, args.sample - (now - at_before)))
                 at = time.monotonic()
-                figures: dict[str, Any] = sample(db, args.retention)
+                figures: dict[str, Any] = sample(db, args.retention, args.generations_retention)
                 figures["t"] = at - began
                 figures["rate"] = (producer.inserted - inserted_before) / (at - at_before)
                 inserted_before, at_before = producer.inserted, at
