@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint.engine import store
+from recoverypoint.keys import fingerprint
 from recoverypoint.migrate import upgrade
 
 # The tests' loopback ports (below the ephemeral range) for the servers started here, and by
@@ -42,21 +43,23 @@ from ports import free_port
 SCOPE, OPERATION = "bench", "claim_only"
 CHUNK = 1_000_000
 
+# Each key as a request ``POST /x`` with params ``{}`` left it, fingerprint included, so that
+# ``Engine.run`` replays it (scale.py).
 FILL = """
     INSERT INTO idempotency_keys (scope, operation, idempotency_key, operation_version,
         request_method, request_path, request_params, fingerprint, recovery_point,
-        response_status, response_body, finished_at)
+        response_status, response_headers, response_body, finished_at)
     SELECT %(scope)s, %(operation)s,
         lpad(to_hex(i * 4294967296 / %(count)s), 8, '0') || '-0000-4000-8000-'
             || lpad(to_hex(i), 12, '0'),
-        1, 'POST', '/x', '{}', 'fill', 'finished', 201, '{}',
+        1, 'POST', '/x', '{}', %(fingerprint)s, 'finished', 201, '{}', '{}',
         now() - interval '1 day' + i * interval '1 day' / %(count)s
     FROM generate_series(%(low)s::bigint, %(high)s::bigint) AS i
 """
 
 # The marker of a finished fill; its name changes with the fill's recipe, so that a database
 # filled by an older recipe is filled again.
-MARKER = "rp_bench_fill_v2"
+MARKER = "rp_bench_fill_v3"
 
 
 def big_database_name(count: int) -> str:
@@ -97,6 +100,7 @@ def ensure_filled(
                 {
                     "scope": SCOPE,
                     "operation": OPERATION,
+                    "fingerprint": fingerprint("POST", "/x", "{}"),
                     "count": count,
                     "low": low,
                     "high": high,
@@ -136,19 +140,22 @@ def sized_directory(count: int) -> Path:
     return Path(tempfile.gettempdir()) / f"recoverypoint-bench-sized-{count}"
 
 
-def sized_settings(count: int) -> dict[str, str]:
-    """What the sized server sets beyond PostgreSQL's defaults (the README's table)."""
+def sized_settings(count: int, overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """What the sized server sets beyond PostgreSQL's defaults (the README's table), and
+    ``overrides`` over it."""
     buffers_mb = BASE_BUFFERS_MB + count * INDEX_BYTES_PER_KEY // 2**20
-    return {"shared_buffers": f"{buffers_mb}MB", "wal_compression": "lz4"}
+    return {"shared_buffers": f"{buffers_mb}MB", "wal_compression": "lz4", **(overrides or {})}
 
 
 @contextmanager
-def sized_server(count: int, progress: Callable[[str], None]) -> Iterator[str]:
+def sized_server(
+    count: int, progress: Callable[[str], None], overrides: dict[str, str] | None = None
+) -> Iterator[str]:
     """Start a private PostgreSQL of this machine's own binaries (``pg_config --bindir``),
-    configured for ``count`` stored keys as the README's database settings say; yield its
-    admin URL; stop it. Its data directory is kept (:func:`sized_directory`), so the keys
-    are stored once; the indexes are read into ``shared_buffers`` after each start, as a
-    server that has been serving them holds them."""
+    configured for ``count`` stored keys as the README's database settings say (and the
+    settings in ``overrides``); yield its admin URL; stop it. Its data directory is kept
+    (:func:`sized_directory`), so the keys are stored once; the indexes are read into
+    ``shared_buffers`` after each start, as a server that has been serving them holds them."""
     bindir, as_user = binaries()
     data = sized_directory(count)
     if not (data / "PG_VERSION").exists():
@@ -156,7 +163,7 @@ def sized_server(count: int, progress: Callable[[str], None]) -> Iterator[str]:
         data.mkdir(parents=True, exist_ok=True)
         initdb(data)
     port = free_port()
-    settings = " ".join(f"-c {k}={v}" for k, v in sized_settings(count).items())
+    settings = " ".join(f"-c {k}={v}" for k, v in sized_settings(count, overrides).items())
     options = (
         f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={data} "
         f"-c max_connections=50 {settings}"

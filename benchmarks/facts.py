@@ -15,6 +15,7 @@ import psycopg
 PACKAGES = ("recoverypoint", "psycopg", "psycopg-binary", "SQLAlchemy", "dbos", "redis")
 PG_SETTINGS = (
     "shared_buffers",
+    "huge_pages",
     "synchronous_commit",
     "fsync",
     "full_page_writes",

@@ -3,20 +3,26 @@ of a finished one, in a table of ``--keys`` finished keys (10,000,000 by default
 the same in a table of 1,000.
 
     .venv/bin/python benchmarks/scale.py [--keys 10000000] [--ops 20000] [--runs 3]
+        [--shared-buffers 6GB] [--huge-pages]
 
 Both tables are databases of a private server of this machine's PostgreSQL, configured as
 the README's table of database settings says (``claims.sized_server``: ``shared_buffers``
-that hold the key table's indexes), and filled once by ``claims.ensure_filled`` (kept
-between runs). Each operation is the engine's own statement in the engine's own
-transaction: the claim as ``claims.Claimer`` runs it, the replay as ``Engine.run`` reads a
-finished key before anything else (``store.finished_key``). A replay asks for a key drawn
+that hold the key table's indexes; ``--shared-buffers`` sets another size, a quarter of
+the machine's memory, say), and filled once by ``claims.ensure_filled`` (kept between
+runs). Each operation is the engine's own statement in the engine's own transaction: the
+claim as ``claims.Claimer`` runs it, the replay as ``Engine.run`` reads a finished key
+before anything else (``store.finished_key``). Beside that read, the replay as a caller
+sees it: ``Engine.run`` itself of the same keys (the request built and checked, the key
+judged, the stored answer rebuilt). A replay asks for a key drawn
 at random from the last RECENT the fill stored (a minute of keys at 2,000 a second, the
 keys a client's retry asks for; their rows are read into ``shared_buffers`` first, as a
 server holds the rows it has just written), or from the whole table, whose rows do not
 all fit in ``shared_buffers`` beside the indexes (a replay may then read its row's page
-from the operating system's cache). The tables are measured in turns, in blocks of 500,
-so that drift of this shared machine falls on both; the claims' rows are deleted (and
-vacuumed away) before the replays, which run on the tables as filled. Prints and writes
+from the operating system's cache); where ``--shared-buffers`` holds the whole table, it
+is read in first, as a server that wrote every row holds them then (``--huge-pages`` puts
+them in huge pages). The tables are measured in turns, in blocks of 500, so that drift of
+this shared machine falls on both; the claims' rows are deleted (and vacuumed away) before
+the replays, which run on the tables as filled. Prints and writes
 ``results/scale.md`` and ``.json``; the change shown is that of the medians, with the
 range of the runs' own changes. Nothing here asserts a speed.
 """
@@ -31,6 +37,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +47,13 @@ import psycopg
 import sqlalchemy as sa
 from measure import every_postgres_cpu, percentile
 
+import recoverypoint as rp
 from recoverypoint.engine import sql, store
 
 HERE = Path(__file__).resolve().parent
 SMALL = 1_000
 BLOCK = 500
+Keys = Callable[[], str]  # draws the key of the next operation
 # A minute of keys at 2,000 finished a second: the keys a client's retry asks for.
 RECENT = 120_000
 
@@ -52,6 +61,32 @@ RECENT = 120_000
 def fill_key(i: int, count: int) -> str:
     """The key string ``claims.FILL`` stores as its ``i``-th of ``count``."""
     return f"{i * 4294967296 // count:08x}-0000-4000-8000-{i:012x}"
+
+
+class EngineReplayer(claims.Claimer):
+    """A replay as a caller sees it: ``Engine.run`` of a finished key, the request it was
+    stored for (the fill's ``POST /x`` with params ``{}``), kept for ten years so that a
+    fill kept between runs is never past its retention."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.operation: rp.Operation[Any] = rp.Operation(
+            claims.OPERATION, retention=timedelta(days=3650)
+        )
+
+        @self.operation.atomic_phase("finished")
+        def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+            raise AssertionError("a replay runs no phase")
+
+        self.engine.register(self.operation)
+        self.request = rp.Request("POST", "/x")
+
+    def run(self, key: str) -> Any:
+        outcome = self.engine.run(
+            self.operation, key=key, params={}, scope=claims.SCOPE, request=self.request
+        )
+        assert outcome.replayed, f"{key} is not a finished key of the table"
+        return outcome
 
 
 class Replayer(claims.Claimer):
@@ -78,6 +113,20 @@ def prewarm_recent(url: str) -> None:
             f"        AND id <= (SELECT last_id FROM {claims.MARKER})) AS recent",
             {"recent": RECENT},
         )
+
+
+def prewarm_if_it_fits(url: str) -> bool:
+    """Read the whole key table into ``shared_buffers`` when it fits there beside its
+    indexes, as a server that wrote every row holds them then; whether it did."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pg_total_relation_size('idempotency_keys') < "
+            "pg_size_bytes(current_setting('shared_buffers')) * 0.9"
+        ).fetchone()
+        if row is None or not row[0]:
+            return False
+        conn.execute("SELECT pg_prewarm('idempotency_keys')")
+        return True
 
 
 def forget_claims(url: str) -> None:
@@ -164,6 +213,7 @@ def measure(
 def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str, Any]:
     claimers = {table: claims.Claimer(url) for table, url in urls.items()}
     replayers = {table: Replayer(url) for table, url in urls.items()}
+    engines = {table: EngineReplayer(url) for table, url in urls.items()}
     draw = random.Random()
     try:
         for table in urls:  # warm: caches, prepared statements, the indexes' upper levels
@@ -178,24 +228,25 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
             forget_claims(url)
             prewarm_recent(url)
             for _ in range(300):
-                replayers[table].run(fill_key(draw.randrange(counts[table]), counts[table]))
+                for replaying in (replayers[table], engines[table]):
+                    replaying.run(fill_key(draw.randrange(counts[table]), counts[table]))
         big = counts["big"]
         recent = big - min(big, RECENT)
-        replayed = measure(
-            "replays",
-            {
-                "small": (replayers["small"].run, lambda: fill_key(draw.randrange(SMALL), SMALL)),
+
+        def replays(
+            by: dict[str, Any],
+        ) -> dict[str, tuple[Callable[[str], Any], Callable[[], str]]]:
+            return {
+                "small": (by["small"].run, lambda: fill_key(draw.randrange(SMALL), SMALL)),
                 "big, finished in the last minute": (
-                    replayers["big"].run,
+                    by["big"].run,
                     lambda: fill_key(draw.randrange(recent, big), big),
                 ),
-                "big, of any age": (
-                    replayers["big"].run,
-                    lambda: fill_key(draw.randrange(big), big),
-                ),
-            },
-            ops,
-        )
+                "big, of any age": (by["big"].run, lambda: fill_key(draw.randrange(big), big)),
+            }
+
+        replayed = measure("replays", replays(replayers), ops)
+        replayed_by_engine = measure("Engine.run replays", replays(engines), ops)
         explained = {
             "small": server_side(urls["small"], [fill_key(i, SMALL) for i in range(SMALL)][:500]),
             "big, finished in the last minute": server_side(
@@ -206,11 +257,16 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
             ),
         }
     finally:
-        for worker in [*claimers.values(), *replayers.values()]:
+        for worker in [*claimers.values(), *replayers.values(), *engines.values()]:
             worker.close()
         for url in urls.values():
             forget_claims(url)
-    return {"claim": claimed, "replay": replayed, "replay_explained": explained}
+    return {
+        "claim": claimed,
+        "replay": replayed,
+        "engine replay": replayed_by_engine,
+        "replay_explained": explained,
+    }
 
 
 def main() -> None:
@@ -218,10 +274,23 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=10_000_000, help="finished keys stored")
     parser.add_argument("--ops", type=int, default=20_000, help="claims and replays per table")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--shared-buffers",
+        help="the server's shared_buffers (default: the README's, holding the indexes)",
+    )
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="shared_buffers in huge pages (huge_pages = on; the kernel's vm.nr_hugepages "
+        "must hold them)",
+    )
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
     counts = {"small": SMALL, "big": args.keys}
-    with claims.sized_server(args.keys, print) as admin:
+    overrides = {"huge_pages": "on"} if args.huge_pages else {}
+    if args.shared_buffers:
+        overrides["shared_buffers"] = args.shared_buffers
+    with claims.sized_server(args.keys, print, overrides) as admin:
         urls = {
             table: sa.make_url(admin)
             .set(database=claims.big_database_name(n))
@@ -234,6 +303,8 @@ def main() -> None:
                 print(f"stored {n:,} keys in {seconds:.0f} s")
             forget_claims(urls[table])  # left by a run that was stopped
             claims.prewarm(urls[table])
+            if table == "big" and prewarm_if_it_fits(urls[table]):
+                print("the whole key table fits in shared_buffers: read into it")
         machine = facts.collect(HERE.parent, admin, None)
         levels = {table: index_levels(url) for table, url in urls.items()}
         with sa.create_engine(
@@ -278,7 +349,7 @@ def write(
 ) -> None:
     rows = []
     summary: dict[str, Any] = {}
-    for op in ("claim", "replay"):
+    for op in ("claim", "replay", "engine replay"):
         for series in [s for s in runs[0][op] if s != "small"]:
             what = op if series == "big" else f"{op} of a key {series.removeprefix('big, ')}"
             for figure in ("p50_ms", "p99_ms", "client_cpu_ms", "server_cpu_ms"):
@@ -296,7 +367,10 @@ def write(
     lines = [
         f"# The key table at {args.keys:,} keys against {SMALL:,}",
         "",
-        f"`benchmarks/scale.py --keys {args.keys} --ops {args.ops} --runs {args.runs}`: "
+        f"`benchmarks/scale.py --keys {args.keys} --ops {args.ops} --runs {args.runs}"
+        + (f" --shared-buffers {args.shared_buffers}" if args.shared_buffers else "")
+        + (" --huge-pages" if args.huge_pages else "")
+        + "`: "
         f"{args.ops:,} claims and {args.ops:,} replays per table per run, in turns; "
         "milliseconds, median of the runs; the change of the medians (the range of the "
         "runs' own changes). CPU is per operation: "
