@@ -290,6 +290,8 @@ def main() -> None:
     overrides = {"huge_pages": "on"} if args.huge_pages else {}
     if args.shared_buffers:
         overrides["shared_buffers"] = args.shared_buffers
+    if args.huge_pages:
+        require_huge_pages(claims.sized_settings(args.keys, overrides)["shared_buffers"])
     with claims.sized_server(args.keys, print, overrides) as admin:
         urls = {
             table: sa.make_url(admin)
@@ -325,6 +327,25 @@ def main() -> None:
             runs.append(one_run(urls, counts, args.ops))
         machine["loadavg_at_end"] = facts.loadavg()
     write(args, machine, sizes, runs)
+
+
+def require_huge_pages(shared_buffers: str) -> None:
+    """Exit with what to run when the kernel keeps too few huge pages free for
+    ``shared_buffers`` (PostgreSQL with ``huge_pages = on`` would refuse to start)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    page_kb = int(meminfo.get("Hugepagesize", "2048 kB").split()[0])
+    free = int(meminfo.get("HugePages_Free", "0"))
+    size = shared_buffers.upper()
+    units = {"KB": 1, "MB": 2**10, "GB": 2**20, "TB": 2**30}
+    unit = next((u for u in units if size.endswith(u)), None)
+    needed_kb = int(size.removesuffix(unit)) * units[unit] if unit else int(size) * 8
+    needed = needed_kb * 103 // 100 // page_kb + 16  # and PostgreSQL's other shared memory
+    if free < needed:
+        raise SystemExit(
+            f"--huge-pages: the kernel has {free} huge pages free, and shared_buffers="
+            f"{shared_buffers} needs about {needed}: run `sysctl -w vm.nr_hugepages={needed}` "
+            "as root first (and `sysctl -w vm.nr_hugepages=0` after, to give the memory back)"
+        )
 
 
 def explained_rows(runs: list[dict[str, Any]]) -> list[str]:
