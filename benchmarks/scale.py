@@ -183,7 +183,7 @@ def timed(op: Callable[[str], Any], keys: list[str]) -> tuple[list[float], float
 
 
 def measure(
-    name: str, ops: dict[str, tuple[Callable[[str], Any], Callable[[], str]]], count: int
+    name: str, ops: dict[str, tuple[Callable[[str], Any], Keys]], count: int
 ) -> dict[str, dict[str, float]]:
     """``count`` operations of each of ``ops``, in turns, blocks of BLOCK."""
     latencies: dict[str, list[float]] = {table: [] for table in ops}
@@ -233,9 +233,7 @@ def one_run(urls: dict[str, str], counts: dict[str, int], ops: int) -> dict[str,
         big = counts["big"]
         recent = big - min(big, RECENT)
 
-        def replays(
-            by: dict[str, Any],
-        ) -> dict[str, tuple[Callable[[str], Any], Callable[[], str]]]:
+        def replays(by: dict[str, Any]) -> dict[str, tuple[Callable[[str], Any], Keys]]:
             return {
                 "small": (by["small"].run, lambda: fill_key(draw.randrange(SMALL), SMALL)),
                 "big, finished in the last minute": (
