@@ -184,7 +184,7 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
             f"({mib(s['keys_heap_bytes'])}) | {s['live']:,} | {s['dead']:,} | "
             f"{s['backlog']:,} | {s['autovacuums']} · {s['vacuums']} | "
             f"{mib(s['generations_bytes'])} · {s['generations_live']:,} · "
-            f"{s.get('generations_dead', 0):,} · {s.get('generations_backlog', 0):,} |"
+            f"{s['generations_dead']:,} · {s['generations_backlog']:,} |"
         )
     if len(steady) >= 2:
         first, last = steady[0], steady[-1]
@@ -202,8 +202,8 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], facts: dict[
         first, last = kept[0], kept[-1]
         lines += [
             "",
-            f"From minute {first['t'] / 60:.1f} (one retention of the generations and two "
-            f"passes past the first deletions' retention) to the end: key_generations "
+            f"From minute {first['t'] / 60:.1f} (the generations' retention and two passes "
+            f"in) to the end: key_generations "
             f"{mib(first['generations_bytes'])} → {mib(last['generations_bytes'])} MiB, "
             f"{first['generations_live']:,} → {last['generations_live']:,} live rows, "
             f"past their retention median "

@@ -33,6 +33,7 @@ import argparse
 import functools
 import json
 import random
+import re
 import statistics
 import time
 import uuid
@@ -329,20 +330,29 @@ def main() -> None:
 
 def require_huge_pages(shared_buffers: str) -> None:
     """Exit with what to run when the kernel keeps too few huge pages free for
-    ``shared_buffers`` (PostgreSQL with ``huge_pages = on`` would refuse to start)."""
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    page_kb = int(meminfo.get("Hugepagesize", "2048 kB").split()[0])
-    free = int(meminfo.get("HugePages_Free", "0"))
-    size = shared_buffers.upper()
-    units = {"KB": 1, "MB": 2**10, "GB": 2**20, "TB": 2**30}
-    unit = next((u for u in units if size.endswith(u)), None)
-    needed_kb = int(size.removesuffix(unit)) * units[unit] if unit else int(size) * 8
-    needed = needed_kb * 103 // 100 // page_kb + 16  # and PostgreSQL's other shared memory
-    if free < needed:
+    ``shared_buffers`` (PostgreSQL with ``huge_pages = on`` would refuse to start, its
+    error out of sight); a size this cannot read is left to PostgreSQL."""
+    size = re.fullmatch(r"\s*([0-9.]+)\s*(B|kB|MB|GB|TB)?\s*", shared_buffers, re.IGNORECASE)
+    if size is None:
+        return
+    units = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, None: 8192}
+    needed_bytes = float(size[1]) * units[size[2] and size[2].upper()]
+    meminfo = {
+        name: int(value.split()[0])
+        for name, value in (
+            line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines()
+        )
+    }
+    page = meminfo.get("Hugepagesize", 2048) * 1024
+    needed = int(needed_bytes * 1.03 // page) + 16  # and PostgreSQL's other shared memory
+    available = meminfo.get("HugePages_Free", 0) - meminfo.get("HugePages_Rsvd", 0)
+    if available < needed:
+        total = meminfo.get("HugePages_Total", 0) + needed - available
         raise SystemExit(
-            f"--huge-pages: the kernel has {free} huge pages free, and shared_buffers="
-            f"{shared_buffers} needs about {needed}: run `sysctl -w vm.nr_hugepages={needed}` "
-            "as root first (and `sysctl -w vm.nr_hugepages=0` after, to give the memory back)"
+            f"--huge-pages: the kernel has {available} huge pages to give, and "
+            f"shared_buffers={shared_buffers} needs about {needed}: run `sysctl -w "
+            f"vm.nr_hugepages={total}` as root first (and set it back after, to give the "
+            "memory back)"
         )
 
 
