@@ -14,8 +14,10 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
 
-- ``idempotency_keys`` gets a trigger (:data:`STAYS_IN_SCOPE`) that refuses a phase that
-  wrote rows of another scope's shard on its scope's worker.
+- ``idempotency_keys`` gets a trigger (:data:`STAYS_IN_SCOPE`) on the write that records a
+  phase: it refuses a phase that wrote rows of another scope's shard on its scope's worker,
+  and binds the phase's transaction to that worker, so that one that wrote on another
+  worker too fails at its COMMIT.
 
 A table already distributed is left alone, so running it again is harmless; a reference
 table that is now to be distributed (``processed_messages``, before migration 0014) is
@@ -54,18 +56,33 @@ REFERENCE = (
     "installation_secrets",
 )
 
-# A phase stays in its scope on its own worker too. A phase that writes on another worker
-# fails at its COMMIT (the engine's exported snapshot, engine/sql.py); one that writes
-# another scope's shard on the same worker would commit there, in one transaction, and
-# fail only once a rebalance puts the two scopes apart. So the write that records a phase
-# (every one sets ``state``) checks, on the worker, the shards that the distributed
-# transaction's backends there hold a write's lock on (anything above a row lock: reads,
-# SERIALIZABLE's SIReadLock and row locks are free, as a foreign key's check onto a
-# reference table locks the row it finds): each must be in the key's shard group (its
-# co-located shards), or the write raises LEFT_ITS_SCOPE, before COMMIT. A reference
-# table's shard is in no shard group. The definer's rights, as the catalogs it reads may be
-# closed to the application's role.
-# What the write that records a phase raises (the engine's PhaseLeftScope) when it does not.
+# A phase stays in its scope, and on its scope's worker. The write that records a phase (every
+# one sets ``state``, under the lease: ``lock_token`` is the run's until that write) runs
+# this trigger on the worker that holds the key row, where it does two things before COMMIT.
+#
+# It checks the shards that the distributed transaction's backends there hold a write's lock
+# on (anything above a row lock: reads, SERIALIZABLE's SIReadLock and row locks are free, as
+# a foreign key's check onto a reference table locks the row it finds): each must be in the
+# key's shard group (its co-located shards), or the write raises LEFT_ITS_SCOPE. A phase that
+# wrote another scope's shard on the same worker would otherwise commit there, in one
+# transaction, and fail only once a rebalance puts the two scopes apart. A reference table's
+# shard is in no shard group. The transaction's locks are read first, then only their
+# relations' names: joined the other way round, every relation of the worker was parsed.
+#
+# And it exports a snapshot there, which binds the phase to the worker: PostgreSQL refuses
+# to PREPARE a transaction that exported a snapshot, so a phase that also wrote on another
+# worker (another scope's rows, a reference table, every shard), which Citus would commit by
+# two-phase commit without SERIALIZABLE across the workers, fails at its COMMIT
+# (recoverypoint.engine.sql.LEFT_ITS_WORKER): that worker refuses the PREPARE and Citus rolls
+# the others back, so nothing commits anywhere. A phase that stays on its worker commits with
+# a plain COMMIT, which the export does not hinder. In the trigger, not in a statement of the
+# engine's: that cost a command to the worker per phase. An operator's action on a key that
+# no lease holds (``keys reconcile``) is no phase: it may span scopes, and record itself in
+# the audit log, a reference table, in the same transaction.
+#
+# The definer's rights, as the catalogs it reads may be closed to the application's role.
+# What the write that records a phase raises (the engine's PhaseLeftScope) when it does not
+# stay in its scope:
 LEFT_ITS_SCOPE = "RP003"
 STAYS_IN_SCOPE_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION recoverypoint_stays_in_scope() RETURNS trigger
@@ -74,35 +91,59 @@ DECLARE
     me record := get_current_transaction_id();
     key_shard bigint := get_shard_id_for_distribution_column(
         quote_ident(TG_TABLE_SCHEMA) || '.{DISTRIBUTED}', NEW.scope);
-    group_of_key record;
     strays text;
 BEGIN
-    SELECT s.shardminvalue, p.colocationid INTO group_of_key
-    FROM pg_dist_shard s JOIN pg_dist_partition p USING (logicalrelid)
-    WHERE s.shardid = key_shard;
+    WITH written AS MATERIALIZED (
+        SELECT DISTINCT l.relation FROM pg_locks l
+        WHERE l.locktype = 'relation'
+          AND l.mode NOT IN ('AccessShareLock', 'RowShareLock', 'SIReadLock')
+          AND l.pid IN (
+              SELECT t.process_id FROM get_all_active_transactions() t
+              WHERE t.transaction_number = me.transaction_number
+                AND t.transaction_stamp = me.transaction_stamp)
+    ), group_of_key AS MATERIALIZED (
+        SELECT s.shardminvalue, p.colocationid
+        FROM pg_dist_shard s JOIN pg_dist_partition p USING (logicalrelid)
+        WHERE s.shardid = key_shard
+    )
     SELECT string_agg(DISTINCT s.logicalrelid::text, ', ') INTO strays
-    FROM pg_locks l
-    JOIN get_all_active_transactions() t ON t.process_id = l.pid
-    JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
+    FROM written w
+    JOIN pg_class c ON c.oid = w.relation AND c.relkind IN ('r', 'p')
     JOIN pg_dist_shard s ON s.shardid = substring(c.relname FROM '_([0-9]+)$')::bigint
     JOIN pg_dist_partition p ON p.logicalrelid = s.logicalrelid
-    WHERE t.transaction_number = me.transaction_number
-      AND t.transaction_stamp = me.transaction_stamp
-      AND l.locktype = 'relation'
-      AND l.mode NOT IN ('AccessShareLock', 'RowShareLock', 'SIReadLock')
-      AND (p.colocationid IS DISTINCT FROM group_of_key.colocationid
-           OR s.shardminvalue IS DISTINCT FROM group_of_key.shardminvalue);
+    LEFT JOIN group_of_key g ON true
+    WHERE p.colocationid IS DISTINCT FROM g.colocationid
+       OR s.shardminvalue IS DISTINCT FROM g.shardminvalue;
     IF strays IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = '{LEFT_ITS_SCOPE}',
             MESSAGE = 'an atomic phase wrote outside its scope, in: ' || strays;
     END IF;
+    PERFORM pg_export_snapshot();
     RETURN NULL;
 END
 $fn$
 """
 STAYS_IN_SCOPE = (
     f"CREATE OR REPLACE TRIGGER recoverypoint_stays_in_scope AFTER UPDATE OF state "
-    f"ON {DISTRIBUTED} FOR EACH ROW EXECUTE FUNCTION recoverypoint_stays_in_scope()"
+    f"ON {DISTRIBUTED} FOR EACH ROW WHEN (OLD.lock_token IS NOT NULL) "
+    f"EXECUTE FUNCTION recoverypoint_stays_in_scope()"
+)
+# Whether the trigger on the keys is this release's: one that binds each phase to its worker
+# (an older release's left that to a statement of the engine's, which this one no longer
+# sends). The engine refuses to run on distributed keys without it.
+TRIGGER_BINDS = f"""
+    SELECT EXISTS (
+        SELECT FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+        WHERE t.tgrelid = CAST('{DISTRIBUTED}' AS regclass)
+          AND t.tgname = 'recoverypoint_stays_in_scope'
+          AND p.prosrc LIKE '%pg_export_snapshot()%'
+    )
+"""
+TRIGGER_MISSING = (
+    "idempotency_keys is distributed by Citus, but without this release's trigger "
+    "recoverypoint_stays_in_scope (it binds each atomic phase to its scope's worker): run "
+    "`recoverypoint migrate --citus` on the coordinator (it is safe to run again), then "
+    "start the processes again"
 )
 # Citus refuses a trigger on a distributed table unless told the trigger is safe (it only
 # reads, on the shard's own worker).

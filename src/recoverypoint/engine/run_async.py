@@ -478,8 +478,6 @@ class AsyncEngine(Registry):
             return False
         run = _AsyncRun(self, operation, record, token)
         run.key.locked_by = tx
-        if self.bound:
-            await store_async.bind(tx, run.key)
         await run.compensate(tx, phase)
         return True
 
@@ -538,8 +536,6 @@ class AsyncEngine(Registry):
         run = claim.run = _AsyncRun(self, operation, record, claim.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
             store_async.held(tx, run.key, record)
-            if self.bound:
-                await store_async.bind(tx, run.key)
             with claim.observed.phase(operation.phases[0].point, True):
                 return await run.atomic(tx, operation.phases[0], "{}")
         return None
@@ -890,7 +886,7 @@ class _AsyncRun:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
         that lost its lease fails with LockLost before its writes can collide with the new
         owner's, and no takeover can happen while the phase runs."""
-        await store_async.fence(tx, self.key, bound=self.engine.bound)
+        await store_async.fence(tx, self.key)
         return await self.atomic(tx, phase, state_json)
 
     async def atomic(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:

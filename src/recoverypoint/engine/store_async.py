@@ -13,7 +13,7 @@ import sqlalchemy.ext.asyncio as sa_async
 
 from .. import distribute
 from ..backoff import backoff_delay
-from ..errors import KeyInUse, LockLost
+from ..errors import ConfigurationError, KeyInUse, LockLost
 from . import sql
 from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
 from ._pg_async import AsyncTransaction, TextRow, borrowed
@@ -129,26 +129,31 @@ async def key_operation(
 
 
 async def distributed(db: sa_async.AsyncEngine) -> bool:
-    """Whether ``idempotency_keys`` is distributed by Citus, so that each phase is bound to
-    its scope's worker (:data:`recoverypoint.engine.sql.BIND`)."""
+    """Whether ``idempotency_keys`` is distributed by Citus, where the trigger on the write
+    that records a phase binds the phase to its scope's worker
+    (:data:`recoverypoint.distribute.STAYS_IN_SCOPE`); :class:`ConfigurationError` if the
+    keys are distributed without that trigger."""
     async with borrowed(db) as (_, connection):
         for query in (distribute.CITUS_INSTALLED, sql.KEYS_DISTRIBUTED):
             cursor = await connection.execute(query)
             row = await cursor.fetchone()
             if not (row and row[0]):
                 return False
+        cursor = await connection.execute(distribute.TRIGGER_BINDS)
+        row = await cursor.fetchone()
+    if not (row and row[0]):
+        raise ConfigurationError(distribute.TRIGGER_MISSING)
     return True
 
 
-async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
+async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
-    the database's lock or statement timeout ends the wait for another holder's row lock.
-    ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
+    the database's lock or statement timeout ends the wait for another holder's row lock."""
     params = {"scope": key.scope, "ctid": key.ctid, "id": key.id, "token": key.token}
     with _waiting_for_key:
-        row = await tx.fetch(sql.FENCE_BOUND if bound else sql.FENCE, params)
+        row = await tx.fetch(sql.FENCE, params)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = await tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
+            row = await tx.fetchone(sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
 
@@ -156,13 +161,6 @@ async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
 def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
     key.ctid, key.locked_by = record.ctid, tx
-
-
-async def bind(tx: AsyncTransaction, key: KeyRef) -> None:
-    """Bind ``tx``, which holds the key row, to the scope's worker on Citus: its COMMIT then
-    fails with :class:`PhaseLeftWorker` if it wrote on another worker too
-    (:data:`recoverypoint.engine.sql.BIND`)."""
-    await tx.fetch(sql.BIND, {"scope": key.scope, "id": key.id})
 
 
 async def advance(
@@ -248,10 +246,10 @@ class PhaseEndedTransaction(Exception):
 
 
 class PhaseLeftWorker(Exception):
-    """Citus refused to commit a phase that left its scope: bound to its scope's worker
-    (:func:`bind`), it wrote on another worker too, or it wrote another scope's
-    rows on its own (``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the
-    engine raises :class:`PhaseLeftScope`)."""
+    """Citus refused to commit a phase that left its scope: bound to its scope's worker, it
+    wrote on another worker too, or it wrote another scope's rows on its own (both by
+    ``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the engine raises
+    :class:`PhaseLeftScope`)."""
 
 
 class _WaitingForKey:
