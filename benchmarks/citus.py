@@ -21,6 +21,13 @@ the machine to yourself: the idle servers count too, little). On each cluster, t
 the coordinator sends to its workers for one fresh request and one replay
 (``citus.log_remote_commands``). Results are printed and written to
 benchmarks/results/citus/citus.md.
+
+Transport: the client's connection to every target is encrypted as its connection to the
+plain server is (Citus turns TLS on for its nodes when its extension is created, and libpq
+then encrypts a connection to the coordinator by default, which the plain server, without
+TLS, is spared): a URL that names its own ``sslmode`` keeps it. Between the nodes each
+cluster keeps its own ``citus.node_conninfo`` (Citus's default: ``sslmode=require``), which
+the target's label names.
 """
 
 from __future__ import annotations
@@ -100,18 +107,27 @@ class Target:
         return self.engine.run(self.op, key=uuid.uuid4().hex, params=params, scope=scope)
 
 
-def plain_target(stack: ExitStack, server_url: str, clients: int) -> Target:
+ENCRYPTED = "SELECT coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false)"
+
+
+def plain_target(stack: ExitStack, server_url: str, clients: int) -> tuple[Target, str]:
+    """The plain server's target, and the ``sslmode`` that gives a client's connection to
+    the other targets the transport its connection here has."""
     url = stack.enter_context(temporary_database(server_url, prefix="rp_bench_citus"))
     upgrade(url)
     db = create_engine(url, pool_size=clients, max_overflow=0)
     stack.callback(db.dispose)
     with db.begin() as conn:
         conn.exec_driver_sql(TABLE)
-    return _target("plain PostgreSQL", url, db)
+        encrypted = conn.exec_driver_sql(ENCRYPTED).scalar_one()
+    return _target("plain PostgreSQL", url, db), "require" if encrypted else "disable"
 
 
-def citus_target(stack: ExitStack, url: str, clients: int) -> Target:
-    url = normalize_url(url).render_as_string(hide_password=False)
+def citus_target(stack: ExitStack, url: str, clients: int, sslmode: str) -> Target:
+    parsed = normalize_url(url)
+    if "sslmode" not in parsed.query:
+        parsed = parsed.update_query_dict({"sslmode": sslmode})
+    url = parsed.render_as_string(hide_password=False)
     db = create_engine(url, pool_size=clients, max_overflow=0)
     stack.callback(db.dispose)
     with db.begin() as conn:
@@ -123,9 +139,11 @@ def citus_target(stack: ExitStack, url: str, clients: int) -> Target:
             "SELECT count(*) FILTER (WHERE groupid <> 0), "
             "bool_or(groupid = 0 AND shouldhaveshards) FROM pg_dist_node WHERE isactive"
         ).one()
+        between = conn.exec_driver_sql("SHOW citus.node_conninfo").scalar_one()
     shape = "coordinator" + (" holding shards" if alone else "")
     if workers:
         shape += f" + {workers} worker{'s' * (workers != 1)}"
+        shape += ", no TLS between nodes" if "sslmode=disable" in between else ", TLS between nodes"
     target = _target(f"Citus, {shape}", url, db)
     stack.callback(_clean, db, target.op.name)
     target.commands = remote_commands(target)
@@ -234,8 +252,10 @@ def window(target: Target, clients: int, seconds: float) -> dict[str, float]:
 def targets(args: argparse.Namespace) -> Iterator[list[Target]]:
     clients = max(args.clients)
     with ExitStack() as stack:
-        made = [plain_target(stack, args.plain_url, clients)]
-        made += [citus_target(stack, url, clients) for url in args.citus_url]
+        plain, sslmode = plain_target(stack, args.plain_url, clients)
+        args.client_tls = sslmode != "disable"
+        made = [plain]
+        made += [citus_target(stack, url, clients, sslmode) for url in args.citus_url]
         yield made
 
 
@@ -250,7 +270,9 @@ def report(made: list[Target], args: argparse.Namespace, machine: dict[str, Any]
         "",
         f"Median of {args.rounds} rounds of {args.seconds:g} s per target and client count "
         "(range in brackets); CPU per request in ms, the server's that of every PostgreSQL "
-        "process on the machine.",
+        "process on the machine. The client's connection to every target "
+        f"{'with' if args.client_tls else 'without'} TLS, as its connection to the plain "
+        "server; between a cluster's nodes, as its label says.",
         "",
         "| target | clients | requests/s | x plain | p50 ms | p99 ms | client CPU | "
         "server CPU | failed |",

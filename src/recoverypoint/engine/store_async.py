@@ -71,7 +71,7 @@ async def claim(
     meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
-    Citus (see :func:`bind`)."""
+    Citus (see :func:`distributed`)."""
     first_delay = backoff_delay(
         0, base=schedule["retry_base"], cap=schedule["retry_cap"], jitter=schedule["jitter"]
     )
