@@ -98,6 +98,7 @@ class Target:
     db: sa.Engine
     engine: rp.Engine
     op: rp.Operation[Any]
+    encrypted: bool = False  # the client's connection, for the plain server
     windows: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)
 
@@ -119,8 +120,10 @@ def plain_target(stack: ExitStack, server_url: str, clients: int) -> tuple[Targe
     stack.callback(db.dispose)
     with db.begin() as conn:
         conn.exec_driver_sql(TABLE)
-        encrypted = conn.exec_driver_sql(ENCRYPTED).scalar_one()
-    return _target("plain PostgreSQL", url, db), "require" if encrypted else "disable"
+        encrypted = bool(conn.exec_driver_sql(ENCRYPTED).scalar_one())
+    target = _target("plain PostgreSQL", url, db)
+    target.encrypted = encrypted
+    return target, "require" if encrypted else "disable"
 
 
 def citus_target(stack: ExitStack, url: str, clients: int, sslmode: str) -> Target:
@@ -143,7 +146,8 @@ def citus_target(stack: ExitStack, url: str, clients: int, sslmode: str) -> Targ
     shape = "coordinator" + (" holding shards" if alone else "")
     if workers:
         shape += f" + {workers} worker{'s' * (workers != 1)}"
-        shape += ", no TLS between nodes" if "sslmode=disable" in between else ", TLS between nodes"
+        settings = dict(p.split("=", 1) for p in between.split() if "=" in p)
+        shape += f", sslmode={settings.get('sslmode', 'prefer')} between nodes"
     target = _target(f"Citus, {shape}", url, db)
     stack.callback(_clean, db, target.op.name)
     target.commands = remote_commands(target)
@@ -253,7 +257,6 @@ def targets(args: argparse.Namespace) -> Iterator[list[Target]]:
     clients = max(args.clients)
     with ExitStack() as stack:
         plain, sslmode = plain_target(stack, args.plain_url, clients)
-        args.client_tls = sslmode != "disable"
         made = [plain]
         made += [citus_target(stack, url, clients, sslmode) for url in args.citus_url]
         yield made
@@ -271,7 +274,7 @@ def report(made: list[Target], args: argparse.Namespace, machine: dict[str, Any]
         f"Median of {args.rounds} rounds of {args.seconds:g} s per target and client count "
         "(range in brackets); CPU per request in ms, the server's that of every PostgreSQL "
         "process on the machine. The client's connection to every target "
-        f"{'with' if args.client_tls else 'without'} TLS, as its connection to the plain "
+        f"{'with' if made[0].encrypted else 'without'} TLS, as its connection to the plain "
         "server; between a cluster's nodes, as its label says.",
         "",
         "| target | clients | requests/s | x plain | p50 ms | p99 ms | client CPU | "

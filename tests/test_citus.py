@@ -249,9 +249,9 @@ def test_a_request_runs_on_its_scopes_worker_alone_without_two_phase_commit(
     commands = [command for command, _ in fresh]
     assert commands.count("COMMIT") == 2 and not any("PREPARE" in c for c in commands)
     assert len(commands) <= 12, commands  # as docs/how-to/citus.md lists them
-    # The trigger on the write that records a phase binds it to the worker: no statement of
-    # the engine's exports a snapshot.
-    assert not any("pg_export_snapshot" in c for c in commands), commands
+    # The claim's trigger binds the new key's first phase to the worker: no statement of its
+    # own after the claim (the fence binds the later phase, in the same statement).
+    assert not any(c.startswith("SELECT pg_export_snapshot()") for c in commands), commands
     assert len(replay) == 1 and replay[0][0].startswith("SELECT")
 
 
@@ -362,8 +362,8 @@ def test_a_takeover_after_the_lease_expired(citus: sa.Engine, scope: str) -> Non
                 "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
                 "operation_version, request_method, request_path, request_params, "
                 "fingerprint, locked_at, lock_token) "
-                "SELECT :s, :op, 'k', 1, 'POST', '/', CAST(:p AS jsonb), 'f', "
-                "now() - interval '1 hour', gen_random_uuid()"
+                "VALUES (:s, :op, 'k', 1, 'POST', '/', CAST(:p AS jsonb), 'f', "
+                "now() - interval '1 hour', gen_random_uuid())"
             ),
             {"s": scope, "op": op.name, "p": json.dumps({"scope": scope, "body": "x"})},
         )
@@ -622,15 +622,48 @@ def test_instances_that_run_migrate_citus_at_once_all_succeed(citus: sa.Engine) 
     assert not failed, failed
 
 
-def test_an_engine_refuses_distributed_keys_whose_trigger_does_not_bind(
+@pytest.mark.parametrize("later", [False, True], ids=["first-phase", "after-a-step"])
+def test_a_phase_that_leaves_a_savepoint_open_commits_on_its_worker(
+    citus: sa.Engine, scope: str, later: bool
+) -> None:
+    """A savepoint rolled back stays open (ROLLBACK TO keeps it): the write that records the
+    phase then runs in a subtransaction, where PostgreSQL refuses to export a snapshot. The
+    phase is bound to its worker before its code runs, so it commits all the same."""
+    op: rp.Operation[Any] = rp.Operation(f"citus_savepoint_{uuid.uuid4().hex[:8]}")
+    if later:
+
+        @op.foreign_step("called")
+        def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+            return {}
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        note = "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, %(b)s)"
+        savepoint = tx.connection.begin_nested()
+        tx.execute(note, {"s": scope, "k": tx.key_id, "b": "undone"})
+        savepoint.rollback()
+        tx.execute(note, {"s": scope, "k": tx.key_id, "b": "kept"})
+        return rp.Response(201, {})
+
+    engine = rp.Engine(citus)
+    engine.register(op)
+    assert engine.run(op, key="k", params={}, scope=scope).status == 201
+    bodies = "SELECT string_agg(body, ',') FROM citus_notes WHERE scope = :s"
+    with citus.connect() as conn:
+        assert conn.execute(sa.text(bodies), {"s": scope}).scalar_one() == "kept"
+    assert _prepared_on_workers(citus) == 0
+
+
+def test_an_engine_refuses_distributed_keys_without_the_trigger_that_binds_new_keys(
     citus: sa.Engine, scope: str
 ) -> None:
-    """Keys distributed by an older release, whose trigger left the binding of a phase to its
-    worker to the engine: the engine, which no longer binds, refuses to run, saying what to
-    do, rather than let a phase commit on two workers; ``migrate --citus`` mends it."""
-    older = distribute.STAYS_IN_SCOPE_FUNCTION.replace("PERFORM pg_export_snapshot();", "")
+    """Keys distributed by an older release, without the trigger that binds a new key's
+    first phase to its worker: the engine, which no longer binds it with a statement of its
+    own, refuses to run, saying what to do, rather than let that phase commit on two
+    workers; ``migrate --citus`` mends it."""
     with citus.begin() as conn:
-        conn.exec_driver_sql(older)
+        conn.exec_driver_sql("SET LOCAL citus.enable_unsafe_triggers = on")
+        conn.exec_driver_sql("DROP TRIGGER recoverypoint_binds_new_key ON idempotency_keys")
     try:
         op = _notes(f"citus_older_{uuid.uuid4().hex[:8]}")
         engine = rp.Engine(citus)
@@ -733,8 +766,8 @@ def _leased(db: sa.Engine, scope: str, op: str, key: str, *, held: str, timeout:
                     "INSERT INTO idempotency_keys (scope, operation, idempotency_key, "
                     "operation_version, request_method, request_path, request_params, "
                     "fingerprint, locked_at, lock_token, lock_timeout) "
-                    "SELECT :s, :op, :k, 1, 'POST', '/', '{}'::jsonb, 'f', "
-                    "now() - CAST(:held AS interval), gen_random_uuid(), :timeout RETURNING id"
+                    "VALUES (:s, :op, :k, 1, 'POST', '/', '{}'::jsonb, 'f', "
+                    "now() - CAST(:held AS interval), gen_random_uuid(), :timeout) RETURNING id"
                 ),
                 {"s": scope, "op": op, "k": key, "held": held, "timeout": timeout},
             ).scalar_one()

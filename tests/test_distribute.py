@@ -49,10 +49,12 @@ def test_sql_names_every_table_and_colocates_the_applications() -> None:
         "SELECT create_distributed_table('bill.charges', 'tenant', "
         "colocate_with => 'idempotency_keys');" in tail
     )
-    # The trigger that keeps a phase in its scope on its worker, after the distribution and
-    # in a transaction of its own (Citus allows it on a distributed table when told).
-    trigger = tail.split("BEGIN;\nSET LOCAL citus.enable_unsafe_triggers = on;\n")[1]
-    assert trigger.endswith("EXECUTE FUNCTION recoverypoint_stays_in_scope();\nCOMMIT;\n")
+    # The triggers that keep a phase in its scope and bind a new key's first phase to its
+    # worker, after the distribution and in a transaction of their own (Citus allows them on
+    # a distributed table when told).
+    triggers = tail.split("BEGIN;\nSET LOCAL citus.enable_unsafe_triggers = on;\n")[1]
+    assert "EXECUTE FUNCTION recoverypoint_stays_in_scope();\n" in triggers
+    assert triggers.endswith("EXECUTE FUNCTION recoverypoint_binds_new_key();\nCOMMIT;\n")
 
 
 @pytest.mark.parametrize(

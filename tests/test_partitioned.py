@@ -98,7 +98,10 @@ REQUEST_PATH = [
     ("ABANDON_EXHAUSTED", sql.ABANDON_EXHAUSTED.text),
     ("KEY_OPERATION", sql.KEY_OPERATION),
     ("FENCE_BY_ID", sql.FENCE_BY_ID),
+    ("FENCE_BY_ID_BOUND", sql.FENCE_BY_ID_BOUND),
     ("FENCE", sql.FENCE.text),
+    ("FENCE_BOUND", sql.FENCE_BOUND.text),
+    ("BIND", sql.BIND.text),
     *_fenced(),
 ]
 

@@ -14,10 +14,11 @@ On a Citus coordinator, after ``recoverypoint migrate``:
   column (``table`` or ``table:column``; ``scope`` by default) and co-located with
   ``idempotency_keys``, so a phase that writes its scope's rows there stays on one worker.
 
-- ``idempotency_keys`` gets a trigger (:data:`STAYS_IN_SCOPE`) on the write that records a
-  phase: it refuses a phase that wrote rows of another scope's shard on its scope's worker,
-  and binds the phase's transaction to that worker, so that one that wrote on another
-  worker too fails at its COMMIT.
+- ``idempotency_keys`` gets two triggers: one (:data:`STAYS_IN_SCOPE`) refuses a phase that
+  wrote rows of another scope's shard on its scope's worker; the other
+  (:data:`BINDS_NEW_KEY`) binds the transaction of a new key's claim, where its first phase
+  runs, to that worker, so that a phase that wrote on another worker too fails at its
+  COMMIT.
 
 A table already distributed is left alone, so running it again is harmless; a reference
 table that is now to be distributed (``processed_messages``, before migration 0014) is
@@ -56,35 +57,22 @@ REFERENCE = (
     "installation_secrets",
 )
 
-# A phase stays in its scope, and on its scope's worker. The write that records a phase (every
-# one sets ``state``, under the lease: ``lock_token`` is the run's until that write) runs
-# this trigger on the worker that holds the key row, where it does two things before COMMIT.
-#
-# It checks the shards that the distributed transaction's backends there hold a write's lock
-# on (anything above a row lock: reads, SERIALIZABLE's SIReadLock and row locks are free, as
-# a foreign key's check onto a reference table locks the row it finds): each must be in the
-# key's shard group (its co-located shards), or the write raises LEFT_ITS_SCOPE. A phase that
-# wrote another scope's shard on the same worker would otherwise commit there, in one
-# transaction, and fail only once a rebalance puts the two scopes apart. A reference table's
-# shard is in no shard group. Its queries take a parameter (the transaction, the shard):
-# planned once per connection (a generic plan), not at every call, which cost a tenth of a
-# millisecond more per phase, and at times a millisecond.
-#
-# And it exports a snapshot there, which binds the phase to the worker: PostgreSQL refuses
-# to PREPARE a transaction that exported a snapshot, so a phase that also wrote on another
-# worker (another scope's rows, a reference table, every shard), which Citus would commit by
-# two-phase commit without SERIALIZABLE across the workers, fails at its COMMIT
-# (recoverypoint.engine.sql.LEFT_ITS_WORKER): that worker refuses the PREPARE and Citus rolls
-# the others back, so nothing commits anywhere. A phase that stays on its worker commits with
-# a plain COMMIT, which the export does not hinder. In the trigger, not in a statement of the
-# engine's: after the claim, that was a command to the worker of its own. An operator's
-# action on a key that
-# no lease holds (``keys reconcile``) is no phase: it may span scopes, and record itself in
-# the audit log, a reference table, in the same transaction.
-#
-# The definer's rights, as the catalogs it reads may be closed to the application's role.
-# What the write that records a phase raises (the engine's PhaseLeftScope) when it does not
-# stay in its scope:
+# A phase stays in its scope on its own worker too. A phase that writes on another worker
+# fails at its COMMIT (the snapshot its transaction exported there: engine/sql.py, and
+# BINDS_NEW_KEY below); one that writes another scope's shard on the same worker would
+# commit there, in one transaction, and fail only once a rebalance puts the two scopes
+# apart. So the write that records a phase (every one sets ``state``, under the lease: an
+# operator's action on a key no lease holds, ``keys reconcile``, is no phase and may span
+# scopes) checks, on the worker, the shards that the distributed transaction's backends
+# there hold a write's lock on (anything above a row lock: reads, SERIALIZABLE's SIReadLock
+# and row locks are free, as a foreign key's check onto a reference table locks the row it
+# finds): each must be in the key's shard group (its co-located shards), or the write raises
+# LEFT_ITS_SCOPE, before COMMIT. A reference table's shard is in no shard group. The
+# definer's rights, as the catalogs it reads may be closed to the application's role. Its
+# queries take parameters (the transaction, the shard): planned once per connection (a
+# generic plan), not anew at most calls, which cost the write a tenth of a millisecond and
+# at times a millisecond.
+# What the write that records a phase raises (the engine's PhaseLeftScope) when it does not.
 LEFT_ITS_SCOPE = "RP003"
 STAYS_IN_SCOPE_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION recoverypoint_stays_in_scope() RETURNS trigger
@@ -116,7 +104,6 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '{LEFT_ITS_SCOPE}',
             MESSAGE = 'an atomic phase wrote outside its scope, in: ' || strays;
     END IF;
-    PERFORM pg_export_snapshot();
     RETURN NULL;
 END
 $fn$
@@ -126,26 +113,45 @@ STAYS_IN_SCOPE = (
     f"ON {DISTRIBUTED} FOR EACH ROW WHEN (OLD.lock_token IS NOT NULL) "
     f"EXECUTE FUNCTION recoverypoint_stays_in_scope()"
 )
-# Whether the trigger on the keys is this release's: one that binds each phase to its worker
-# (an older release's left that to a statement of the engine's, which this one no longer
-# sends). The engine refuses to run on distributed keys without it.
-TRIGGER_BINDS = f"""
+# The claim that inserts a key row binds its transaction, where the new key's first atomic
+# phase runs, to the scope's worker: it exports a snapshot there (see engine/sql.py's BIND),
+# on the worker, before the phase's code runs. In a trigger, as Citus evaluates the
+# functions of a write on the coordinator: a statement of the engine's after the claim cost
+# a command to the worker per new key. Only claims insert key rows: one inserted by an
+# ``INSERT ... SELECT``, which Citus commits by two-phase commit, fails.
+BINDS_NEW_KEY_FUNCTION = """
+CREATE OR REPLACE FUNCTION recoverypoint_binds_new_key() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_catalog.pg_export_snapshot();
+    RETURN NULL;
+END
+$fn$
+"""
+BINDS_NEW_KEY = (
+    f"CREATE OR REPLACE TRIGGER recoverypoint_binds_new_key AFTER INSERT ON {DISTRIBUTED} "
+    f"FOR EACH ROW EXECUTE FUNCTION recoverypoint_binds_new_key()"
+)
+# Whether the keys have that trigger (an older release's engine bound a new key with a
+# statement of its own, which this one no longer sends): the engine and the workers refuse
+# to run phases on distributed keys without it.
+NEW_KEYS_BOUND = f"""
     SELECT EXISTS (
-        SELECT FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-        WHERE t.tgrelid = CAST('{DISTRIBUTED}' AS regclass)
-          AND t.tgname = 'recoverypoint_stays_in_scope'
-          AND p.prosrc LIKE '%pg_export_snapshot()%'
+        SELECT FROM pg_trigger
+        WHERE tgrelid = CAST('{DISTRIBUTED}' AS regclass)
+          AND tgname = 'recoverypoint_binds_new_key'
     )
 """
 TRIGGER_MISSING = (
-    "idempotency_keys is distributed by Citus, but without this release's trigger "
-    "recoverypoint_stays_in_scope (it binds each atomic phase to its scope's worker): run "
-    "`recoverypoint migrate --citus` on the coordinator (it is safe to run again), then "
-    "start the processes again"
+    "idempotency_keys is distributed by Citus without this release's trigger "
+    "recoverypoint_binds_new_key (it binds a new key's first atomic phase to its scope's "
+    "worker): run `recoverypoint migrate --citus` on the coordinator (it is safe to run "
+    "again)"
 )
-# Citus refuses a trigger on a distributed table unless told the trigger is safe (it only
-# reads, on the shard's own worker).
+# Citus refuses a trigger on a distributed table unless told the trigger is safe (each
+# writes no table, and reads on the shard's own worker).
 _TRIGGERS_ALLOWED = "SET LOCAL citus.enable_unsafe_triggers = on"
+_TRIGGERS = (STAYS_IN_SCOPE_FUNCTION, STAYS_IN_SCOPE, BINDS_NEW_KEY_FUNCTION, BINDS_NEW_KEY)
 
 # A table name as a user writes it on the command line, optionally schema-qualified, and
 # its column: plain identifiers only (quoted names are passed to Citus as regclass text).
@@ -181,13 +187,9 @@ def statements(colocate: Sequence[str] = ()) -> list[str]:
             f"SELECT create_distributed_table('{table}', '{column}', "
             f"colocate_with => '{DISTRIBUTED}');"
         )
-    out += [
-        "BEGIN;",
-        f"{_TRIGGERS_ALLOWED};",
-        f"{STAYS_IN_SCOPE_FUNCTION.strip()};",
-        f"{STAYS_IN_SCOPE};",
-        "COMMIT;",
-    ]
+    out += ["BEGIN;", f"{_TRIGGERS_ALLOWED};"]
+    out += [f"{statement.strip()};" for statement in _TRIGGERS]
+    out += ["COMMIT;"]
     return out
 
 
@@ -260,7 +262,7 @@ def distribute(db: sa.Engine, colocate: Sequence[str] = ()) -> list[str]:
     # A transaction of its own: Citus creates a function on every node over one connection
     # per node, which the distribution's parallel copies leave none of.
     with _alone(db) as conn:
-        for statement in (_TRIGGERS_ALLOWED, STAYS_IN_SCOPE_FUNCTION, STAYS_IN_SCOPE):
+        for statement in (_TRIGGERS_ALLOWED, *_TRIGGERS):
             conn.exec_driver_sql(statement)
     return placed
 

@@ -459,6 +459,8 @@ class Engine(Registry):
             return False
         run = _Run(self, operation, record, token)
         run.key.locked_by = tx
+        if self.bound:
+            store.bind(tx, run.key)
         run.compensate(tx, phase)
         return True
 
@@ -514,7 +516,7 @@ class Engine(Registry):
             record = taken
         run = claim.run = _Run(self, operation, record, claim.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
-            store.held(tx, run.key, record)
+            store.held(tx, run.key, record)  # and bound, by the claim's trigger on Citus
             with claim.observed.phase(operation.phases[0].point, True):
                 return run.atomic(tx, operation.phases[0], "{}")
         return None
@@ -853,7 +855,7 @@ class _Run:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
         that lost its lease fails with LockLost before its writes can collide with the new
         owner's, and no takeover can happen while the phase runs."""
-        store.fence(tx, self.key)
+        store.fence(tx, self.key, bound=self.engine.bound)
         return self.atomic(tx, phase, state_json)
 
     def atomic(self, tx: Transaction, phase: Phase, state_json: str) -> Step:

@@ -478,6 +478,8 @@ class AsyncEngine(Registry):
             return False
         run = _AsyncRun(self, operation, record, token)
         run.key.locked_by = tx
+        if self.bound:
+            await store_async.bind(tx, run.key)
         await run.compensate(tx, phase)
         return True
 
@@ -535,7 +537,7 @@ class AsyncEngine(Registry):
             record = taken
         run = claim.run = _AsyncRun(self, operation, record, claim.token, claim.observed)
         if record.inserted and operation.phases[0].atomic:
-            store_async.held(tx, run.key, record)
+            store_async.held(tx, run.key, record)  # and bound, by the claim's trigger on Citus
             with claim.observed.phase(operation.phases[0].point, True):
                 return await run.atomic(tx, operation.phases[0], "{}")
         return None
@@ -886,7 +888,7 @@ class _AsyncRun:
         """Check the lease and lock the key row, then run the atomic ``phase``: a request
         that lost its lease fails with LockLost before its writes can collide with the new
         owner's, and no takeover can happen while the phase runs."""
-        await store_async.fence(tx, self.key)
+        await store_async.fence(tx, self.key, bound=self.engine.bound)
         return await self.atomic(tx, phase, state_json)
 
     async def atomic(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:

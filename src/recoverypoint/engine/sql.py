@@ -458,9 +458,24 @@ def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) ->
     )
 
 
-# Where Citus distributes the keys, each phase is bound to its scope's worker by the trigger
-# on the write that records it (recoverypoint.distribute.STAYS_IN_SCOPE): a phase that wrote
-# on another worker too fails at its COMMIT, with this message.
+# A phase stays on its scope's worker (Citus): its transaction exports a snapshot there, on
+# the shard that holds the key row, in the statement that locks the row (the fence, bound),
+# in the claim that inserted it (its trigger, recoverypoint.distribute.BINDS_NEW_KEY: a
+# statement of its own after the claim cost a command to the worker), or right after a
+# completer's fence of an abandoned key (BIND). Always before the phase's code runs: a
+# savepoint that code rolls back stays open, and in it PostgreSQL refuses to export a
+# snapshot. PostgreSQL refuses to PREPARE a transaction that exported a snapshot, so a
+# phase that also writes on another worker (another scope's rows, a reference table, every
+# shard), which Citus would commit by two-phase commit without SERIALIZABLE across the
+# workers, fails at its COMMIT (LEFT_ITS_WORKER): that worker refuses the PREPARE and Citus
+# rolls the others back, so nothing commits anywhere. A phase that stays on its worker
+# commits with a plain COMMIT, which the export does not hinder. A SELECT, so Citus runs the
+# function where the row is (it evaluates functions on the coordinator for writes only).
+# Only where the keys are distributed (KEYS_DISTRIBUTED, asked where Citus is installed): on
+# one server nothing is prepared, and the export would cost a file per phase for nothing.
+_EXPORT = "pg_export_snapshot()"
+_BOUND = f", {_EXPORT}"
+BIND = Statement(f"SELECT {_EXPORT} FROM idempotency_keys WHERE scope = %(scope)s AND id = %(id)s")
 LEFT_ITS_WORKER = "cannot PREPARE a transaction that has exported snapshots"
 KEYS_DISTRIBUTED = """
     SELECT EXISTS (
@@ -472,14 +487,17 @@ KEYS_DISTRIBUTED = """
 # Lock the row for the rest of the transaction, if the lease is still ours. The lease is
 # renewed by the write that commits the phase: a renewal here would be seen by nobody
 # (no other transaction sees it before that write replaces it) and would cost a row version.
-# By address, prepared, in one pipeline with BEGIN (a round trip less for every phase after
-# the first, and no planning per phase); by id when the address is stale.
+# Bound to the scope's worker on Citus (see BIND). By address, prepared, in one pipeline with
+# BEGIN (a round trip less for every phase after the first, and no planning per phase); by
+# id when the address is stale.
 _FENCE = """
-    SELECT ctid::text FROM idempotency_keys WHERE {where}
+    SELECT ctid::text{bound} FROM idempotency_keys WHERE {where}
     FOR UPDATE
 """
-FENCE = Statement(_FENCE.format(where=_BY_CTID))
-FENCE_BY_ID = _FENCE.format(where=_BY_ID)
+FENCE = Statement(_FENCE.format(bound="", where=_BY_CTID))
+FENCE_BOUND = Statement(_FENCE.format(bound=_BOUND, where=_BY_CTID))
+FENCE_BY_ID = _FENCE.format(bound="", where=_BY_ID)
+FENCE_BY_ID_BOUND = _FENCE.format(bound=_BOUND, where=_BY_ID)
 
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment

@@ -71,7 +71,7 @@ async def claim(
     meanwhile.
     ``schedule``: when the next attempt is due should this one fail
     (:func:`recoverypoint.backoff.sql_params`). ``bound``: the keys are distributed by
-    Citus (see :func:`distributed`)."""
+    Citus (see :func:`bind`)."""
     first_delay = backoff_delay(
         0, base=schedule["retry_base"], cap=schedule["retry_cap"], jitter=schedule["jitter"]
     )
@@ -129,31 +129,32 @@ async def key_operation(
 
 
 async def distributed(db: sa_async.AsyncEngine) -> bool:
-    """Whether ``idempotency_keys`` is distributed by Citus, where the trigger on the write
-    that records a phase binds the phase to its scope's worker
-    (:data:`recoverypoint.distribute.STAYS_IN_SCOPE`); :class:`ConfigurationError` if the
-    keys are distributed without that trigger."""
+    """Whether ``idempotency_keys`` is distributed by Citus, so that each phase is bound to
+    its scope's worker (:data:`recoverypoint.engine.sql.BIND`); :class:`ConfigurationError`
+    if the keys are distributed without the trigger that binds a new key's first phase
+    (:data:`recoverypoint.distribute.BINDS_NEW_KEY`)."""
     async with borrowed(db) as (_, connection):
         for query in (distribute.CITUS_INSTALLED, sql.KEYS_DISTRIBUTED):
             cursor = await connection.execute(query)
             row = await cursor.fetchone()
             if not (row and row[0]):
                 return False
-        cursor = await connection.execute(distribute.TRIGGER_BINDS)
+        cursor = await connection.execute(distribute.NEW_KEYS_BOUND)
         row = await cursor.fetchone()
     if not (row and row[0]):
         raise ConfigurationError(distribute.TRIGGER_MISSING)
     return True
 
 
-async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
+async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
-    the database's lock or statement timeout ends the wait for another holder's row lock."""
+    the database's lock or statement timeout ends the wait for another holder's row lock.
+    ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
     params = {"scope": key.scope, "ctid": key.ctid, "id": key.id, "token": key.token}
     with _waiting_for_key:
-        row = await tx.fetch(sql.FENCE, params)
+        row = await tx.fetch(sql.FENCE_BOUND if bound else sql.FENCE, params)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
-            row = await tx.fetchone(sql.FENCE_BY_ID, params)
+            row = await tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
     key.locked_by = tx
 
@@ -161,6 +162,14 @@ async def fence(tx: AsyncTransaction, key: KeyRef) -> None:
 def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
     """Note that ``tx``'s claim inserted the key row (and so holds it)."""
     key.ctid, key.locked_by = record.ctid, tx
+
+
+async def bind(tx: AsyncTransaction, key: KeyRef) -> None:
+    """Bind ``tx``, which holds the key row, to the scope's worker on Citus: its COMMIT then
+    fails with :class:`PhaseLeftWorker` if it wrote on another worker too
+    (:data:`recoverypoint.engine.sql.BIND`). A claim that inserted the key row bound its
+    transaction already (:data:`recoverypoint.distribute.BINDS_NEW_KEY`)."""
+    await tx.fetch(sql.BIND, {"scope": key.scope, "id": key.id})
 
 
 async def advance(
@@ -246,10 +255,10 @@ class PhaseEndedTransaction(Exception):
 
 
 class PhaseLeftWorker(Exception):
-    """Citus refused to commit a phase that left its scope: bound to its scope's worker, it
-    wrote on another worker too, or it wrote another scope's rows on its own (both by
-    ``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the engine raises
-    :class:`PhaseLeftScope`)."""
+    """Citus refused to commit a phase that left its scope: bound to its scope's worker
+    (:func:`bind`), it wrote on another worker too, or it wrote another scope's
+    rows on its own (``recoverypoint.distribute.STAYS_IN_SCOPE``); nothing committed (the
+    engine raises :class:`PhaseLeftScope`)."""
 
 
 class _WaitingForKey:

@@ -248,7 +248,8 @@ class Worker(ABC, Generic[R]):
         """Whether ``idempotency_keys`` is distributed by scope (Citus), where the reaper,
         the enqueuer and the completer too take rows scope by scope, each on its scope's
         shard. Asked once: a worker started before ``recoverypoint migrate --citus`` is
-        restarted after it."""
+        restarted after it. :class:`ConfigurationError` where the keys are distributed
+        without this release's triggers (the completer runs phases)."""
         return store.distributed(self.engines.db)
 
     def stop(self) -> None:
