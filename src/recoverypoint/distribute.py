@@ -62,8 +62,8 @@ REFERENCE = (
 # BINDS_NEW_KEY below); one that writes another scope's shard on the same worker would
 # commit there, in one transaction, and fail only once a rebalance puts the two scopes
 # apart. So the write that records a phase (every one sets ``state``, under the lease: an
-# operator's action on a key no lease holds, ``keys reconcile``, is no phase and may span
-# scopes) checks, on the worker, the shards that the distributed transaction's backends
+# operator's ``keys reconcile``, which sets it on a key no lease holds, records no phase)
+# checks, on the worker, the shards that the distributed transaction's backends
 # there hold a write's lock on (anything above a row lock: reads, SERIALIZABLE's SIReadLock
 # and row locks are free, as a foreign key's check onto a reference table locks the row it
 # finds): each must be in the key's shard group (its co-located shards), or the write raises
