@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -455,6 +455,27 @@ ON_ITS_WORKER = [
 ]
 
 
+def _finishing(
+    name: str, body: Callable[[rp.AtomicContext], None], *, after_a_step: bool
+) -> rp.Operation[Any]:
+    """An operation whose finishing phase runs ``body`` and answers 201: its first phase, in
+    the claim's transaction, or (``after_a_step``) a phase after a foreign step, in a fenced
+    one."""
+    op: rp.Operation[Any] = rp.Operation(f"{name}_{uuid.uuid4().hex[:8]}")
+    if after_a_step:
+
+        @op.foreign_step("called")
+        def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
+            return {}
+
+    @op.atomic_phase("finished")
+    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+        body(tx)
+        return rp.Response(201, {})
+
+    return op
+
+
 @pytest.mark.parametrize("write", ON_ITS_WORKER)
 @pytest.mark.parametrize("later", [False, True], ids=["first-phase", "after-a-step"])
 def test_a_phase_that_writes_another_scope_on_its_own_worker_is_refused(
@@ -465,22 +486,15 @@ def test_a_phase_that_writes_another_scope_on_its_own_worker_is_refused(
             sa.text("INSERT INTO citus_notes (scope, key_id, body) VALUES (:s, -1, 'before')"),
             {"s": neighbour_scope},
         )
-    op: rp.Operation[Any] = rp.Operation(f"citus_neighbour_{uuid.uuid4().hex[:8]}")
-    if later:
 
-        @op.foreign_step("called")
-        def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
-            return {}
-
-    @op.atomic_phase("finished")
-    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+    def finish(tx: rp.AtomicContext) -> None:
         tx.execute(
             "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, 'ours')",
             {"s": scope, "k": tx.key_id},
         )
         tx.execute(write, {"other": neighbour_scope, "k": tx.key_id})
-        return rp.Response(201, {})
 
+    op = _finishing("citus_neighbour", finish, after_a_step=later)
     engine = rp.Engine(citus)
     engine.register(op)
     with pytest.raises(rp.PhaseLeftScope, match="wrote outside its scope") as raised:
@@ -629,22 +643,15 @@ def test_a_phase_that_leaves_a_savepoint_open_commits_on_its_worker(
     """A savepoint rolled back stays open (ROLLBACK TO keeps it): the write that records the
     phase then runs in a subtransaction, where PostgreSQL refuses to export a snapshot. The
     phase is bound to its worker before its code runs, so it commits all the same."""
-    op: rp.Operation[Any] = rp.Operation(f"citus_savepoint_{uuid.uuid4().hex[:8]}")
-    if later:
 
-        @op.foreign_step("called")
-        def call(step: rp.StepContext, params: Any) -> dict[str, Any]:
-            return {}
-
-    @op.atomic_phase("finished")
-    def finish(tx: rp.AtomicContext, params: Any) -> rp.Response:
+    def finish(tx: rp.AtomicContext) -> None:
         note = "INSERT INTO citus_notes (scope, key_id, body) VALUES (%(s)s, %(k)s, %(b)s)"
         savepoint = tx.connection.begin_nested()
         tx.execute(note, {"s": scope, "k": tx.key_id, "b": "undone"})
         savepoint.rollback()
         tx.execute(note, {"s": scope, "k": tx.key_id, "b": "kept"})
-        return rp.Response(201, {})
 
+    op = _finishing("citus_savepoint", finish, after_a_step=later)
     engine = rp.Engine(citus)
     engine.register(op)
     assert engine.run(op, key="k", params={}, scope=scope).status == 201
