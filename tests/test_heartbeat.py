@@ -499,13 +499,28 @@ class Freezer:
     nothing more while keeping every socket open: a half-open connection, which neither
     keepalives (the proxy's kernel answers them) nor any timeout of the server ends."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
+    def __init__(self, url: sa.URL) -> None:
+        # A server reached by its socket directory (the embedded one) is proxied there.
+        directory = url.query.get("host") if url.host is None else None
+        self.target: tuple[str, int] | str = (
+            f"{directory}/.s.PGSQL.{url.port or 5432}"
+            if isinstance(directory, str)
+            else (url.host or "127.0.0.1", url.port or 5432)
+        )
         self.frozen = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        self.url = url.difference_update_query(["host"]).set(
+            host="127.0.0.1", port=self.listener.getsockname()[1]
+        )
         self.sockets: list[socket.socket] = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        if isinstance(self.target, str):
+            server = socket.socket(socket.AF_UNIX)
+            server.connect(self.target)
+            return server
+        return socket.create_connection(self.target)
 
     def _accept(self) -> None:
         while True:
@@ -513,7 +528,7 @@ class Freezer:
                 client, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            server = socket.create_connection(self.target)
+            server = self._connect()
             self.sockets += [client, server]
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -547,14 +562,14 @@ def test_a_renewal_stuck_on_a_half_open_socket_is_left_behind(
     for three lock timeouts are refused; the provider is called once."""
     db = driver.engine.db
     url = db.url
-    freezer = Freezer(url.host or "127.0.0.1", url.port or 5432)
+    freezer = Freezer(url)
     connects: list[float] = []
     connect = heartbeat._Link._connect
 
     def first_through_the_freezer(link: Any, timeout: float) -> Any:
         connects.append(timeout)
         if len(connects) == 1:
-            link._db = sa.create_engine(url.set(host="127.0.0.1", port=freezer.port))
+            link._db = sa.create_engine(freezer.url)
         return connect(link, timeout)
 
     monkeypatch.setattr(heartbeat._Link, "_connect", first_through_the_freezer)

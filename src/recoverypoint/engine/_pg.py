@@ -317,7 +317,8 @@ def borrowed(
 def _borrow(db: sa.Engine, autocommit: bool) -> tuple[Any, psycopg.Connection[Any], bool]:
     """A pooled connection, its psycopg connection, and whether autocommit was switched on
     for the borrower (see :func:`borrowed`)."""
-    pooled: Any = db.raw_connection()  # its driver_connection is psycopg's
+    pooled: Any  # its driver_connection is psycopg's
+    pooled = db.raw_connection()
     connection: psycopg.Connection[Any] = pooled.driver_connection
     # psycopg's setter costs a wait: only when it changes something.
     switched = autocommit and not connection.autocommit

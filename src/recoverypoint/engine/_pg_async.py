@@ -29,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -331,7 +332,11 @@ async def _borrow(
 ) -> tuple[Any, psycopg.AsyncConnection[Any], bool]:
     """A pooled connection, its psycopg connection, and whether autocommit was switched on
     for the borrower (see :func:`borrowed`)."""
-    pooled: Any = await db.raw_connection()  # its driver_connection is psycopg's
+    pooled: Any  # its driver_connection is psycopg's
+    if True:  # ASYNC
+        pooled = _checked_out_at_once(db.sync_engine.pool) or await db.raw_connection()
+    else:
+        pooled = db.raw_connection()
     connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
     if True:  # ASYNC
         _waiter.attach(connection)
@@ -364,6 +369,33 @@ async def _give_back(
 
 
 if True:  # ASYNC
+
+    def _checked_out_at_once(pool: Any) -> Any:
+        """A connection checked out of ``pool`` without SQLAlchemy's greenlet, or ``None``
+        when the checkout might wait: a switch into the greenlet and back costs about half
+        a borrow (benchmarks/README.md, "The pool's greenlet"), and a fresh request borrows
+        twice.
+
+        The checkout cannot wait when the queue pool hands out the connection that waits
+        first in its queue as it is: nothing to connect, no ping, no listener of the
+        checkout, and not invalidated or due for recycling (SQLAlchemy would close it; a
+        second to spare, as the clock moves on between this look and the pool's)."""
+        if type(pool) is not sa.pool.AsyncAdaptedQueuePool or not _RECORDS_LOOKED_AT:
+            return None
+        queue: Any = pool._pool
+        idle = queue._queue._queue  # asyncio's own deque (a list if last in, first out)
+        if not idle or pool._pre_ping or pool.dispatch.checkout:
+            return None
+        record = idle[-1] if queue.use_lifo else idle[0]
+        if record._is_hard_or_soft_invalidated() or (
+            pool._recycle > -1 and time.time() - record.starttime > pool._recycle - 1
+        ):
+            return None
+        return pool.connect()
+
+    # What _checked_out_at_once reads below SQLAlchemy's documented surface, and where on
+    # the pool's record; a SQLAlchemy without it checks every connection out in its greenlet.
+    _RECORDS_LOOKED_AT = hasattr(sa.pool.base._ConnectionRecord, "_is_hard_or_soft_invalidated")
 
     def _checks_in_at_once(pool: Any) -> bool:
         """Whether an idle connection goes back into ``pool`` without a round trip, so
