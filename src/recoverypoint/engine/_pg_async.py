@@ -334,7 +334,7 @@ async def _borrow(
     for the borrower (see :func:`borrowed`)."""
     pooled: Any  # its driver_connection is psycopg's
     if True:  # ASYNC
-        pooled = _checked_out_at_once(db.sync_engine.pool) or await db.raw_connection()
+        pooled = _checked_out_at_once(db.pool) or await db.raw_connection()
     else:
         pooled = db.raw_connection()
     connection: psycopg.AsyncConnection[Any] = pooled.driver_connection
@@ -376,26 +376,51 @@ if True:  # ASYNC
         a borrow (benchmarks/README.md, "The pool's greenlet"), and a fresh request borrows
         twice.
 
-        The checkout cannot wait when the queue pool hands out the connection that waits
-        first in its queue as it is: nothing to connect, no ping, no listener of the
-        checkout, and not invalidated or due for recycling (SQLAlchemy would close it; a
-        second to spare, as the clock moves on between this look and the pool's)."""
-        if type(pool) is not sa.pool.AsyncAdaptedQueuePool or not _RECORDS_LOOKED_AT:
+        The checkout cannot wait when the queue pool hands out its next idle connection as
+        it is (the first in the queue, or the last with ``pool_use_lifo``): nothing to
+        connect, no ping, no listener of the checkout, not invalidated, and not due for
+        recycling (SQLAlchemy would close it; a second to spare, as the clock moves on
+        between this look and the pool's). What it looks at is the pool's private state:
+        a SQLAlchemy that keeps it elsewhere checks every connection out in the greenlet."""
+        if type(pool) is not sa.pool.AsyncAdaptedQueuePool:
             return None
-        queue: Any = pool._pool
-        idle = queue._queue._queue  # asyncio's own deque (a list if last in, first out)
-        if not idle or pool._pre_ping or pool.dispatch.checkout:
+        try:
+            queue: Any = pool._pool
+            idle = queue._queue._queue  # asyncio's own deque (a list if last in, first out)
+            if not idle or pool._pre_ping or pool.dispatch.checkout:
+                return None
+            if not _QUEUE_HANDS_OUT_AT_ONCE and -1 < pool._max_overflow <= pool._overflow:
+                return None  # at its limit the pool asks its queue to wait, which awaits
+            record = idle[-1] if queue.use_lifo else idle[0]
+            if record._is_hard_or_soft_invalidated() or (
+                pool._recycle > -1 and time.time() - record.starttime > pool._recycle - 1
+            ):
+                return None
+        except AttributeError:  # a release that keeps these elsewhere: the greenlet's way
             return None
-        record = idle[-1] if queue.use_lifo else idle[0]
-        if record._is_hard_or_soft_invalidated() or (
-            pool._recycle > -1 and time.time() - record.starttime > pool._recycle - 1
-        ):
+        try:
+            return pool.connect()
+        except sa.exc.MissingGreenlet:
+            # Between the look and the checkout, the garbage collector finalized a
+            # connection nobody closed, and the pool put its record, without a connection,
+            # last in the queue (with pool_use_lifo, the one handed out): the pool took it
+            # back when connecting failed, and the greenlet connects it.
             return None
-        return pool.connect()
 
-    # What _checked_out_at_once reads below SQLAlchemy's documented surface, and where on
-    # the pool's record; a SQLAlchemy without it checks every connection out in its greenlet.
-    _RECORDS_LOOKED_AT = hasattr(sa.pool.base._ConnectionRecord, "_is_hard_or_soft_invalidated")
+    def _hands_out_at_once() -> bool:
+        """Whether SQLAlchemy's async queue hands out an item it holds without awaiting,
+        even when told to wait for one (as the pool does at its limit): 2.1.9 does; 2.0
+        and 2.1.1 await the queue, which outside the greenlet raises
+        ``MissingGreenlet``."""
+        queue: Any = sa.util.queue.AsyncAdaptedQueue()
+        item = object()
+        queue.put_nowait(item)
+        try:
+            return bool(queue.get(True, None) is item)
+        except sa.exc.MissingGreenlet:  # it closed the queue's wait: nothing left behind
+            return False
+
+    _QUEUE_HANDS_OUT_AT_ONCE = _hands_out_at_once()
 
     def _checks_in_at_once(pool: Any) -> bool:
         """Whether an idle connection goes back into ``pool`` without a round trip, so
