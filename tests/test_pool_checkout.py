@@ -289,8 +289,11 @@ def test_every_checkout_works_whatever_happened_before(
         st.sampled_from([0, 1]),  # at the pool's limit once every connection is made, or not
     )
     def checkouts(events: list[str], lifo: bool, max_overflow: int) -> None:
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            runner.run(play(database_url, db, events, lifo, max_overflow))
+        loop = new_loop()  # asyncio.Runner is 3.11's
+        try:
+            loop.run_until_complete(play(database_url, db, events, lifo, max_overflow))
+        finally:
+            loop.close()
 
     checkouts()
 
