@@ -102,17 +102,20 @@ async def test_an_idle_connection_comes_out_without_the_greenlet(
         assert db.sync_engine.pool.checkedout() == 0
 
 
-def test_the_queue_is_asked_as_the_installed_sqlalchemy_answers() -> None:
-    """The probe of SQLAlchemy's queue: 2.1.9 hands out what it holds at once, a queue that
-    awaits raises ``MissingGreenlet`` outside the greenlet, and the probe says which."""
-    queue: Any = sa.util.queue.AsyncAdaptedQueue()
-    item = object()
-    queue.put_nowait(item)
-    try:
-        handed_out = queue.get(True, None) is item
-    except sa.exc.MissingGreenlet:
-        handed_out = False
-    assert _pg_async._QUEUE_HANDS_OUT_AT_ONCE is handed_out
+async def test_the_queue_is_asked_as_the_installed_sqlalchemy_answers(database_url: str) -> None:
+    """The probe of SQLAlchemy's queue says what a pool at its limit does outside the
+    greenlet: 2.1.9 hands out its idle connection at once; 2.0 and 2.1.1 await their queue,
+    which raises ``MissingGreenlet`` there (without a timeout, as nothing is left behind)."""
+    async with pool_of(database_url, pool_size=1, max_overflow=0, pool_timeout=None) as db:
+        await backend(db)  # its one connection made, and idle
+        try:
+            pooled = db.pool.connect()
+        except sa.exc.MissingGreenlet:
+            handed_out = False
+        else:
+            handed_out = True
+            await greenlet_spawn(pooled.close)
+        assert _pg_async._QUEUE_HANDS_OUT_AT_ONCE is handed_out
 
 
 @pytest.mark.parametrize("soft", [False, True])
