@@ -16,6 +16,8 @@ import sqlalchemy as sa
 import sqlalchemy.ext.asyncio as sa_async
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg.pq import TransactionStatus
+from pydantic import BaseModel
 from rides import count
 from sqlalchemy.pool import NullPool
 from sqlalchemy.util import greenlet_spawn
@@ -24,6 +26,7 @@ from test_libpq import ECHO, Traced, stored_text
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
 from recoverypoint.engine import _libpq, _libpq_async
+from recoverypoint.keys import MAX_JSON_DEPTH
 
 pytestmark = pytest.mark.anyio
 
@@ -226,3 +229,107 @@ async def test_the_pooler_check_is_one_query_on_the_async_engine_too(
     finally:
         await engine.dispose()
         await db.dispose()
+
+
+class _Counted(BaseModel):
+    n: int
+
+
+async def test_the_params_are_checked_while_the_lookup_is_on_its_way(
+    async_db: Any, scope: str
+) -> None:
+    # A request's lookup goes out first, and its params are validated and fingerprinted
+    # while the server answers, where the client would only wait. The first lookup on a
+    # connection prepares its statement in a pipeline: there the params are checked first.
+    pooled = await async_db.raw_connection()
+    connection = pooled.driver_connection  # the pool's one connection, every request's
+    await greenlet_spawn(pooled.close)
+    op: rp.Operation[Any] = rp.Operation(f"checked_{uuid.uuid4().hex[:8]}", params=_Counted)
+
+    @op.atomic_phase("finished")
+    async def finish(tx: Any, params: _Counted) -> rp.Response:
+        return rp.Response(201, {"n": params.n})
+
+    seen: list[TransactionStatus] = []
+    dump = op.dump_params
+
+    def watched(params: Any) -> str:
+        seen.append(connection.pgconn.transaction_status)  # ACTIVE: a statement is out
+        return dump(params)
+
+    op.dump_params = watched  # type: ignore[method-assign]
+    engine = rp.AsyncEngine(async_db)
+    engine.register(op)
+    try:
+        assert (await engine.run(op, key="a", params={"n": 1}, scope=scope)).status == 201
+        assert (await engine.run(op, key="b", params={"n": 2}, scope=scope)).status == 201
+        replayed = await engine.run(op, key="b", params={"n": 2}, scope=scope)
+    finally:
+        await engine.dispose()
+    assert replayed.replayed and replayed.body == {"n": 2}
+    assert seen == [TransactionStatus.IDLE, TransactionStatus.ACTIVE, TransactionStatus.ACTIVE]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return {"n": value}
+
+
+# What a retry or a hostile caller may send on a key: the params it was used with, others,
+# or params refused (JSON cannot carry them, PostgreSQL cannot store them, too deep, too
+# large).
+_sent_params = st.one_of(
+    st.just({"n": 1}),
+    st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=20), max_size=4),
+    st.sampled_from([{"n": float("nan")}, {"n": float("inf")}]),
+    st.text(max_size=10).map(lambda text: {"n": text + "\x00"}),
+    st.text(max_size=10).map(lambda text: {"n": text + "\ud800"}),
+    st.integers(MAX_JSON_DEPTH + 1, 3 * MAX_JSON_DEPTH).map(_nested),
+    st.integers(70_000, 90_000).map(lambda size: {"n": "x" * size}),
+)
+
+
+async def test_refused_params_leave_the_pool_its_connection_and_store_nothing(
+    async_db: Any, scope: str
+) -> None:
+    # Params refused while the lookup is on its way: the lookup's answer is read before
+    # the error is raised, so the connection goes back to the pool idle, not dropped.
+    connects: list[object] = []
+    sa.event.listen(async_db.sync_engine.pool, "connect", lambda *_: connects.append(1))
+    engine = rp.AsyncEngine(async_db, max_params_bytes=64 * 1024)
+    op = _ride(scope)
+    engine.register(op)
+    drawn: list[Any] = []
+
+    @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(params=_sent_params)
+    def draw(params: Any) -> None:
+        drawn.append(params)
+
+    draw()
+    new_keys = 0
+    try:
+        assert (await engine.run(op, key="done", params={"n": 1}, scope=scope)).status == 201
+        for index, params in enumerate(drawn):
+            for key in ("done", f"new-{index}"):  # a finished key, and a new one
+                try:
+                    outcome = await engine.run(op, key=key, params=params, scope=scope)
+                except (rp.InvalidParams, rp.RequestTooLarge):
+                    continue
+                except rp.ParamsMismatch:
+                    assert key == "done" and params != {"n": 1}
+                    continue
+                assert outcome.status == 201 and outcome.replayed == (key == "done")
+                new_keys += key != "done"
+        assert (await engine.run(op, key="after", params={}, scope=scope)).status == 201
+        async with async_db.connect() as conn:
+            stored = await conn.scalar(
+                sa.text("SELECT count(*) FROM idempotency_keys WHERE scope = :s"), {"s": scope}
+            )
+            await conn.rollback()
+    finally:
+        await engine.dispose()
+    assert stored == 2 + new_keys
+    assert connects == [1]  # one connection from the first request to the last

@@ -141,6 +141,45 @@ def test_every_caller_gets_database_unavailable_while_the_database_is_down(
     asyncio.run(async_engine.dispose())
 
 
+def test_bad_params_while_the_database_is_down_are_still_the_callers_to_fix(
+    server_url: str,
+    worker_database_url: str,
+    sync_engine: rp.Engine,
+    outage_db: sa.Engine,
+) -> None:
+    # The async engine checks a request's params while its lookup is on its way; a lookup
+    # that cannot go out must not make bad input look like an outage, which a client
+    # would retry: params it must fix are InvalidParams on both engines, database or not.
+    provider = Provider(outage_db)
+    op = rides(provider)
+    sync_engine.register(op)
+    async_engine = rp.AsyncEngine(worker_database_url)
+    async_op = async_rides(provider)
+    async_engine.register(async_op)
+    assert sync_engine.run(op, key="warm", params={"scope": "s"}, scope="s").status == 201
+    warm = asyncio.run(async_engine.run(async_op, key="warm", params={"scope": "a"}, scope="a"))
+    assert warm.status == 201
+    bad = {"scope": float("nan")}
+    try:
+        with database_down(server_url, worker_database_url):
+            # On the pool's connection, which the outage killed; then with none left to
+            # borrow, the pool's connect refused before any lookup could go out.
+            for _ in range(2):
+                with pytest.raises(rp.InvalidParams):
+                    sync_engine.run(op, key="k", params=bad, scope="s")
+                sync_engine.db.dispose()
+            for _ in range(2):
+                with pytest.raises(rp.InvalidParams):
+                    asyncio.run(async_engine.run(async_op, key="k", params=bad, scope="a"))
+                asyncio.run(async_engine.async_db.dispose())
+            # Good params are told to retry, as before.
+            with pytest.raises(rp.DatabaseUnavailable):
+                asyncio.run(async_engine.run(async_op, key="k", params={"scope": "a"}, scope="a"))
+    finally:
+        asyncio.run(async_engine.dispose())
+    assert count(outage_db, "SELECT count(*) FROM provider_charges") == 2  # the warm-ups
+
+
 def test_a_connection_killed_mid_request_is_database_unavailable_and_the_retry_charges_once(
     worker_database_url: str, sync_engine: rp.Engine, outage_db: sa.Engine
 ) -> None:

@@ -13,7 +13,8 @@ cannot send a Close, the statements go unnamed, parsed with each execution.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -34,15 +35,17 @@ async def execute(
     *,
     begin: str | None = None,
     commit: bool = False,
+    meanwhile: Callable[[], object] | None = None,
 ) -> Row | None:
     """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
     first row. As :func:`recoverypoint.engine._libpq.execute`: a statement found
     deallocated is prepared and sent again if nothing ran before it in its transaction,
-    else :class:`Deallocated` is raised and the transaction runs again."""
+    else :class:`Deallocated` is raised and the transaction runs again; ``meanwhile`` runs
+    while the statement is on its way."""
     encoding = _libpq.client_encoding(connection)
     values = _libpq.text_values(params, statement.names, encoding)
     try:
-        result = await _run(pooled, connection, statement, values, begin, commit)
+        result = await _run(pooled, connection, statement, values, begin, commit, meanwhile)
     except psycopg.errors.InvalidSqlStatementName:
         forget(pooled)
         if begin is not None:
@@ -68,6 +71,7 @@ async def _run(
     values: list[bytes],
     begin: str | None,
     commit: bool,
+    meanwhile: Callable[[], object] | None = None,
 ) -> Any:
     info = pooled.info
     prepared: set[bytes] | None = None
@@ -82,7 +86,9 @@ async def _run(
     if begin is None and not commit:
         name, prepare = named(statement)
         if not prepare:  # a lone statement (a replay's lookup) needs no pipeline
-            return await _alone(connection, statement, values, name)
+            return await _alone(connection, statement, values, name, meanwhile)
+    if meanwhile is not None:  # a statement's first run on the connection: seldom
+        meanwhile()
     commands = _libpq.transaction(statement, values, begin, commit, named)
     exchange = _libpq.pipeline(connection.pgconn, commands)
     try:
@@ -103,13 +109,24 @@ async def _alone(
     statement: sql.Statement,
     values: list[bytes],
     name: bytes | None,
+    meanwhile: Callable[[], object] | None,
 ) -> Any:
     """``statement`` on its own, by ``name`` if it is prepared under one: sent as one
     query, as :func:`command` sends its own, without entering a pipeline and syncing it
-    (a third of a replay's lookup's client CPU on the event loop)."""
+    (a third of a replay's lookup's client CPU on the event loop); ``meanwhile`` runs once
+    it is sent."""
     pgconn = connection.pgconn
     if name is None:
         pgconn.send_query_params(statement.positional, values)
     else:
         pgconn.send_query_prepared(name, values)
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            # Its error is the one to raise, once the statement's result is read: the
+            # connection goes back to the pool idle (one that cannot is dropped).
+            with contextlib.suppress(psycopg.Error):
+                await connection.wait(_libpq.last_result(pgconn))
+            raise
     return _libpq.checked(connection, await connection.wait(_libpq.last_result(pgconn)))

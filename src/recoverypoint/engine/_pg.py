@@ -117,11 +117,17 @@ class Transaction:
     # Both engines the same way: prepared once per connection, BEGIN and COMMIT in one
     # pipeline with the statement beside them; the async one waits on the event loop.
 
-    def lookup(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
+    def lookup(
+        self,
+        statement: sql.Statement,
+        params: dict[str, Any],
+        meanwhile: Callable[[], object] | None = None,
+    ) -> TextRow | None:
         """One of the engine's statements on its own, before the transaction begins (a
-        replay's lookup); its first row, as text."""
+        replay's lookup); its first row, as text. ``meanwhile``: client work to do while
+        the statement is on its way (see :func:`recoverypoint.engine._libpq.execute`)."""
         assert not self._began, "a lookup runs before the transaction"
-        return _libpq.execute(self._pooled, self.connection, statement, params)
+        return _libpq.execute(self._pooled, self.connection, statement, params, meanwhile=meanwhile)
 
     def fetch(self, statement: sql.Statement, params: dict[str, Any]) -> TextRow | None:
         """One of the engine's statements in the transaction, BEGIN with it if it is the

@@ -80,8 +80,10 @@ from ._decide import (
     KeyRef,
     Progress,
     Registry,
+    Requested,
     Step,
     as_answered,
+    claim_request,
     dump_state,
     left_scope,
     replay,
@@ -303,12 +305,20 @@ class Engine(Registry):
         if namespace is None:
             namespace = self._database_namespace()
         self._find_binding()
-        claim_request = self.claim_request(
-            operation, key, params, scope, request, self.max_params_bytes, namespace
+        requested = self.requested(operation, key, scope, request)
+        checked = functools.partial(
+            claim_request, operation, requested, params, self.max_params_bytes, namespace
         )
-        claim = _Claim(operation, claim_request, params, observed)
+        claim = _Claim(operation, requested, checked, params, observed)
+        claim.check()  # before a connection is borrowed: its lookup would hide nothing
         try:
             first = self._transact(self._claim, claim)
+        except _DRIVER_ERRORS:
+            # The params are checked with the lookup (see _Claim.check): a request that
+            # never got that far (an outage) is checked now, so that bad input is still
+            # told as the caller's to fix, not as a reason to retry.
+            claim.check()
+            raise
         except Exception:
             raise  # raised before COMMIT: the claim rolled back
         except BaseException as exc:
@@ -474,9 +484,12 @@ class Engine(Registry):
         one here."""
         # An attempt run again after a serialization failure starts over.
         claim.run = claim.abandoned = None
-        operation, request, params = claim.operation, claim.request, claim.params
+        operation, params = claim.operation, claim.params
         honoured_for = operation.honoured_for.total_seconds()
-        finished, generation = store.finished_key(tx, request, honoured_for, bound=self.bound)
+        finished, generation = store.finished_key(
+            tx, claim.requested, honoured_for, bound=self.bound, meanwhile=claim.check
+        )
+        request = claim.request
         if finished is not None and finished.expired:
             # Past its retention a key is a new request, whether or not it was reaped.
             store.forget_expired(tx, request, honoured_for, generation)
@@ -636,19 +649,30 @@ class _Claim:
     object, not in its return value: an interrupt may land on its COMMIT after it took the
     lease, and the caller must then give the lease up."""
 
-    __slots__ = ("_token", "abandoned", "observed", "operation", "params", "request", "run")
+    __slots__ = (
+        "_check",
+        "_request",
+        "_token",
+        "abandoned",
+        "observed",
+        "operation",
+        "params",
+        "requested",
+        "run",
+    )
 
     def __init__(
         self,
         operation: Operation[Any],
-        request: ClaimRequest,
+        requested: Requested,
+        check: Callable[[], ClaimRequest],
         params: Any,
         observed: RunObservation,
     ) -> None:
         self.operation = operation
         """The operation the request names; the key may be judged by an older version."""
-        self.request = request
-        """What the claim writes and compares: the key, the params' fingerprint."""
+        self.requested = requested
+        """The key the request names, checked: what the lookup reads by."""
         self.params = params
         """The params as the caller passed them, for judging a key reused with other ones."""
         self.observed = observed
@@ -659,7 +683,25 @@ class _Claim:
         self.abandoned: tuple[Operation[Any], KeyRecord] | None = None
         """The key and the version that started it, when the claim abandoned it (out of
         attempts) instead of taking it."""
+        self._check = check
+        self._request: ClaimRequest | None = None
         self._token: uuid.UUID | None = None
+
+    def check(self) -> ClaimRequest:
+        """The request, its params validated and fingerprinted (:func:`claim_request`);
+        raises before anything is stored. Made once: on the async engine while the key's
+        lookup is on its way, where the client would otherwise wait for the server; on the
+        sync engine before the claim borrows a connection (libpq's blocking call for the
+        lookup costs the client less than a send and a wait from Python would, see
+        :func:`recoverypoint.engine._libpq.execute`)."""
+        if self._request is None:
+            self._request = self._check()
+        return self._request
+
+    @property
+    def request(self) -> ClaimRequest:
+        """What the claim writes and compares: the key, the params' fingerprint."""
+        return self.check()
 
     @property
     def token(self) -> uuid.UUID:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -17,25 +17,32 @@ from .. import distribute
 from ..backoff import backoff_delay
 from ..errors import ConfigurationError, KeyInUse, LockLost
 from . import sql
-from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, written
+from ._decide import ClaimRequest, Finished, KeyId, KeyRecord, KeyRef, Requested, written
 from ._pg import TextRow, Transaction, borrowed
 from .context.common import StagedJob
 
 
 def finished_key(
-    tx: Transaction, request: ClaimRequest, retention: float, *, bound: bool
+    tx: Transaction,
+    requested: Requested,
+    retention: float,
+    *,
+    bound: bool,
+    meanwhile: Callable[[], object] | None = None,
 ) -> tuple[Finished | None, int]:
     """The key if it is finished, read before the transaction begins, and the generation a
     new row of the key takes after it (for :func:`forget_expired`; for :func:`claim` too
     where the keys are distributed, ``bound``); ``retention``: the seconds it is honoured
-    for."""
+    for. ``meanwhile`` runs while the lookup is on its way (see
+    :meth:`Transaction.lookup`)."""
     params = {
-        "scope": request.scope,
-        "operation": request.operation,
-        "key": request.key,
+        "scope": requested.scope,
+        "operation": requested.operation,
+        "key": requested.key,
         "retention": retention,
     }
-    row = tx.lookup(sql.FIND_FINISHED_BOUND if bound else sql.FIND_FINISHED, params)
+    statement = sql.FIND_FINISHED_BOUND if bound else sql.FIND_FINISHED
+    row = tx.lookup(statement, params, meanwhile)
     if row is None or row[0] is None:  # none (one server), or the joins' empty row (Citus)
         return None, 0 if row is None else int(row[6] or 0)
     return Finished.parse(row[:6]), int(row[6] or 0)
