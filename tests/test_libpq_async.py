@@ -241,6 +241,7 @@ async def test_the_params_are_checked_while_the_lookup_is_on_its_way(
     # A request's lookup goes out first, and its params are validated and fingerprinted
     # while the server answers, where the client would only wait. The first lookup on a
     # connection prepares its statement in a pipeline: there the params are checked first.
+    # The pool has its connection idle: a borrow that might wait checks them first too.
     pooled = await async_db.raw_connection()
     connection = pooled.driver_connection  # the pool's one connection, every request's
     await greenlet_spawn(pooled.close)
@@ -267,7 +268,9 @@ async def test_the_params_are_checked_while_the_lookup_is_on_its_way(
     finally:
         await engine.dispose()
     assert replayed.replayed and replayed.body == {"n": 2}
-    assert seen == [TransactionStatus.IDLE, TransactionStatus.ACTIVE, TransactionStatus.ACTIVE]
+    # With a libpq before 17 the statements go unnamed, never through the pipeline.
+    first = TransactionStatus.IDLE if _libpq.CLOSES else TransactionStatus.ACTIVE
+    assert seen == [first, TransactionStatus.ACTIVE, TransactionStatus.ACTIVE]
 
 
 def _nested(depth: int) -> Any:
@@ -333,3 +336,36 @@ async def test_refused_params_leave_the_pool_its_connection_and_store_nothing(
         await engine.dispose()
     assert stored == 2 + new_keys
     assert connects == [1]  # one connection from the first request to the last
+
+
+async def test_bad_params_are_refused_before_a_borrow_that_would_wait(
+    database_url: str, business_tables: None, scope: str
+) -> None:
+    # With no idle connection in the pool, a borrow waits for one (or makes one): bad
+    # params are refused first, not once the pool gives up (a refusal after the borrow
+    # was raised while the pool's timeout was handled).
+    db = sa_async.create_async_engine(
+        normalize_url(database_url), pool_size=1, max_overflow=0, pool_timeout=0.05
+    )
+    engine = rp.AsyncEngine(db)
+    op = _ride(scope)
+    engine.register(op)
+    try:
+        assert (await engine.run(op, key="warm", params={}, scope=scope)).status == 201
+        held = await db.raw_connection()  # the pool's one connection
+        try:
+            with pytest.raises(rp.InvalidParams) as refused:
+                await engine.run(op, key="bad", params={"n": float("nan")}, scope=scope)
+            raised_in: list[BaseException] = []
+            cause: BaseException | None = refused.value
+            while cause is not None:
+                raised_in.append(cause)
+                cause = cause.__context__
+            assert not any(isinstance(e, sa.exc.SQLAlchemyError) for e in raised_in)
+        finally:
+            await greenlet_spawn(held.close)
+        # The connection back, good params are served.
+        assert (await engine.run(op, key="good", params={}, scope=scope)).status == 201
+    finally:
+        await engine.dispose()
+        await db.dispose()

@@ -391,9 +391,11 @@ class Registry:
         """The key ``operation`` is run under, checked: what its lookup names; raises
         before anything is sent."""
         self.check_registered(operation)
+        key = validate_key(key)
+        scope = validate_scope(scope)
         request = request or Request()
         method, path = validate_request(request.method, request.path)
-        return Requested(validate_scope(scope), operation.name, validate_key(key), method, path)
+        return Requested(scope, operation.name, key, method, path)
 
     def judge(
         self,

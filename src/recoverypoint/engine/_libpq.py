@@ -53,7 +53,7 @@ def execute(
     first row. Raises the error of the first command that failed. ``begin``: the token of
     the transaction to begin (:func:`recoverypoint.engine.sql.mark`), if one is to begin.
     ``meanwhile``: client work to do with the statement (the request's params checked,
-    with a replay's lookup): first, here; the async engine's, while the statement is on
+    with a replay's lookup): first, here; on the async engine, while the statement is on
     its way.
 
     psycopg deallocates every prepared statement of a connection, the engine's too, after a
@@ -62,9 +62,10 @@ def execute(
     transaction is prepared again and sent again; one found gone behind other statements of
     its transaction raises :class:`Deallocated`, and the transaction runs again."""
     if meanwhile is not None:
-        # First: libpq's own blocking call for a lone statement costs the client less
-        # than a send and a wait on poll() from Python, which cost more than doing the work
-        # while the statement was on its way saved (measured on a replay; the async
+        # First (the sync engine's check of a request has run already, and this returns
+        # what it made): libpq's own blocking call for a lone statement costs the client
+        # less than a send and a wait on poll() from Python, which cost more than doing the
+        # work while the statement was on its way saved (measured on a replay; the async
         # engine's waits cost more, and there it saves: recoverypoint.engine._libpq_async).
         meanwhile()
     encoding = client_encoding(connection)

@@ -87,8 +87,8 @@ async def _run(
         name, prepare = named(statement)
         if not prepare:  # a lone statement (a replay's lookup) needs no pipeline
             return await _alone(connection, statement, values, name, meanwhile)
-    if meanwhile is not None:  # a statement's first run on the connection: seldom
-        meanwhile()
+    if meanwhile is not None:  # not yet prepared on the connection: its first run, or after
+        meanwhile()  # a rollback made psycopg deallocate the statements
     commands = _libpq.transaction(statement, values, begin, commit, named)
     exchange = _libpq.pipeline(connection.pgconn, commands)
     try:

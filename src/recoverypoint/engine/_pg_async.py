@@ -378,6 +378,12 @@ async def _give_back(
 
 if True:  # ASYNC
 
+    def idle_connection(db: sa_async.AsyncEngine) -> bool:
+        """Whether ``db``'s pool holds an idle connection, so that a borrow now neither
+        waits for one nor makes one (a connection the server dropped looks idle too)."""
+        pool = db.pool
+        return isinstance(pool, sa.pool.QueuePool) and pool.checkedin() > 0
+
     def _checked_out_at_once(pool: Any) -> Any:
         """A connection checked out of ``pool`` without SQLAlchemy's greenlet, or ``None``
         when the checkout might wait: a switch into the greenlet and back costs about half

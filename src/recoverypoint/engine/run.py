@@ -36,6 +36,7 @@ from ..database import create_engine
 from ..errors import (
     ConfigurationError,
     DeclarationError,
+    IdempotencyError,
     KeyInUse,
     LockLost,
     NeedsReconciliation,
@@ -314,10 +315,13 @@ class Engine(Registry):
         try:
             first = self._transact(self._claim, claim)
         except _DRIVER_ERRORS:
-            # The params are checked with the lookup (see _Claim.check): a request that
-            # never got that far (an outage) is checked now, so that bad input is still
-            # told as the caller's to fix, not as a reason to retry.
-            claim.check()
+            # Where the database failed before the params were checked (a connection the
+            # outage killed), they are checked now: bad input is the caller's to fix, not a
+            # reason to retry, whatever the database did.
+            try:
+                claim.check()
+            except IdempotencyError as refused:
+                raise refused from None
             raise
         except Exception:
             raise  # raised before COMMIT: the claim rolled back

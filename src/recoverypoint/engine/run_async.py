@@ -36,6 +36,7 @@ from ..database import create_engine, normalize_url
 from ..errors import (
     ConfigurationError,
     DeclarationError,
+    IdempotencyError,
     KeyInUse,
     LockLost,
     NeedsReconciliation,
@@ -330,16 +331,22 @@ class AsyncEngine(Registry):
         )
         claim = _Claim(operation, requested, checked, params, observed)
         if True:  # ASYNC
-            pass  # checked while the lookup is on its way (_Claim.check)
+            if not _pg_async.idle_connection(self.async_db):
+                # The borrow may wait for a connection, or make one: bad input is not kept
+                # waiting for it. Otherwise checked while the lookup is on its way.
+                claim.check()
         else:
             claim.check()  # before a connection is borrowed: its lookup would hide nothing
         try:
             first = await self._transact(self._claim, claim)
         except _DRIVER_ERRORS:
-            # The params are checked with the lookup (see _Claim.check): a request that
-            # never got that far (an outage) is checked now, so that bad input is still
-            # told as the caller's to fix, not as a reason to retry.
-            claim.check()
+            # Where the database failed before the params were checked (a connection the
+            # outage killed), they are checked now: bad input is the caller's to fix, not a
+            # reason to retry, whatever the database did.
+            try:
+                claim.check()
+            except IdempotencyError as refused:
+                raise refused from None
             raise
         except Exception:
             raise  # raised before COMMIT: the claim rolled back

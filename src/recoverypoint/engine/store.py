@@ -33,7 +33,7 @@ def finished_key(
     """The key if it is finished, read before the transaction begins, and the generation a
     new row of the key takes after it (for :func:`forget_expired`; for :func:`claim` too
     where the keys are distributed, ``bound``); ``retention``: the seconds it is honoured
-    for. ``meanwhile`` runs while the lookup is on its way (see
+    for. ``meanwhile``: client work to do with the lookup (see
     :meth:`Transaction.lookup`)."""
     params = {
         "scope": requested.scope,
