@@ -47,27 +47,16 @@ def execute(
     *,
     begin: str | None = None,
     commit: bool = False,
-    meanwhile: Callable[[], object] | None = None,
 ) -> Row | None:
     """Run ``statement``, after BEGIN and before COMMIT when asked, in one round trip; its
     first row. Raises the error of the first command that failed. ``begin``: the token of
     the transaction to begin (:func:`recoverypoint.engine.sql.mark`), if one is to begin.
-    ``meanwhile``: client work to do with the statement (the request's params checked,
-    with a replay's lookup): first, here; on the async engine, while the statement is on
-    its way.
 
     psycopg deallocates every prepared statement of a connection, the engine's too, after a
     ROLLBACK or DDL it sends, for whatever code shares the connection (so do ``DISCARD ALL``
     and ``DEALLOCATE ALL``). A statement found gone before anything else ran in its
     transaction is prepared again and sent again; one found gone behind other statements of
     its transaction raises :class:`Deallocated`, and the transaction runs again."""
-    if meanwhile is not None:
-        # First (the sync engine's check of a request has run already, and this returns
-        # what it made): libpq's own blocking call for a lone statement costs the client
-        # less than a send and a wait on poll() from Python, which cost more than doing the
-        # work while the statement was on its way saved (measured on a replay; the async
-        # engine's waits cost more, and there it saves: recoverypoint.engine._libpq_async).
-        meanwhile()
     encoding = client_encoding(connection)
     values = text_values(params, statement.names, encoding)
     try:

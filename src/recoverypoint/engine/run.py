@@ -697,7 +697,7 @@ class _Claim:
         lookup is on its way, where the client would otherwise wait for the server; on the
         sync engine before the claim borrows a connection (libpq's blocking call for the
         lookup costs the client less than a send and a wait from Python would, see
-        :func:`recoverypoint.engine._libpq.execute`)."""
+        :meth:`recoverypoint.engine._pg.Transaction.lookup`)."""
         if self._request is None:
             self._request = self._check()
         return self._request
