@@ -129,6 +129,9 @@ class Phase:
     """A foreign step's: how long its provider remembers a downstream key."""
     reconcile: Callable[..., Any] | None = None
     """A foreign step's: asks its provider what a call made past the window did."""
+    sends_nothing: bool = False
+    """An atomic phase of the library's own that sends no statement (``@idempotent``'s
+    answer): its fence goes with the write that records it, in one round trip."""
 
     @property
     def atomic(self) -> bool:
@@ -332,6 +335,8 @@ class Operation(Generic[P]):
         jumps_to: tuple[str, ...],
         dedupe_window: timedelta | None = None,
         reconcile: Callable[..., Any] | None = None,
+        *,
+        sends_nothing: bool = False,
     ) -> Callable[[F], F]:
         if not isinstance(point, str) or not point or len(point) > 100 or not _storable(point):
             raise DeclarationError(
@@ -346,7 +351,9 @@ class Operation(Generic[P]):
             raise DeclarationError(f"{self.name}: no phase may follow {FINISHED!r}")
 
         def register(fn: F) -> F:
-            self.phases.append(Phase(point, kind, fn, jumps_to, dedupe_window, reconcile))
+            self.phases.append(
+                Phase(point, kind, fn, jumps_to, dedupe_window, reconcile, sends_nothing)
+            )
             return fn
 
         return register

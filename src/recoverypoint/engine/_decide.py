@@ -265,6 +265,9 @@ class KeyRef:
     for the writes that wake its waiters."""
     locked_by: object = None
     """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
+    fence_due: bool = False
+    """``locked_by``'s fence is left to the write that records its phase
+    (:func:`recoverypoint.engine.store.fence_later`)."""
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

@@ -156,6 +156,12 @@ class Transaction:
         self._committed = True
         return row
 
+    def roll_back(self) -> None:
+        """ROLLBACK what began, so that the next statement begins the transaction anew;
+        through libpq, as psycopg's own would deallocate the engine's statements."""
+        _libpq.command(self.connection, b"ROLLBACK")
+        self._began = False
+
     def _prepare_again(self) -> None:
         """After phase code deallocated prepared statements: the engine's, prepared again
         before their next use."""

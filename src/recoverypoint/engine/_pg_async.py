@@ -168,6 +168,12 @@ class AsyncTransaction:
         self._committed = True
         return row
 
+    async def roll_back(self) -> None:
+        """ROLLBACK what began, so that the next statement begins the transaction anew;
+        through libpq, as psycopg's own would deallocate the engine's statements."""
+        await _libpq_async.command(self.connection, b"ROLLBACK")
+        self._began = False
+
     def _prepare_again(self) -> None:
         """After phase code deallocated prepared statements: the engine's, prepared again
         before their next use."""

@@ -161,7 +161,17 @@ def fence(tx: Transaction, key: KeyRef, *, bound: bool) -> None:
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             row = tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
-    key.locked_by = tx
+    key.locked_by, key.fence_due = tx, False
+
+
+def fence_later(tx: Transaction, key: KeyRef) -> None:
+    """Leave the fence of a phase that sends no statement of its own to the write that
+    records it (:func:`advance`, :func:`finish`), which then is the fence: it finds the row
+    by address and lease as :func:`fence` does, locks it, and misses it (and raises, so
+    nothing commits) where the fence would have; only then are a stale address and a lost
+    lease told apart, as :func:`fence` tells them. A round trip less for such a phase
+    (``@idempotent``'s answer); one that sent a statement would run it unfenced."""
+    key.locked_by, key.fence_due = tx, True
 
 
 def held(tx: Transaction, key: KeyRef, record: KeyRecord) -> None:
@@ -330,9 +340,8 @@ def _commit_fenced(
             if bound:
                 row = _record_bound(tx, statement, params, len(jobs))
             else:
-                row = tx.fetch_and_commit(
-                    statement.staging(len(jobs)) if jobs else statement.held, params
-                )
+                write = statement.staging(len(jobs)) if jobs else statement.held
+                row = _record(tx, key, write, params)
         except psycopg.Error as exc:
             # The write missed the row its own transaction locked (it raises then, so that
             # COMMIT never runs): the phase itself changed the key row, or ended the
@@ -359,6 +368,28 @@ def _commit_fenced(
     if row is not None:
         tx.commit()
     return written(key, row)[1]
+
+
+def _record(
+    tx: Transaction, key: KeyRef, write: sql.Statement, params: dict[str, Any]
+) -> TextRow | None:
+    """The write that records a phase, then COMMIT, in one round trip; the phase's fence
+    too, where it was left to the write (:func:`fence_later`)."""
+    if not key.fence_due:
+        return tx.fetch_and_commit(write, params)
+    key.fence_due = False
+    try:
+        with _waiting_for_key:
+            return tx.fetch_and_commit(write, params)
+    except psycopg.Error as exc:
+        if exc.sqlstate != sql.KEY_ROW_CHANGED:
+            raise
+    # The write missed its row: a stale address (a rolled-back attempt, a takeover) or a
+    # lost lease. Fenced on its own, by id when the address is stale: LockLost if the
+    # lease is gone, else the write again at the row's address.
+    tx.roll_back()
+    fence(tx, key, bound=False)
+    return tx.fetch_and_commit(write, {**params, "ctid": key.ctid})
 
 
 def _record_bound(

@@ -250,12 +250,14 @@ def idempotent(
             )
         hook = None if reconcile is None else calls.reconciling(reconcile, is_async)
         step = operation.foreign_step(CALLED, dedupe_window=dedupe_window, reconcile=hook)
+        # The answer sends no statement: its fence goes with the write that records it.
+        answer = operation._declare(FINISHED, "atomic", (), sends_nothing=True)
         if is_async:
             step(calls.step_async)
-            operation.atomic_phase(FINISHED)(_finish_async)
+            answer(_finish_async)
         else:
             step(calls.step)
-            operation.atomic_phase(FINISHED)(_finish)
+            answer(_finish)
         engine.register(operation)
         wrapper = (
             calls.async_wrapper(cast(AsyncRunner, engine))
