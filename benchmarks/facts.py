@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import subprocess
@@ -59,7 +60,18 @@ def loadavg() -> str:
 
 
 def git_commit(repo: Path) -> str:
-    """The checkout's commit, and whether src/ had uncommitted changes (the code measured)."""
+    """The commit of the checkout whose ``src/`` the measured recoverypoint was imported
+    from (another worktree's, put first on ``PYTHONPATH`` to measure the code before a
+    change, else ``repo``'s), and whether its src/ had uncommitted changes."""
+    imported = importlib.util.find_spec("recoverypoint")
+    if imported is not None and imported.origin is not None:
+        checkout = Path(imported.origin).resolve().parents[2]
+        if checkout != repo.resolve() and (checkout / "src").is_dir():
+            return f"{git_commit_of(checkout)} (src/ of {checkout})"
+    return git_commit_of(repo)
+
+
+def git_commit_of(repo: Path) -> str:
 
     def git(*args: str) -> str:
         return subprocess.run(
