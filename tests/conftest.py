@@ -126,6 +126,7 @@ BOTH_LAYOUTS = frozenset(
         "test_admin_leases",
         "test_engine",
         "test_fencing",
+        "test_idempotent_fence",
         "test_staged_jobs",
         "test_completer",
         "test_reaper",

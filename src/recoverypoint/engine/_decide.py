@@ -264,10 +264,11 @@ class KeyRef:
     """The key's advisory lock and NOTIFY channel (:func:`recoverypoint.engine.waits.wake`),
     for the writes that wake its waiters."""
     locked_by: object = None
-    """The transaction whose fence or claim locked the row at ``ctid``, if still open."""
-    fence_due: bool = False
-    """``locked_by``'s fence is left to the write that records its phase
-    (:func:`recoverypoint.engine.store.fence_later`)."""
+    """The transaction whose fence or claim locked the row at ``ctid``, if still open, or
+    whose write that records its phase is to lock it (:attr:`fence_left_to`)."""
+    fence_left_to: object = None
+    """The transaction whose phase sends nothing and leaves its fence to the write that
+    records it (:func:`recoverypoint.engine.store.fence_later`), until that write is sent."""
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

@@ -181,6 +181,11 @@ class AsyncTransaction:
             _libpq_async.forget(self._pooled)
             self._deallocated = False
 
+    @property
+    def began(self) -> bool:
+        """Whether a statement was sent in the transaction (BEGIN with the first)."""
+        return self._began
+
     def _begin_sql(self) -> bytes:
         """BEGIN and the transaction's token (:func:`sql.mark`), as one simple query."""
         return sql.BEGIN + b"; " + sql.mark(self.token)

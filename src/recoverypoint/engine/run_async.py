@@ -4,8 +4,9 @@ A request, top to bottom: :meth:`AsyncEngine.run` validates it and claims its ke
 SERIALIZABLE transaction (:meth:`AsyncEngine._claim`; a new key runs its first atomic phase
 in that transaction too); :meth:`AsyncEngine._drive` then runs the phases after the
 recovery point, one :meth:`_AsyncRun.next` each: an atomic phase in a transaction of its
-own that locks the key row first (:meth:`_AsyncRun.fenced`) and COMMITs with its recovery
-point (:meth:`_AsyncRun._commit`), a foreign step outside any transaction. The claim that
+own that locks the key row first (:meth:`_AsyncRun.fenced`; a phase that sends no
+statement, with the write that records it) and COMMITs with its recovery point
+(:meth:`_AsyncRun._commit`), a foreign step outside any transaction. The claim that
 takes the lease counts the attempt, so a process that dies mid-step has used one; a key out
 of attempts is abandoned by the claim that would start one more. A failure gives the lease
 up and records the error (:meth:`AsyncEngine._give_up`); so does a cancelled request, whose
@@ -947,7 +948,8 @@ class _AsyncRun:
         return await self.atomic(tx, phase, state_json)
 
     async def atomic(self, tx: AsyncTransaction, phase: Phase, state_json: str) -> Step:
-        """Run ``phase`` in ``tx``, which holds the key row, and commit it with its point."""
+        """Run ``phase`` in ``tx``, which holds the key row (a phase that sends nothing: whose
+        write is to lock it), and commit it with its point."""
         # A fresh copy each time: a phase retried after a serialization failure starts over.
         ctx = AsyncAtomicContext(
             tx, json.loads(state_json), self.identity, phase.point, self.engine.observer

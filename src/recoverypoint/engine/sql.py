@@ -22,7 +22,9 @@ cheap:
   the phase's staged jobs in the same statement (where Citus distributes the keys, as
   statements of their own: :attr:`Fenced.bound`). A miss means the phase itself changed the
   key row or ended the transaction: the statement raises (:data:`KEY_ROW_CHANGED`,
-  :data:`TRANSACTION_ENDED`) and nothing commits.
+  :data:`TRANSACTION_ENDED`) and nothing commits. (Where the write is the fence of a phase
+  that sends nothing, a miss may also be a stale address or a lost lease, which the engine
+  then tells apart: ``recoverypoint.engine.store.fence_later``.)
 """
 
 from __future__ import annotations

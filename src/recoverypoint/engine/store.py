@@ -161,7 +161,7 @@ def fence(tx: Transaction, key: KeyRef, *, bound: bool) -> None:
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             row = tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
-    key.locked_by, key.fence_due = tx, False
+    key.locked_by, key.fence_left_to = tx, None
 
 
 def fence_later(tx: Transaction, key: KeyRef) -> None:
@@ -170,8 +170,9 @@ def fence_later(tx: Transaction, key: KeyRef) -> None:
     by address and lease as :func:`fence` does, locks it, and misses it (and raises, so
     nothing commits) where the fence would have; only then are a stale address and a lost
     lease told apart, as :func:`fence` tells them. A round trip less for such a phase
-    (``@idempotent``'s answer); one that sent a statement would run it unfenced."""
-    key.locked_by, key.fence_due = tx, True
+    (``@idempotent``'s answer). Only for a phase that sends no statement: one that did
+    would have run it unfenced (:func:`_record` refuses that)."""
+    key.locked_by = key.fence_left_to = tx
 
 
 def held(tx: Transaction, key: KeyRef, record: KeyRecord) -> None:
@@ -375,9 +376,11 @@ def _record(
 ) -> TextRow | None:
     """The write that records a phase, then COMMIT, in one round trip; the phase's fence
     too, where it was left to the write (:func:`fence_later`)."""
-    if not key.fence_due:
+    if key.fence_left_to is not tx:
         return tx.fetch_and_commit(write, params)
-    key.fence_due = False
+    key.fence_left_to = None
+    # Rolled back and written again below, a statement of the phase would be lost.
+    assert not tx.began, "a phase that left its fence to its write sent a statement"
     try:
         with _waiting_for_key:
             return tx.fetch_and_commit(write, params)

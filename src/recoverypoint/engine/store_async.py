@@ -163,7 +163,7 @@ async def fence(tx: AsyncTransaction, key: KeyRef, *, bound: bool) -> None:
         if row is None:  # a stale address: a rolled-back attempt, a takeover
             row = await tx.fetchone(sql.FENCE_BY_ID_BOUND if bound else sql.FENCE_BY_ID, params)
     written(key, row)
-    key.locked_by, key.fence_due = tx, False
+    key.locked_by, key.fence_left_to = tx, None
 
 
 def fence_later(tx: AsyncTransaction, key: KeyRef) -> None:
@@ -172,8 +172,9 @@ def fence_later(tx: AsyncTransaction, key: KeyRef) -> None:
     by address and lease as :func:`fence` does, locks it, and misses it (and raises, so
     nothing commits) where the fence would have; only then are a stale address and a lost
     lease told apart, as :func:`fence` tells them. A round trip less for such a phase
-    (``@idempotent``'s answer); one that sent a statement would run it unfenced."""
-    key.locked_by, key.fence_due = tx, True
+    (``@idempotent``'s answer). Only for a phase that sends no statement: one that did
+    would have run it unfenced (:func:`_record` refuses that)."""
+    key.locked_by = key.fence_left_to = tx
 
 
 def held(tx: AsyncTransaction, key: KeyRef, record: KeyRecord) -> None:
@@ -381,9 +382,11 @@ async def _record(
 ) -> TextRow | None:
     """The write that records a phase, then COMMIT, in one round trip; the phase's fence
     too, where it was left to the write (:func:`fence_later`)."""
-    if not key.fence_due:
+    if key.fence_left_to is not tx:
         return await tx.fetch_and_commit(write, params)
-    key.fence_due = False
+    key.fence_left_to = None
+    # Rolled back and written again below, a statement of the phase would be lost.
+    assert not tx.began, "a phase that left its fence to its write sent a statement"
     try:
         with _waiting_for_key:
             return await tx.fetch_and_commit(write, params)
