@@ -72,6 +72,7 @@ def git_commit(repo: Path) -> str:
 
 
 def git_commit_of(repo: Path) -> str:
+    """``repo``'s commit, and whether its src/ had uncommitted changes."""
 
     def git(*args: str) -> str:
         return subprocess.run(
