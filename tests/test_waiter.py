@@ -1,11 +1,14 @@
 """The async engine's wait (recoverypoint.engine._waiter) on asyncio's loop and on uvloop,
-against the session's PostgreSQL. A borrowed connection's socket is registered once per
-borrow (again only if the loop stopped watching it) and never left registered. A request
-cancelled in the middle of a statement cancels it on the server; a connection the server
-drops while it is borrowed neither spins the loop, nor hangs the request (on uvloop,
-libuv stops watching a socket that reports an error: the waiter's look finds it), nor
-leaves a stale registration behind for the next connection to trip over; a statement
-larger than the socket's buffer goes out whole."""
+against the session's PostgreSQL. A pooled connection's socket is registered once, at the
+engine's first borrow of it on a loop (again only if the loop stopped watching it), and
+let go when the pool closes the connection; a borrow on another loop gets a waiter of that
+loop, and the last loop's registration goes; the application's own use of the pool on
+another loop waits psycopg's way. A request cancelled in the middle of a statement cancels
+it on the server; a connection the server drops while it is borrowed, or while it rests
+in the pool, neither spins the loop, nor hangs the request (on uvloop, libuv stops watching
+a socket that reports an error: the waiter's look finds it), nor leaves a stale
+registration behind for the next connection to trip over; a statement larger than the
+socket's buffer goes out whole."""
 
 from __future__ import annotations
 
@@ -121,7 +124,16 @@ def waiters(monkeypatch: pytest.MonkeyPatch) -> list[_waiter.Waiter]:
     return made
 
 
-async def test_a_socket_is_registered_once_per_borrow_and_never_left(
+def watched(loop: asyncio.AbstractEventLoop) -> set[int] | None:
+    """The sockets asyncio's loop watches for reading; ``None`` on uvloop, which tells
+    nobody."""
+    selector = getattr(loop, "_selector", None)
+    if selector is None:
+        return None
+    return {key.fd for key in selector.get_map().values() if key.events & 1}  # EVENT_READ
+
+
+async def test_a_socket_is_registered_once_per_connection_and_let_go_when_it_closes(
     engine: rp.AsyncEngine,
     waiters: list[_waiter.Waiter],
     monkeypatch: pytest.MonkeyPatch,
@@ -134,15 +146,106 @@ async def test_a_socket_is_registered_once_per_borrow_and_never_left(
         monkeypatch.setattr(loop, "add_reader", lambda fd, *a: (registered.append(fd), add(fd, *a)))
         monkeypatch.setattr(loop, "remove_reader", lambda fd: (registered.remove(fd), remove(fd)))
 
-    for _ in range(5):
+    for _ in range(5):  # two borrows each
         assert (await request(engine)).status == 201
-    assert waiters and all(w.socket is None for w in waiters)  # every one let go
-    assert registered == []
-    # A replay, too, waits through one.
-    before = len(waiters)
     outcome = await request(engine, "again")
     assert (await request(engine, "again")).replayed and outcome.status == 201
-    assert len(waiters) > before and registered == []
+    # The pool's one connection, one waiter for its twelve borrows, its socket registered
+    # once and watched meanwhile.
+    (waiter,) = waiters
+    assert waiter.loop is loop and waiter.socket is not None
+    socket = waiter.socket
+    if anyio_backend == "asyncio":
+        assert registered == [socket]
+    await engine.async_db.dispose()  # the pool closes its connection: the socket goes first
+    assert waiter.socket is None and registered == []
+    assert socket not in (watched(loop) or set())
+
+
+async def test_a_connection_borrowed_on_another_loop_gets_a_waiter_of_that_loop(
+    engine: rp.AsyncEngine, waiters: list[_waiter.Waiter], db: sa.Engine, anyio_backend: Any
+) -> None:
+    loop = asyncio.get_running_loop()
+    before = watched(loop)
+    assert (await request(engine, "here")).status == 201
+    (first,) = waiters
+
+    def elsewhere() -> tuple[int, rp.Outcome]:
+        async def main() -> tuple[int, rp.Outcome]:
+            # The application's own use of the pool on this loop first: the connection
+            # still carries the first loop's waiter, and psycopg's own wait serves here.
+            async with engine.async_db.connect() as conn:
+                value = (await conn.execute(sa.text("SELECT 41 + 1"))).scalar_one()
+            return value, await request(engine, "there")
+
+        return asyncio.run(main())
+
+    # A second loop in a thread while this one runs (SQLAlchemy asks for a pool per loop;
+    # an application that shares one must not be broken by the engine).
+    value, there = await asyncio.to_thread(elsewhere)
+    assert value == 42 and there.status == 201
+    second = waiters[-1]
+    assert len(waiters) == 2 and second.loop is not loop and second.loop.is_closed()
+    # The first loop's registration went with a turn of this loop, which it belongs to.
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert first.socket is None
+    # Back here: the second loop closed; its waiter goes, and one of this loop serves.
+    assert (await request(engine, "here")).replayed
+    assert (await request(engine, "again")).status == 201
+    third = waiters[-1]
+    assert len(waiters) == 3 and third.loop is loop and second.socket is None
+    if before is not None:
+        assert watched(loop) == before | {third.socket}
+    loop_name = type(loop).__module__.split(".")[0]
+    made = count(
+        db,
+        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key IN (:a, :b, :c)",
+        a=f"{RUN}-{loop_name}-here",
+        b=f"{RUN}-{type(second.loop).__module__.split('.')[0]}-there",
+        c=f"{RUN}-{loop_name}-again",
+    )
+    assert made == 3
+
+
+async def test_a_connection_dropped_while_resting_in_the_pool_neither_spins_the_loop_nor_stays(
+    engine: rp.AsyncEngine,
+    phase: Phase,
+    waiters: list[_waiter.Waiter],
+    db: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    woken: list[bool] = []
+    readable = _waiter.Waiter._readable
+
+    def counted(self: _waiter.Waiter) -> None:
+        woken.append(True)
+        readable(self)
+
+    monkeypatch.setattr(_waiter.Waiter, "_readable", counted)
+    loop = asyncio.get_running_loop()
+    before = watched(loop)
+    assert (await request(engine, "rested")).status == 201
+    (resting,) = waiters
+    assert engine.async_db.pool.checkedin() == 1  # type: ignore[attr-defined]
+    woken.clear()
+    with db.connect() as conn:  # the server drops the pooled connection while it rests
+        conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": phase.pid})
+    for _ in range(500):  # the loop turns; the dead socket wakes it twice, not every turn
+        await asyncio.sleep(0)
+    assert 1 <= len(woken) <= 2 and not resting.registered
+    # The next request finds the connection dead (the database's loss, said so); the pool
+    # drops it, its socket let go, and the requests after it run on a new one.
+    with contextlib.suppress(rp.DatabaseUnavailable):
+        await request(engine, "rested")
+    assert resting.socket is None
+    for n in range(3):
+        assert (await request(engine, f"after-rest-{n}")).status == 201
+    assert (await request(engine, "rested")).replayed
+    live = [w.socket for w in waiters if w.socket is not None]
+    assert len(live) == 1
+    if before is not None:
+        assert watched(loop) == before | set(live)
 
 
 async def test_a_request_cancelled_mid_statement_cancels_it_on_the_server(
@@ -245,10 +348,10 @@ async def test_a_statement_larger_than_the_socket_buffer_goes_out_whole(
 
 
 async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(
-    engine: rp.AsyncEngine, db: sa.Engine, anyio_backend: Any
+    engine: rp.AsyncEngine, db: sa.Engine, waiters: list[_waiter.Waiter]
 ) -> None:
     loop = asyncio.get_running_loop()
-    watched = len(loop._selector.get_map()) if anyio_backend == "asyncio" else 0  # type: ignore[attr-defined]
+    before = watched(loop)
     turns: list[int] = []
 
     @settings(max_examples=40, suppress_health_check=list(HealthCheck))
@@ -265,12 +368,14 @@ async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        # Whatever was cut, the connection went back, the key answers, and nothing of
-        # the borrow is left with the loop.
+        # Whatever was cut, the connection went back, the key answers, and the loop
+        # watches the pool's one connection, through its waiter, and nothing else.
         assert engine.async_db.pool.checkedout() == 0  # type: ignore[attr-defined]
         assert (await request(engine, key)).status == 201
-        if anyio_backend == "asyncio":
-            assert len(loop._selector.get_map()) == watched  # type: ignore[attr-defined]
+        live = [w.socket for w in waiters if w.socket is not None]
+        assert len(live) == 1
+        if before is not None:
+            assert watched(loop) == before | set(live)
     loop_name = type(loop).__module__.split(".")[0]
     made = count(
         db,

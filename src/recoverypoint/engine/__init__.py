@@ -10,7 +10,7 @@ Read it in this order, each module using only those before it:
 2. ``sql``: every statement of the request path, named after its intent, with the locks it
    takes;
 3. ``_libpq``: the sync engine's wire, those statements on libpq (``_libpq_async`` the
-   async one's, waited for by ``_waiter`` with the socket registered once per borrow);
+   async one's, waited for by ``_waiter`` with the socket registered once per connection);
 4. ``_pg_async`` (``_pg``): the SERIALIZABLE transaction, its BEGIN and COMMIT, and the
    retry after a serialization failure;
 5. ``phase_guard``: keeping phase code from ending the engine's transaction (``endings``:

@@ -2,8 +2,9 @@
 (:mod:`recoverypoint.engine._libpq`): prepared once per connection, a transaction's first
 statement in one pipeline with its BEGIN, the write that records a phase with its COMMIT.
 The pipeline is the same conversation (:func:`~recoverypoint.engine._libpq.pipeline`),
-waited for on the event loop through the connection's ``wait``: the engine's waiter while
-the connection is borrowed (:mod:`recoverypoint.engine._waiter`), else psycopg's own;
+waited for on the event loop through the connection's ``wait``: the engine's waiter once
+the engine has borrowed the connection on that loop (:mod:`recoverypoint.engine._waiter`),
+else psycopg's own;
 either cancels the statement on the server when the task is cancelled meanwhile.
 
 A statement is prepared in the pipeline that first runs it (a Close of its name, then its

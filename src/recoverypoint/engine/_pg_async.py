@@ -386,7 +386,6 @@ async def _give_back(
     db: sa_async.AsyncEngine, pooled: Any, connection: psycopg.AsyncConnection[Any], switched: bool
 ) -> None:
     if True:  # ASYNC
-        _waiter.let_go(connection)
         if not switched and _idle(connection) and _checks_in_at_once(db.pool):
             _hand_back(db.pool, pooled, connection, switched)
             return

@@ -1,24 +1,35 @@
-"""Waiting for a borrowed connection on the event loop, its socket registered once.
+"""Waiting for a pooled connection on the event loop, its socket registered once.
 
 psycopg's own wait (``AsyncConnection.wait``) registers the socket with the loop, arms a
 timer, and takes both away again at every round trip: on asyncio, two system calls, a
 timer and a second trip through the loop per round trip; on uvloop, a poll handle made and
 closed as well. That was most of what a request cost beyond asyncpg's
-(benchmarks/README.md, "AsyncEngine against asyncpg"). While the engine holds a
-connection, from the pool's hand-out to its hand-back, a :class:`Waiter` keeps the socket
-registered, and a round trip costs one future.
+(benchmarks/README.md, "AsyncEngine against asyncpg"). A :class:`Waiter` keeps the socket
+registered from the engine's first borrow of the connection on a loop until the connection
+closes, as asyncpg keeps its own: a round trip costs one future, and a borrow nothing
+(registered and let go at every borrow, a replay cost a tenth more client CPU; see
+benchmarks/README.md, "The socket registered once per connection").
 
 The waiter stands in for the connection's ``wait``, which psycopg's own code (a cursor, a
-COMMIT, SQLAlchemy's adapter) and the engine's pipelines all wait through, and for its
-``close``: a socket closed while registered would leave the loop watching a number the
-next connection may get. libpq itself closes the socket when it finds the connection lost,
-always inside a call made here, so the waiter lets the socket go in that same call.
+COMMIT, SQLAlchemy's adapter and pool) and the engine's pipelines all wait through, and for
+its ``close``: a socket closed while registered would leave the loop watching a number the
+next connection may get. The pool closes every connection it drops through that ``close``.
+libpq itself closes the socket when it finds the connection lost, always inside a call
+made here, so the waiter lets the socket go in that same call. A connection the pool
+forgets without closing it (``dispose(close=False)``) stays open while its loop runs.
 
-A loop may stop watching a socket without a word: libuv (uvloop) does when the socket
-reports an error (a connection the server reset), once it has called the reader a last
-time, and that call may come while no wait is pending. So, as psycopg's wait looks again
-on its timer, while waits are pending the waiter looks at the socket itself every
-:data:`LOOK` seconds, and registers it again when it finds it readable.
+Between borrows the socket rests in the pool, registered; what wakes the loop then (a
+notice, the server going away) wakes it twice at most: the socket rests unregistered
+until the next wait. A loop may also stop watching a socket without a word: libuv (uvloop)
+does when the socket reports an error, once it has called the reader a last time, and that
+call may come while no wait is pending. So, as psycopg's wait looks again on its timer,
+while waits are pending the waiter looks at the socket itself every :data:`LOOK` seconds,
+and registers it again when it finds it readable.
+
+A connection borrowed on another loop (``asyncio.run`` again, with the same engine) gets a
+waiter of that loop; the last one's registration goes with its loop's next turn, or at
+once where that loop no longer runs. A wait on another loop than the waiter's (the
+application's own use of the pool there, between the engine's borrows) is psycopg's own.
 
 The waiter stands in for a method below psycopg's documented surface, so it does only where
 the psycopg it runs on has the ``wait`` it knows (:func:`fits`: a coroutine taking the
@@ -49,7 +60,7 @@ LOOK = 0.1  # seconds between two looks at a socket waited for: psycopg's own in
 
 
 class Waiter:
-    """Waits for ``connection`` on the running loop until :meth:`let_go`."""
+    """Waits for ``connection`` on the loop it was made on, until :meth:`let_go`."""
 
     __slots__ = (
         "connection",
@@ -72,12 +83,25 @@ class Waiter:
         self.registered = True
         self.looked = False  # the look woke the wait: what woke it may not be the socket
         self.look: asyncio.TimerHandle | None = None  # armed while waits are pending
-        # On the instance: they shadow psycopg's methods for this borrow only.
+        # On the instance: they shadow psycopg's methods while this waiter serves.
         connection.wait = self.wait  # type: ignore[method-assign]
         connection.close = self.close  # type: ignore[method-assign]
 
     def let_go(self) -> None:
-        """The socket unregistered and the connection's own methods back; again is nothing."""
+        """The connection's own methods back, and the socket unregistered: here, or by its
+        loop where that loop runs in another thread; again is nothing."""
+        if self.socket is None:
+            return
+        vars_ = vars(self.connection)
+        for method in ("wait", "close"):
+            if getattr(vars_.get(method), "__self__", None) is self:
+                del vars_[method]
+        if self.loop.is_running() and self.loop is not asyncio._get_running_loop():
+            self.loop.call_soon_threadsafe(self._unregister)
+        else:
+            self._unregister()
+
+    def _unregister(self) -> None:
         if self.socket is None:
             return
         if self.registered:
@@ -85,7 +109,6 @@ class Waiter:
         if self.look is not None:
             self.look.cancel()
         self.socket = None
-        del self.connection.wait, self.connection.close
 
     async def close(self) -> None:
         """The connection's ``close``, once the loop no longer watches its socket."""
@@ -97,11 +120,13 @@ class Waiter:
         end, waiting on the loop whenever it would block. ``interval`` is psycopg's, for a
         wait that could not be interrupted otherwise; a task is cancelled instead."""
         socket = self.socket
+        if asyncio.get_running_loop() is not self.loop:
+            # The application's own use of the pool on another loop: psycopg's wait there,
+            # and the registration stays this loop's, for the engine's next borrow here.
+            return await _psycopgs_wait(self.connection, gen, timeout)
         if timeout is not None or socket is None:
             self.let_go()
-            if timeout is None:  # psycopg 3.2's own wait takes no timeout
-                return await self.connection.wait(gen)
-            return await self.connection.wait(gen, timeout=timeout)
+            return await _psycopgs_wait(self.connection, gen, timeout)
         pgconn = self.connection.pgconn
         try:
             state = next(gen)
@@ -179,7 +204,17 @@ class Waiter:
         exchange to end, and raises the interruption."""
         self.let_go()
         resumed = cast(PQGen[RV], _Resumed(exchange, state, interruption))
-        return await self.connection.wait(resumed)
+        return await _psycopgs_wait(self.connection, resumed, None)
+
+
+async def _psycopgs_wait(
+    connection: psycopg.AsyncConnection[Any], gen: PQGen[RV], timeout: float | None
+) -> RV:
+    """psycopg's own wait, whatever stands in for it on the instance."""
+    own = type(connection).wait
+    if timeout is None:  # psycopg 3.2's own wait takes no timeout
+        return await own(connection, gen)
+    return await own(connection, gen, timeout=timeout)
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
@@ -250,18 +285,17 @@ FITS = fits(psycopg.AsyncConnection)
 
 
 def attach(connection: psycopg.AsyncConnection[Any]) -> None:
-    """A :class:`Waiter` for ``connection`` until :func:`let_go`, on any loop that watches
-    sockets (asyncio's own, uvloop) and a psycopg whose wait it :func:`fits`; psycopg's own
-    wait elsewhere."""
+    """A :class:`Waiter` for ``connection`` on the running loop, kept until the connection
+    closes (or is borrowed on another loop), on any loop that watches sockets (asyncio's
+    own, uvloop) and a psycopg whose wait it :func:`fits`; psycopg's own wait elsewhere. A
+    borrow on the loop of the waiter it has costs a look at it."""
+    waiter = getattr(vars(connection).get("wait"), "__self__", None)
+    if isinstance(waiter, Waiter):
+        if waiter.loop is asyncio.get_running_loop():
+            return
+        waiter.let_go()
     if FITS and not connection.closed:
         # A socket already lost: psycopg's own wait says so at the first statement. A loop
         # that cannot watch a socket (asyncio's proactor) raises NotImplementedError.
         with contextlib.suppress(psycopg.OperationalError, NotImplementedError):
             Waiter(connection)
-
-
-def let_go(connection: psycopg.AsyncConnection[Any]) -> None:
-    """Ends the waiter :func:`attach` gave ``connection``, if it still has one."""
-    wait = vars(connection).get("wait")
-    if wait is not None:
-        wait.__self__.let_go()
