@@ -1,6 +1,7 @@
 """Client instructions per fresh-key request, counted by valgrind's callgrind.
 
-    python benchmarks/instructions.py --database-url URL [--requests 300] [--async | --replay]
+    python benchmarks/instructions.py --database-url URL [--requests 300] [--async] [--replay]
+        [--syscalls]
 
 Seconds and CPU time drift on a shared machine; the instructions a process executes do
 not. For each flow this runs a child process under ``valgrind --tool=callgrind`` twice, once
@@ -13,8 +14,12 @@ round trips are counted by tests/test_round_trips.py). Needs valgrind (Debian's 
 asyncio's loop and on uvloop: ``rp.AsyncEngine`` and the flow by hand on asyncpg.
 
 ``--replay`` counts replays of one finished key instead: ``Engine.run`` of the flow's
-operation, beside the floor a replay is judged against, one prepared ``SELECT`` of the
-stored answer by psycopg (``flows.PreparedSelect``).
+operation (with ``--async``, ``rp.AsyncEngine.run`` on each loop), beside the floor a replay
+is judged against, one prepared ``SELECT`` of the stored answer by psycopg
+(``flows.PreparedSelect``).
+
+``--syscalls`` counts the system calls each child makes instead, with ``strace -f -c``
+(Debian's package): the kernel's side, which the instructions leave out, by call.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +52,10 @@ WARM_UP = 60  # psycopg prepares a statement on its 5th run; the pool fills; cac
 FLOWS = ("reference", "recoverypoint")
 REPLAYS = ("prepared-select", "recoverypoint-replay")
 REPLAYED = "replayed-key"  # finished by every replay child before it counts anything
-# An async flow is named side@loop: an async_flow.py side on one loop.
-ASYNC_FLOWS = tuple(
-    f"{side}@{loop}" for loop in ("asyncio", "uvloop") for side in ("asyncpg", "recoverypoint")
-)
+# An async flow is named side@loop: an async_flow.py side, or a replay, on one loop.
+LOOPS = ("asyncio", "uvloop")
+ASYNC_FLOWS = tuple(f"{side}@{loop}" for loop in LOOPS for side in ("asyncpg", "recoverypoint"))
+ASYNC_REPLAYS = tuple(f"{side}@{loop}" for loop in LOOPS for side in REPLAYS)
 
 
 def child(url: str, flow_name: str, requests: int) -> None:
@@ -92,47 +99,71 @@ def replay_child(url: str, flow_name: str, requests: int) -> None:
 
 
 async def async_child(url: str, side: str, requests: int) -> None:
-    system = ASYNC_SIDES[side](url, 1)
+    """Fresh keys of an async side, or (a side of ``REPLAYS``) replays on the AsyncEngine."""
+    system = ASYNC_SIDES["recoverypoint" if side in REPLAYS else side](url, 1)
     await system.open()
     try:
+        if side not in REPLAYS:
+            for _ in range(WARM_UP + requests):
+                await system.run(uuid.uuid4().hex)
+            return
+        await system.run(REPLAYED)  # the first child finishes it; every later one replays it
+        if side == "recoverypoint-replay":
+            for _ in range(WARM_UP + requests):
+                await system.run(REPLAYED)
+            return
+        floor = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        found = (REPLAYED, "1", system.op.name)
         for _ in range(WARM_UP + requests):
-            await system.run(uuid.uuid4().hex)
+            cursor = await floor.execute(PreparedSelect.STATEMENT, found, prepare=True)
+            await cursor.fetchone()
+        await floor.close()
     finally:
         await system.close()
 
 
-def collected(url: str, flow_name: str, requests: int) -> int:
-    """Instructions callgrind counted in a child running ``requests`` after the warm-up."""
-    command = [
-        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+def collected(url: str, flow_name: str, requests: int, syscalls: bool) -> Counter[str]:
+    """What a child running ``requests`` after the warm-up made: its instructions, counted
+    by callgrind, or its system calls by name (and their ``total``), counted by strace."""
+    child = [
         sys.executable, __file__, "--child", flow_name, "--database-url", url,
         "--requests", str(requests),
     ]  # fmt: skip
+    if syscalls:
+        with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+            subprocess.run(["strace", "-f", "-c", "-o", out.name, *child], check=True)
+            return Counter({name: int(calls) for calls, name in _STRACE_ROW.findall(out.read())})
+    command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *child]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     match = re.search(r"Collected : (\d+)", done.stderr)
     if match is None:
         raise RuntimeError(f"callgrind printed no total:\n{done.stderr[-2000:]}")
-    return int(match.group(1))
+    return Counter(total=int(match.group(1)))
 
 
-def require_valgrind() -> None:
-    if shutil.which("valgrind") is None:
-        sys.exit("valgrind is not installed: apt-get install -y valgrind")
+# A row of strace -c's table: % time, seconds, usecs/call, calls, errors (may be blank), name.
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", re.M)
+
+
+def require(tool: str) -> None:
+    if shutil.which(tool) is None:
+        sys.exit(f"{tool} is not installed: apt-get install -y {tool}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--requests", type=int, default=300)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--async", dest="use_async", action="store_true")
-    mode.add_argument("--replay", action="store_true")
-    parser.add_argument("--child", choices=FLOWS + ASYNC_FLOWS + REPLAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--async", dest="use_async", action="store_true")
+    parser.add_argument("--replay", action="store_true")
+    parser.add_argument("--syscalls", action="store_true", help="count system calls (strace)")
+    every = FLOWS + ASYNC_FLOWS + REPLAYS + ASYNC_REPLAYS
+    parser.add_argument("--child", choices=every, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.database_url, args.child, args.requests)
         return
-    require_valgrind()
+    require("strace" if args.syscalls else "valgrind")
 
     admin = normalize_url(args.database_url).set(drivername="postgresql")
     name = f"rp_instr_{secrets.token_hex(4)}"
@@ -145,23 +176,36 @@ def main() -> None:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(SCHEMA)
         what = "replay of a finished key" if args.replay else "fresh-key request"
-        print(f"client instructions per {what} ({args.requests} requests each)")
-        per_request = {}
-        flows = ASYNC_FLOWS if args.use_async else REPLAYS if args.replay else FLOWS
-        for flow_name in flows:
-            extra = collected(url, flow_name, args.requests) - collected(url, flow_name, 0)
-            per_request[flow_name] = extra / args.requests
-            print(f"  {flow_name:23} {per_request[flow_name] / 1000:8,.0f}k", flush=True)
-        if args.replay:
-            ratio = per_request["recoverypoint-replay"] / per_request["prepared-select"]
-            print(f"  recoverypoint / a prepared SELECT: {ratio:.2f}")
-        elif args.use_async:
-            for loop in ("asyncio", "uvloop"):
-                ratio = per_request[f"recoverypoint@{loop}"] / per_request[f"asyncpg@{loop}"]
-                print(f"  recoverypoint / asyncpg by hand on {loop}: {ratio:.2f}")
+        counted = "system calls" if args.syscalls else "client instructions"
+        print(f"{counted} per {what} ({args.requests} requests each)")
+        if args.use_async:
+            flows = ASYNC_REPLAYS if args.replay else ASYNC_FLOWS
         else:
-            ratio = per_request["recoverypoint"] / per_request["reference"]
-            print(f"  recoverypoint / reference: {ratio:.2f}")
+            flows = REPLAYS if args.replay else FLOWS
+        per_request = {}
+        for flow_name in flows:
+            extra = collected(url, flow_name, args.requests, args.syscalls)
+            extra.subtract(collected(url, flow_name, 0, args.syscalls))
+            per_request[flow_name] = extra["total"] / args.requests
+            if args.syscalls:  # the three calls it makes most of, per request
+                most = ", ".join(
+                    f"{name} {calls / args.requests:.1f}"
+                    for name, calls in (extra - Counter(total=extra["total"])).most_common(3)
+                )
+                print(f"  {flow_name:31} {per_request[flow_name]:8.1f}  ({most})", flush=True)
+            else:
+                print(f"  {flow_name:31} {per_request[flow_name] / 1000:8,.0f}k", flush=True)
+        # Each side against the one it is judged beside, on the same loop.
+        pairs = {
+            "recoverypoint-replay": "prepared-select",
+            "recoverypoint": "asyncpg" if args.use_async else "reference",
+        }
+        for flow_name in flows:
+            side, _, loop = flow_name.partition("@")
+            if side in pairs:
+                beside = pairs[side] + ("@" + loop if loop else "")
+                ratio = per_request[flow_name] / per_request[beside]
+                print(f"  {flow_name} / {beside}: {ratio:.2f}")
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -92,10 +92,10 @@ class Waiter:
         loop where that loop runs in another thread; again is nothing."""
         if self.socket is None:
             return
-        vars_ = vars(self.connection)
-        for method in ("wait", "close"):
-            if getattr(vars_.get(method), "__self__", None) is self:
-                del vars_[method]
+        instance = vars(self.connection)
+        for method in ("wait", "close"):  # unless another waiter's stand there now
+            if getattr(instance.get(method), "__self__", None) is self:
+                del instance[method]
         if self.loop.is_running() and self.loop is not asyncio._get_running_loop():
             self.loop.call_soon_threadsafe(self._unregister)
         else:
