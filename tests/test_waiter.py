@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
+import socket
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -162,50 +165,138 @@ async def test_a_socket_is_registered_once_per_connection_and_let_go_when_it_clo
     assert socket not in (watched(loop) or set())
 
 
-async def test_a_connection_borrowed_on_another_loop_gets_a_waiter_of_that_loop(
-    engine: rp.AsyncEngine, waiters: list[_waiter.Waiter], db: sa.Engine, anyio_backend: Any
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    return type(loop).__module__.split(".")[0]
+
+
+async def test_a_connection_borrowed_on_a_new_loop_once_the_last_closed_gets_a_waiter_there(
+    engine: rp.AsyncEngine, waiters: list[_waiter.Waiter], db: sa.Engine
+) -> None:
+    names: list[str] = []
+
+    def elsewhere(key: str) -> None:  # a loop of its own, closed after (asyncio.run)
+        async def main() -> None:
+            names.append(loop_name(asyncio.get_running_loop()))
+            assert (await request(engine, key)).status == 201
+
+        asyncio.run(main())
+
+    await asyncio.to_thread(elsewhere, "first")
+    await asyncio.to_thread(elsewhere, "second")
+    assert (await request(engine, "here")).status == 201
+    loop = asyncio.get_running_loop()
+    # One waiter per loop; each closed loop's let go by the next borrow.
+    assert len(waiters) == 3 and waiters[-1].loop is loop
+    assert waiters[0].socket is None and waiters[1].socket is None
+    keys = [f"{RUN}-{names[0]}-first", f"{RUN}-{names[1]}-second", f"{RUN}-{loop_name(loop)}-here"]
+    query = "SELECT count(*) FROM idempotency_keys WHERE idempotency_key IN (:a, :b, :c)"
+    assert count(db, query, a=keys[0], b=keys[1], c=keys[2]) == 3
+
+
+async def test_a_connection_borrowed_on_a_loop_that_runs_beside_the_waiters_waits_psycopgs_way(
+    engine: rp.AsyncEngine, waiters: list[_waiter.Waiter], db: sa.Engine
 ) -> None:
     loop = asyncio.get_running_loop()
     before = watched(loop)
     assert (await request(engine, "here")).status == 201
-    (first,) = waiters
+    (waiter,) = waiters
 
-    def elsewhere() -> tuple[int, rp.Outcome]:
-        async def main() -> tuple[int, rp.Outcome]:
-            # The application's own use of the pool on this loop first: the connection
-            # still carries the first loop's waiter, and psycopg's own wait serves here.
+    def elsewhere() -> tuple[int, str]:
+        async def main() -> tuple[int, str]:
+            # The application's own query, then the engine's request, on a loop that runs
+            # while this one does (SQLAlchemy asks for a pool per loop; one shared is not
+            # broken by the engine): psycopg's own wait serves both there.
             async with engine.async_db.connect() as conn:
                 value = (await conn.execute(sa.text("SELECT 41 + 1"))).scalar_one()
-            return value, await request(engine, "there")
+            assert (await request(engine, "there")).status == 201
+            return value, loop_name(asyncio.get_running_loop())
 
         return asyncio.run(main())
 
-    # A second loop in a thread while this one runs (SQLAlchemy asks for a pool per loop;
-    # an application that shares one must not be broken by the engine).
     value, there = await asyncio.to_thread(elsewhere)
-    assert value == 42 and there.status == 201
-    second = waiters[-1]
-    assert len(waiters) == 2 and second.loop is not loop and second.loop.is_closed()
-    # The first loop's registration went with a turn of this loop, which it belongs to.
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert first.socket is None
-    # Back here: the second loop closed; its waiter goes, and one of this loop serves.
+    assert value == 42 and waiters == [waiter] and waiter.socket is not None
     assert (await request(engine, "here")).replayed
     assert (await request(engine, "again")).status == 201
-    third = waiters[-1]
-    assert len(waiters) == 3 and third.loop is loop and second.socket is None
+    assert waiters == [waiter]  # this loop's waiter served throughout, registered here
     if before is not None:
-        assert watched(loop) == before | {third.socket}
-    loop_name = type(loop).__module__.split(".")[0]
-    made = count(
-        db,
-        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key IN (:a, :b, :c)",
-        a=f"{RUN}-{loop_name}-here",
-        b=f"{RUN}-{type(second.loop).__module__.split('.')[0]}-there",
-        c=f"{RUN}-{loop_name}-again",
+        assert watched(loop) == before | {waiter.socket}
+    keys = [f"{RUN}-{there}-there", f"{RUN}-{loop_name(loop)}-again"]
+    query = "SELECT count(*) FROM idempotency_keys WHERE idempotency_key IN (:a, :b)"
+    assert count(db, query, a=keys[0], b=keys[1]) == 2
+
+
+async def test_a_connection_closed_on_another_thread_is_closed_by_its_waiters_loop(
+    engine: rp.AsyncEngine, waiters: list[_waiter.Waiter], db: sa.Engine
+) -> None:
+    assert (await request(engine, "closed-elsewhere")).status == 201
+    (waiter,) = waiters
+    # The pool disposed of on another thread's loop while this loop runs, held up meanwhile
+    # (no task of it runs until the other thread is done).
+    other = threading.Thread(target=lambda: asyncio.run(engine.async_db.dispose()))
+    other.start()
+    other.join()
+    # A new socket of this loop, made at once: had the other thread closed the connection,
+    # its number would be free, this socket would take it, and the loop, still holding the
+    # old registration, would never watch it.
+    await a_new_socket_is_heard()
+    assert waiter.socket is None  # this loop let it go, then closed it
+    with fail_after(30):
+        while count(db, ACTIVE_HERE, a=APPLICATION):
+            await asyncio.sleep(0.01)
+
+
+ACTIVE_HERE = "SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"
+
+
+async def a_new_socket_is_heard() -> None:
+    """A socket made now (likely on the lowest free number: a connection's just closed) is
+    watched by the running loop: nothing stale of a registration before is in its way."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        heard = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours.fileno(), heard.set)
+        try:
+            theirs.send(b"x")
+            with fail_after(30):
+                await heard.wait()
+        finally:
+            loop.remove_reader(ours.fileno())
+
+
+@pytest.mark.parametrize("collected_on", ["the loop's thread", "another thread"])
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # psycopg's: deleted while open
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_connection_nobody_closes_is_collected_and_leaves_the_loop(
+    database_url: str, db: sa.Engine, collected_on: str
+) -> None:
+    loop = asyncio.get_running_loop()
+    before = watched(loop)
+    application = f"{APPLICATION}-{uuid.uuid4().hex[:8]}"
+    async_db = sa_async.create_async_engine(
+        normalize_url(database_url), connect_args={"application_name": application}
     )
-    assert made == 3
+    engine = rp.AsyncEngine(async_db)
+    op: rp.Operation[Any] = rp.Operation("dropped_engine")
+
+    @op.atomic_phase("finished")
+    async def run(tx: rp.AsyncAtomicContext, params: Any) -> rp.Response:
+        return rp.Response(201, {"answer": await tx.scalar("SELECT 1")})
+
+    engine.register(op)
+    assert (await engine.run(op, key=uuid.uuid4().hex, params={})).status == 201
+    assert count(db, ACTIVE_HERE, a=application) == 1
+    del engine, async_db, run, op  # dropped without dispose(): its connection with it
+    with fail_after(30):
+        while count(db, ACTIVE_HERE, a=application):
+            if collected_on == "another thread":
+                await asyncio.to_thread(gc.collect)  # the loop is handed the close
+            else:
+                gc.collect()
+            await asyncio.sleep(0.01)
+    await a_new_socket_is_heard()
+    if before is not None:
+        assert watched(loop) == before
 
 
 async def test_a_connection_dropped_while_resting_in_the_pool_neither_spins_the_loop_nor_stays(
@@ -231,9 +322,12 @@ async def test_a_connection_dropped_while_resting_in_the_pool_neither_spins_the_
     woken.clear()
     with db.connect() as conn:  # the server drops the pooled connection while it rests
         conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": phase.pid})
-    for _ in range(500):  # the loop turns; the dead socket wakes it twice, not every turn
+    with fail_after(30):  # the dead socket wakes the loop twice (the server's word, its end)
+        while len(woken) < 2:
+            await asyncio.sleep(0)
+    for _ in range(500):  # then rests: not a wake more however the loop turns
         await asyncio.sleep(0)
-    assert 1 <= len(woken) <= 2 and not resting.registered
+    assert len(woken) == 2 and not resting.registered
     # The next request finds the connection dead (the database's loss, said so); the pool
     # drops it, its socket let go, and the requests after it run on a new one.
     with contextlib.suppress(rp.DatabaseUnavailable):

@@ -13,10 +13,13 @@ benchmarks/README.md, "The socket registered once per connection").
 The waiter stands in for the connection's ``wait``, which psycopg's own code (a cursor, a
 COMMIT, SQLAlchemy's adapter and pool) and the engine's pipelines all wait through, and for
 its ``close``: a socket closed while registered would leave the loop watching a number the
-next connection may get. The pool closes every connection it drops through that ``close``.
+next connection may get. The pool closes the connections it drops through that ``close``;
 libpq itself closes the socket when it finds the connection lost, always inside a call
-made here, so the waiter lets the socket go in that same call. A connection the pool
-forgets without closing it (``dispose(close=False)``) stays open while its loop runs.
+made here, so the waiter lets the socket go in that same call. A connection nobody closes
+(its engine dropped without ``dispose()``) is collected as before: the loop holds the
+waiter weakly, and the waiter lets the socket go before libpq closes it. Only the waiter's
+loop touches what that loop watches: a close, or a collection, on another thread hands the
+socket and the connection to that loop to close.
 
 Between borrows the socket rests in the pool, registered; what wakes the loop then (a
 notice, the server going away) wakes it twice at most: the socket rests unregistered
@@ -26,10 +29,10 @@ call may come while no wait is pending. So, as psycopg's wait looks again on its
 while waits are pending the waiter looks at the socket itself every :data:`LOOK` seconds,
 and registers it again when it finds it readable.
 
-A connection borrowed on another loop (``asyncio.run`` again, with the same engine) gets a
-waiter of that loop; the last one's registration goes with its loop's next turn, or at
-once where that loop no longer runs. A wait on another loop than the waiter's (the
-application's own use of the pool there, between the engine's borrows) is psycopg's own.
+A connection borrowed on another loop once the waiter's has stopped (``asyncio.run`` again,
+with the same engine) gets a waiter of the new loop. While the waiter's loop runs, a wait
+on another loop (a pool shared by loops in several threads, which SQLAlchemy asks not to
+do, or the application's own use of the pool there) is psycopg's own.
 
 The waiter stands in for a method below psycopg's documented surface, so it does only where
 the psycopg it runs on has the ``wait`` it knows (:func:`fits`: a coroutine taking the
@@ -47,6 +50,7 @@ import asyncio
 import contextlib
 import inspect
 import select
+import weakref
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -63,6 +67,7 @@ class Waiter:
     """Waits for ``connection`` on the loop it was made on, until :meth:`let_go`."""
 
     __slots__ = (
+        "__weakref__",
         "connection",
         "look",
         "looked",
@@ -79,7 +84,7 @@ class Waiter:
         self.socket: int | None = connection.pgconn.socket  # None once let go
         self.waiting: asyncio.Future[None] | None = None
         self.unwatched = 0  # wakes in a row with nobody waiting
-        self.loop.add_reader(self.socket, self._readable)
+        self.loop.add_reader(self.socket, _reader, weakref.ref(self))
         self.registered = True
         self.looked = False  # the look woke the wait: what woke it may not be the socket
         self.look: asyncio.TimerHandle | None = None  # armed while waits are pending
@@ -88,32 +93,59 @@ class Waiter:
         connection.close = self.close  # type: ignore[method-assign]
 
     def let_go(self) -> None:
-        """The connection's own methods back, and the socket unregistered: here, or by its
-        loop where that loop runs in another thread; again is nothing."""
+        """The socket unregistered and the connection's own methods back; again is nothing.
+        On the waiter's loop, or where it does not run (another thread's loop does not
+        let another thread touch what it watches)."""
         if self.socket is None:
             return
-        instance = vars(self.connection)
-        for method in ("wait", "close"):  # unless another waiter's stand there now
-            if getattr(instance.get(method), "__self__", None) is self:
-                del instance[method]
-        if self.loop.is_running() and self.loop is not asyncio._get_running_loop():
-            self.loop.call_soon_threadsafe(self._unregister)
-        else:
-            self._unregister()
+        self._unregister()
+        del self.connection.wait, self.connection.close
 
     def _unregister(self) -> None:
-        if self.socket is None:
-            return
+        assert self.socket is not None
         if self.registered:
             self.loop.remove_reader(self.socket)
         if self.look is not None:
             self.look.cancel()
         self.socket = None
 
+    def elsewhere(self) -> bool:
+        """Whether the waiter's loop runs, in another thread than this one."""
+        return self.loop.is_running() and self.loop is not asyncio._get_running_loop()
+
     async def close(self) -> None:
-        """The connection's ``close``, once the loop no longer watches its socket."""
+        """The connection's ``close``, once the loop no longer watches its socket: where
+        that loop runs in another thread, by that loop (closed here, the socket's number
+        could go to a new socket that loop would then not watch)."""
+        if self.elsewhere() and self._close_by_loop():
+            return
         self.let_go()
         await self.connection.close()
+
+    def _close_by_loop(self) -> bool:
+        """Have the waiter's loop unregister the socket and close the connection; ``False``
+        if that loop closed meanwhile (it watches nothing then)."""
+        try:
+            self.loop.call_soon_threadsafe(self._close_here)
+        except RuntimeError:
+            return False
+        return True
+
+    def _close_here(self) -> None:
+        if self.socket is not None:
+            self._unregister()
+        self.connection.pgconn.finish()
+
+    def __del__(self) -> None:
+        # Collected with the connection, which the pool dropped without closing it: the
+        # socket leaves the loop before libpq closes it. On another thread than the loop's
+        # (where the collector may run), the loop does both, which keeps them till then.
+        if self.socket is None or self.loop.is_closed():
+            return
+        if self.loop is asyncio._get_running_loop():
+            self._unregister()
+        else:
+            self._close_by_loop()
 
     async def wait(self, gen: PQGen[RV], interval: float = 0.0, timeout: float | None = None) -> RV:
         """The connection's ``wait``: ``gen``, an exchange with the server, driven to its
@@ -195,7 +227,7 @@ class Waiter:
         stopped watching it (a registration it holds is replaced, not added to)."""
         if self.registered:
             self.loop.remove_reader(socket)
-        self.loop.add_reader(socket, self._readable)
+        self.loop.add_reader(socket, _reader, weakref.ref(self))
         self.registered = True
 
     async def _hand_over(self, exchange: PQGen[RV], state: Wait, interruption: BaseException) -> RV:
@@ -215,6 +247,14 @@ async def _psycopgs_wait(
     if timeout is None:  # psycopg 3.2's own wait takes no timeout
         return await own(connection, gen)
     return await own(connection, gen, timeout=timeout)
+
+
+def _reader(waiter: weakref.ref[Waiter]) -> None:
+    """What the loop calls when the socket is readable. It holds the waiter weakly: a
+    connection the pool drops without closing it is collected, not kept by the loop."""
+    alive = waiter()
+    if alive is not None:
+        alive._readable()
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
@@ -291,8 +331,8 @@ def attach(connection: psycopg.AsyncConnection[Any]) -> None:
     borrow on the loop of the waiter it has costs a look at it."""
     waiter = getattr(vars(connection).get("wait"), "__self__", None)
     if isinstance(waiter, Waiter):
-        if waiter.loop is asyncio.get_running_loop():
-            return
+        if waiter.loop is asyncio.get_running_loop() or waiter.elsewhere():
+            return  # the waiter's loop: it serves; a loop that runs too: psycopg's wait here
         waiter.let_go()
     if FITS and not connection.closed:
         # A socket already lost: psycopg's own wait says so at the first statement. A loop
