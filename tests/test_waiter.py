@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import enum
 import gc
+import os
+import resource
 import socket
 import threading
 import uuid
@@ -439,6 +441,26 @@ async def test_a_statement_larger_than_the_socket_buffer_goes_out_whole(
     phase.sql = "SELECT length(%s)"
     phase.value = "x" * (32 * 1024 * 1024)
     assert (await request(engine)).body == {"answer": str(32 * 1024 * 1024)}
+
+
+async def test_a_connection_on_a_descriptor_past_1023_goes_out_whole(
+    engine: rp.AsyncEngine, phase: Phase
+) -> None:
+    # select() cannot watch a descriptor number past 1023: the waiter's own look at the
+    # socket (for writing here, a statement larger than the socket's buffer) must not use it.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    taken: list[int] = []
+    try:
+        while not taken or taken[-1] < 1024:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+        phase.sql = "SELECT length(%s)"
+        phase.value = "x" * (32 * 1024 * 1024)
+        assert (await request(engine)).body == {"answer": str(32 * 1024 * 1024)}
+    finally:
+        for descriptor in taken:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def test_requests_cancelled_after_any_number_of_loop_turns_leave_nothing(

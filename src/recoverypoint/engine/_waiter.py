@@ -289,12 +289,19 @@ class _Resumed:
 def _ready_now(socket: int, state: int) -> int:
     """What ``socket`` is ready for now, of what ``state`` waits for, without a timeout: a
     socket asked for writing nearly always is, and a look is cheaper than a trip through
-    the loop; the look of :meth:`Waiter._look` asks here too."""
-    watched = [socket]
-    readable, writable, _ = select.select(
-        watched if state & Wait.R else [], watched if state & Wait.W else [], [], 0
-    )
-    return (Ready.R if readable else Ready.NONE) | (Ready.W if writable else Ready.NONE)
+    the loop; the look of :meth:`Waiter._look` asks here too. poll(), not select(): a
+    process with a thousand files open has descriptors select() cannot watch."""
+    poller = select.poll()
+    poller.register(socket, (_IN if state & Wait.R else 0) | (_OUT if state & Wait.W else 0))
+    events = 0
+    for _, event in poller.poll(0):
+        events |= event
+    # An error or a hang-up answers either way, as select() would: libpq then reads it.
+    readable = Ready.R if state & Wait.R and events & ~_OUT else Ready.NONE
+    return readable | (Ready.W if state & Wait.W and events & ~_IN else Ready.NONE)
+
+
+_IN, _OUT = select.POLLIN, select.POLLOUT
 
 
 def _lost(pgconn: Any) -> str:
