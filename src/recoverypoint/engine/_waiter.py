@@ -30,9 +30,11 @@ while waits are pending the waiter looks at the socket itself every :data:`LOOK`
 and registers it again when it finds it readable.
 
 A connection borrowed on another loop once the waiter's has stopped (``asyncio.run`` again,
-with the same engine) gets a waiter of the new loop. While the waiter's loop runs, a wait
-on another loop (a pool shared by loops in several threads, which SQLAlchemy asks not to
-do, or the application's own use of the pool there) is psycopg's own.
+with the same engine) gets a waiter of the new loop. A pool shared by loops that run at
+once, in several threads, is what SQLAlchemy asks not to do: there a wait on another loop
+than the waiter's is psycopg's own, and the waiter's loop is handed the socket to let go.
+One gap is left: a connection the server drops during that first wait, while the waiter's
+loop is held up, is closed by libpq before that loop lets its socket go.
 
 The waiter stands in for a method below psycopg's documented surface, so it does only where
 the psycopg it runs on has the ``wait`` it knows (:func:`fits`: a coroutine taking the
@@ -51,6 +53,7 @@ import contextlib
 import inspect
 import select
 import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -79,23 +82,25 @@ class Waiter:
     )
 
     def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        self.socket: int | None = None  # the socket once registered; None once let go
+        self.registered = False
         self.connection = connection
         self.loop = asyncio.get_running_loop()
-        self.socket: int | None = connection.pgconn.socket  # None once let go
+        socket = connection.pgconn.socket
         self.waiting: asyncio.Future[None] | None = None
         self.unwatched = 0  # wakes in a row with nobody waiting
-        self.loop.add_reader(self.socket, _reader, weakref.ref(self))
-        self.registered = True
         self.looked = False  # the look woke the wait: what woke it may not be the socket
         self.look: asyncio.TimerHandle | None = None  # armed while waits are pending
+        self.loop.add_reader(socket, _reader, weakref.ref(self))
+        self.socket, self.registered = socket, True
         # On the instance: they shadow psycopg's methods while this waiter serves.
         connection.wait = self.wait  # type: ignore[method-assign]
         connection.close = self.close  # type: ignore[method-assign]
 
     def let_go(self) -> None:
         """The socket unregistered and the connection's own methods back; again is nothing.
-        On the waiter's loop, or where it does not run (another thread's loop does not
-        let another thread touch what it watches)."""
+        Only on the waiter's loop, or while that loop does not run: what a running loop
+        watches is for its own thread to change."""
         if self.socket is None:
             return
         self._unregister()
@@ -117,35 +122,32 @@ class Waiter:
         """The connection's ``close``, once the loop no longer watches its socket: where
         that loop runs in another thread, by that loop (closed here, the socket's number
         could go to a new socket that loop would then not watch)."""
-        if self.elsewhere() and self._close_by_loop():
+        if self.elsewhere() and self._on_own_loop(self._close_there):
             return
         self.let_go()
-        await self.connection.close()
+        await _psycopgs_close(self.connection)
 
-    def _close_by_loop(self) -> bool:
-        """Have the waiter's loop unregister the socket and close the connection; ``False``
-        if that loop closed meanwhile (it watches nothing then)."""
+    def _close_there(self) -> None:
+        self.let_go()
+        self.loop.create_task(_psycopgs_close(self.connection))
+
+    def _on_own_loop(self, work: Callable[[], object]) -> bool:
+        """``work`` handed to the waiter's loop; ``False`` if it closed meanwhile (and
+        watches nothing)."""
         try:
-            self.loop.call_soon_threadsafe(self._close_here)
+            self.loop.call_soon_threadsafe(work)
         except RuntimeError:
             return False
         return True
 
-    def _close_here(self) -> None:
-        if self.socket is not None:
-            self._unregister()
-        self.connection.pgconn.finish()
-
     def __del__(self) -> None:
         # Collected with the connection, which the pool dropped without closing it: the
-        # socket leaves the loop before libpq closes it. On another thread than the loop's
-        # (where the collector may run), the loop does both, which keeps them till then.
+        # socket leaves the loop before libpq closes it. Where the loop runs in another
+        # thread, the loop does both (which keeps them till then).
         if self.socket is None or self.loop.is_closed():
             return
-        if self.loop is asyncio._get_running_loop():
+        if not (self.elsewhere() and self._on_own_loop(self._close_there)):
             self._unregister()
-        else:
-            self._close_by_loop()
 
     async def wait(self, gen: PQGen[RV], interval: float = 0.0, timeout: float | None = None) -> RV:
         """The connection's ``wait``: ``gen``, an exchange with the server, driven to its
@@ -153,8 +155,10 @@ class Waiter:
         wait that could not be interrupted otherwise; a task is cancelled instead."""
         socket = self.socket
         if asyncio.get_running_loop() is not self.loop:
-            # The application's own use of the pool on another loop: psycopg's wait there,
-            # and the registration stays this loop's, for the engine's next borrow here.
+            # A pool shared by loops (which SQLAlchemy asks not to do): the waiter's loop
+            # lets the socket go, and psycopg's own wait serves here.
+            if not (self.elsewhere() and self._on_own_loop(self.let_go)):
+                self.let_go()
             return await _psycopgs_wait(self.connection, gen, timeout)
         if timeout is not None or socket is None:
             self.let_go()
@@ -237,6 +241,11 @@ class Waiter:
         self.let_go()
         resumed = cast(PQGen[RV], _Resumed(exchange, state, interruption))
         return await _psycopgs_wait(self.connection, resumed, None)
+
+
+async def _psycopgs_close(connection: psycopg.AsyncConnection[Any]) -> None:
+    """psycopg's own close, whatever stands in for it on the instance."""
+    await type(connection).close(connection)
 
 
 async def _psycopgs_wait(
