@@ -116,6 +116,20 @@ def active(db: sa.Engine, query: str) -> int:
 
 
 @pytest.fixture
+def woken(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per time the loop found a waiter's socket readable, from here on."""
+    calls: list[bool] = []
+    readable = _waiter.Waiter._readable
+
+    def counted(self: _waiter.Waiter) -> None:
+        calls.append(True)
+        readable(self)
+
+    monkeypatch.setattr(_waiter.Waiter, "_readable", counted)
+    return calls
+
+
+@pytest.fixture
 def waiters(monkeypatch: pytest.MonkeyPatch) -> list[_waiter.Waiter]:
     """Every waiter made from here on, the last borrow's last."""
     made: list[_waiter.Waiter] = []
@@ -312,16 +326,8 @@ async def test_a_connection_dropped_while_resting_in_the_pool_neither_spins_the_
     phase: Phase,
     waiters: list[_waiter.Waiter],
     db: sa.Engine,
-    monkeypatch: pytest.MonkeyPatch,
+    woken: list[bool],
 ) -> None:
-    woken: list[bool] = []
-    readable = _waiter.Waiter._readable
-
-    def counted(self: _waiter.Waiter) -> None:
-        woken.append(True)
-        readable(self)
-
-    monkeypatch.setattr(_waiter.Waiter, "_readable", counted)
     loop = asyncio.get_running_loop()
     before = watched(loop)
     assert (await request(engine, "rested")).status == 201
@@ -373,16 +379,8 @@ async def test_a_request_cancelled_mid_statement_cancels_it_on_the_server(
 
 
 async def test_a_connection_dropped_while_borrowed_neither_spins_the_loop_nor_stays_registered(
-    engine: rp.AsyncEngine, phase: Phase, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+    engine: rp.AsyncEngine, phase: Phase, db: sa.Engine, woken: list[bool]
 ) -> None:
-    woken: list[bool] = []
-    readable = _waiter.Waiter._readable
-
-    def counted(self: _waiter.Waiter) -> None:
-        woken.append(True)
-        readable(self)
-
-    monkeypatch.setattr(_waiter.Waiter, "_readable", counted)
     phase.go_on = asyncio.Event()
     task = asyncio.create_task(request(engine, "dropped"))
     with fail_after(60):
