@@ -342,9 +342,9 @@ FITS = fits(psycopg.AsyncConnection)
 
 def attach(connection: psycopg.AsyncConnection[Any]) -> None:
     """A :class:`Waiter` for ``connection`` on the running loop, kept until the connection
-    closes (or is borrowed on another loop), on any loop that watches sockets (asyncio's
-    own, uvloop) and a psycopg whose wait it :func:`fits`; psycopg's own wait elsewhere. A
-    borrow on the loop of the waiter it has costs a look at it."""
+    closes (or is borrowed on a new loop once its own has stopped), on any loop that watches
+    sockets (asyncio's own, uvloop) and a psycopg whose wait it :func:`fits`; psycopg's own
+    wait elsewhere. A borrow on the loop of the waiter it has costs a look at it."""
     waiter = getattr(vars(connection).get("wait"), "__self__", None)
     if isinstance(waiter, Waiter):
         if waiter.loop is asyncio.get_running_loop() or waiter.elsewhere():
