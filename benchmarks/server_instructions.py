@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import facts as machine
 from claims import binaries, free_port, initdb
 from flows import SCHEMA
-from instructions import FLOWS, WARM_UP, require_valgrind, sync_flow
+from instructions import FLOWS, WARM_UP, require, sync_flow
 
 from recoverypoint.migrate import upgrade
 
@@ -179,7 +179,7 @@ def main() -> None:
     if args.child:
         child(args.database_url, args.child, args.requests)
         return
-    require_valgrind()
+    require("valgrind")
     with (
         callgrind_server() as (admin_url, counts),
         psycopg.connect(admin_url, autocommit=True) as admin,

@@ -1,0 +1,81 @@
+"""benchmarks/ run on their own, outside the suite, and import from each other: a name
+renamed in one script broke another (``server_instructions.py`` asked ``instructions.py``
+for a function it no longer had) and nothing noticed until the script was run. Read here
+without running them (they need the bench extra, which the tests do not install): every
+name a script takes from another, by ``from flows import X`` or ``import facts as
+machine`` then ``machine.X``, is one that script defines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
+
+
+def defined(module: ast.Module) -> set[str]:
+    """The names ``module`` binds at its top level."""
+    names: set[str] = set()
+    for node in module.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If):  # an import that depends on the platform
+            names.update(defined(ast.Module(body=node.body + node.orelse, type_ignores=[])))
+        elif isinstance(node, ast.Try):
+            handled = [line for handler in node.handlers for line in handler.body]
+            body = node.body + node.orelse + node.finalbody + handled
+            names.update(defined(ast.Module(body=body, type_ignores=[])))
+    return names
+
+
+def taken(script: ast.Module, local: set[str]) -> set[tuple[str, str]]:
+    """(module, name) for every name ``script`` takes from a benchmark module in ``local``."""
+    wanted: set[tuple[str, str]] = set()
+    aliases: dict[str, str] = {}
+    for node in ast.walk(script):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in local:
+            wanted.update((node.module, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in local:
+                    aliases[alias.asname or alias.name] = alias.name
+    for node in ast.walk(script):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
+            wanted.add((aliases[node.value.id], node.attr))
+    return wanted
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_what_a_script_imports_from_another_is_there(script: Path) -> None:
+    modules = {path.stem: ast.parse(path.read_text()) for path in SCRIPTS}
+    missing = sorted(
+        f"{module}.{name}"
+        for module, name in taken(modules[script.stem], set(modules))
+        if name not in defined(modules[module])
+    )
+    assert not missing, f"{script.name} takes what its module does not define: {missing}"
+
+
+def test_the_check_sees_a_name_that_is_gone() -> None:
+    # The break this file is for, as it was: the function renamed, the caller not.
+    script = ast.parse(
+        "from instructions import require_valgrind\nimport facts as machine\nmachine.gone()\n"
+    )
+    local = {"instructions", "facts"}
+    wanted = taken(script, local)
+    assert wanted == {("instructions", "require_valgrind"), ("facts", "gone")}
+    instructions = defined(ast.parse((BENCHMARKS / "instructions.py").read_text()))
+    assert "require_valgrind" not in instructions and "require" in instructions
