@@ -1,0 +1,167 @@
+"""What one round trip to PostgreSQL costs beside a fresh request, both sides: the unit a
+target in requests a second is paid in.
+
+    .venv/bin/python benchmarks/round_trip.py --database-url URL [--rounds 5] [--calls 2000]
+
+One client, one call at a time, three sides in turns within each round (the order rotates
+from round to round, so drift of this shared machine falls on all three):
+
+- a round trip: a prepared ``SELECT 1`` through libpq (psycopg's ``pq``) on a connection
+  held open in autocommit, the least a statement can cost;
+- a fresh request of the hand-written reference (``flows.Reference``: four SERIALIZABLE
+  transactions, 17 round trips);
+- a fresh request through the sync ``Engine`` (``flows.RecoveryPointFlow``: two
+  transactions, 8 round trips, as tests/test_round_trips.py counts).
+
+For each: wall time, client CPU (this process, kernel included) and server CPU (every
+PostgreSQL process on the machine, from ``/proc``: backends and the WAL writer alike) per
+call, the medians of the rounds. Then each request in round trips' worth of CPU, and what
+issue 41's 1.5 times the reference's rate asks of the engine's request where the CPU sets the
+rate (8 and 32 clients on 2 cores: rate = cores / CPU per request). Needs the server on this
+machine, and nothing else running on it (its CPU is counted whoever spends it). Nothing
+here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import facts as machine
+from flows import SCHEMA, RecoveryPointFlow, Reference, ride_operation
+from measure import every_postgres_cpu
+
+import recoverypoint as rp
+from recoverypoint.migrate import upgrade
+from recoverypoint.testing import temporary_database
+
+HERE = Path(__file__).resolve().parent
+SIDES = ("round trip", "reference", "recoverypoint")
+TARGET = 1.5  # issue 41, item 1: the engine's rate over the reference's
+
+
+class RoundTrip:
+    """A prepared ``SELECT 1`` through libpq, on a connection of its own."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.pgconn.prepare(b"round_trip", b"SELECT 1")
+
+    def run(self, _key: str) -> None:
+        if self.conn.pgconn.exec_prepared(b"round_trip", []).ntuples != 1:
+            raise RuntimeError("SELECT 1 answered no row")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def timed(run: Callable[[str], object], calls: int) -> tuple[float, float, float]:
+    """Wall, client CPU and server CPU per call of ``run`` with a fresh key, in µs."""
+    keys = [uuid.uuid4().hex for _ in range(calls)]
+    server, client, wall = every_postgres_cpu(), time.process_time(), time.perf_counter()
+    for key in keys:
+        run(key)
+    wall, client = time.perf_counter() - wall, time.process_time() - client
+    server = every_postgres_cpu() - server
+    return wall * 1e6 / calls, client * 1e6 / calls, server * 1e6 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=2000, help="per side and round")
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    admin = sa.make_url(args.database_url).set(drivername="postgresql").render_as_string(False)
+    facts = machine.collect(HERE.parent, admin, None)
+    started = time.monotonic()
+    with temporary_database(args.database_url, prefix="rp_round_trip") as made:
+        url = sa.make_url(made).set(drivername="postgresql").render_as_string(False)
+        upgrade(url)
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(SCHEMA)
+        engine = rp.Engine(url)
+        operation = ride_operation()
+        engine.register(operation)
+        sides = {
+            "round trip": RoundTrip(url),
+            "reference": Reference(url),
+            "recoverypoint": RecoveryPointFlow(engine, operation),
+        }
+        readings: dict[str, list[tuple[float, float, float]]] = {side: [] for side in SIDES}
+        try:
+            for side in sides.values():  # prepared statements, the pool, caches
+                timed(side.run, 200)
+            for round_ in range(args.rounds):
+                order = SIDES[round_ % 3 :] + SIDES[: round_ % 3]
+                for name in order:
+                    readings[name].append(timed(sides[name].run, args.calls))
+                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+        finally:
+            for side in sides.values():
+                side.close()
+            engine.dispose()
+    facts["loadavg_at_end"] = machine.loadavg()
+    report = write(readings, facts, args, time.monotonic() - started)
+    print(report)
+
+
+def write(
+    readings: dict[str, list[tuple[float, float, float]]],
+    facts: dict[str, object],
+    args: argparse.Namespace,
+    took: float,
+) -> str:
+    median = {
+        side: [statistics.median(reading[i] for reading in rows) for i in range(3)]
+        for side, rows in readings.items()
+    }
+    unit = median["round trip"][1] + median["round trip"][2]
+    lines = [
+        "# A round trip beside a fresh request",
+        "",
+        f"Written by `benchmarks/round_trip.py` in {took / 60:.1f} min: one client, "
+        f"{args.rounds} rounds of {args.calls} calls per side, sides in turns; µs per call, "
+        "the median of the rounds. Server CPU: every PostgreSQL process on the machine. "
+        "Reported, never asserted.",
+        "",
+        *machine.markdown(facts),  # type: ignore[arg-type]
+        "",
+        "| side | wall | client CPU | server CPU | CPU, both sides | in round trips' worth |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for side in SIDES:
+        wall, client, server = median[side]
+        lines.append(
+            f"| {side} | {wall:.1f} | {client:.1f} | {server:.1f} | {client + server:.1f} "
+            f"| {(client + server) / unit:.1f} |"
+        )
+    reference = sum(median["reference"][1:])
+    engine = sum(median["recoverypoint"][1:])
+    wanted = reference / TARGET
+    lines += [
+        "",
+        f"Where the CPU sets the rate, the engine's is {reference / engine:.2f} times the "
+        f"reference's. {TARGET} times would take a request of at most {wanted:.0f} µs of CPU, "
+        f"{engine - wanted:.0f} µs less than now: {(engine - wanted) / unit:.1f} round trips' "
+        "worth.",
+    ]
+    report = "\n".join(lines) + "\n"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "round_trip.md").write_text(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
