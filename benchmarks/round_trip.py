@@ -8,10 +8,14 @@ from round to round, so drift of this shared machine falls on all three):
 
 - a round trip: a prepared ``SELECT 1`` through libpq (psycopg's ``pq``) on a connection
   held open in autocommit, the least a statement can cost;
+- a commit: a prepared one-row ``INSERT`` the same way, one round trip whose transaction
+  writes and flushes the WAL, as each of a request's transactions does at its COMMIT;
 - a fresh request of the hand-written reference (``flows.Reference``: four SERIALIZABLE
   transactions, 17 round trips);
 - a fresh request through the sync ``Engine`` (``flows.RecoveryPointFlow``: two
   transactions, 8 round trips, as tests/test_round_trips.py counts).
+
+The sides' names say the request is fresh; the round trip and the commit ignore the key.
 
 For each: wall time, client CPU (this process, kernel included) and server CPU (every
 PostgreSQL process on the machine, from ``/proc``: backends and the WAL writer alike) per
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
+from psycopg import pq
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -46,20 +51,24 @@ from recoverypoint.migrate import upgrade
 from recoverypoint.testing import temporary_database
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("round trip", "reference", "recoverypoint")
+SIDES = ("round trip", "commit", "reference", "recoverypoint")
+COMMITTED = (
+    b"INSERT INTO bench_audit_records (action, data, resource_id) VALUES ('commit', '{}', 0)"
+)
 TARGET = 1.5  # issue 41, item 1: the engine's rate over the reference's
 
 
 class RoundTrip:
-    """A prepared ``SELECT 1`` through libpq, on a connection of its own."""
+    """One prepared statement through libpq, in autocommit, on a connection of its own."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, statement: bytes) -> None:
         self.conn = psycopg.connect(url, autocommit=True)
-        self.conn.pgconn.prepare(b"round_trip", b"SELECT 1")
+        self.conn.pgconn.prepare(b"round_trip", statement)
 
     def run(self, _key: str) -> None:
-        if self.conn.pgconn.exec_prepared(b"round_trip", []).ntuples != 1:
-            raise RuntimeError("SELECT 1 answered no row")
+        result = self.conn.pgconn.exec_prepared(b"round_trip", [])
+        if result.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+            raise RuntimeError(f"the statement failed: {result.error_message!r}")
 
     def close(self) -> None:
         self.conn.close()
@@ -95,7 +104,8 @@ def main() -> None:
         operation = ride_operation()
         engine.register(operation)
         sides = {
-            "round trip": RoundTrip(url),
+            "round trip": RoundTrip(url, b"SELECT 1"),
+            "commit": RoundTrip(url, COMMITTED),
             "reference": Reference(url),
             "recoverypoint": RecoveryPointFlow(engine, operation),
         }
@@ -104,7 +114,7 @@ def main() -> None:
             for side in sides.values():  # prepared statements, the pool, caches
                 timed(side.run, 200)
             for round_ in range(args.rounds):
-                order = SIDES[round_ % 3 :] + SIDES[: round_ % 3]
+                order = SIDES[round_ % len(SIDES) :] + SIDES[: round_ % len(SIDES)]
                 for name in order:
                     readings[name].append(timed(sides[name].run, args.calls))
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
