@@ -4,7 +4,7 @@ target in requests a second is paid in.
     .venv/bin/python benchmarks/round_trip.py --database-url URL [--rounds 5] [--calls 2000]
 
 One client, one call at a time, four sides in turns within each round (the order rotates
-from round to round, so drift of this shared machine falls on all three):
+from round to round, so drift of this shared machine falls on all four):
 
 - a round trip: a prepared ``SELECT 1`` through libpq (psycopg's ``pq``) on a connection
   held open in autocommit, the least a statement can cost;
@@ -21,12 +21,12 @@ For each: wall time, client CPU (this process, kernel included) and server CPU (
 PostgreSQL process on the machine, from ``/proc``: backends and the WAL writer alike) per
 call, the medians of the rounds. ``/proc`` counts CPU in clock ticks (10 ms here), so the
 round trip and the commit, each a fraction of a request, run ``UNIT_CALLS`` times as many
-calls, to keep a tick below a quarter of a microsecond per call. A request that does not
-answer 201 as a fresh one stops the run. Then each request in round trips' worth of CPU, and what
-issue 41's 1.5 times the reference's rate asks of the engine's request where the CPU sets the
-rate (8 and 32 clients on 2 cores: rate = cores / CPU per request). Needs the server on this
-machine, and nothing else running on it (its CPU is counted whoever spends it). Nothing
-here asserts a speed.
+calls, to keep a tick below a quarter of a microsecond per call. Then each request in
+round trips' worth of CPU, and what issue 41's 1.5 times the reference's rate asks of the
+engine's request where the CPU sets the rate (8 and 32 clients on 2 cores: rate = cores /
+CPU per request). A request that does not answer 201 as a fresh one stops the run. Needs
+the server on this machine, and nothing else running on it (its CPU is counted whoever
+spends it). Nothing here asserts a speed.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
+MODULES = {path.stem: ast.parse(path.read_text()) for path in SCRIPTS}  # read once
 
 
 def defined(module: ast.Module) -> set[str]:
@@ -79,8 +80,7 @@ def missing(script: ast.Module, modules: dict[str, ast.Module]) -> list[str]:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_what_a_script_imports_from_another_is_there(script: Path) -> None:
-    modules = {path.stem: ast.parse(path.read_text()) for path in SCRIPTS}
-    gone = missing(modules[script.stem], modules)
+    gone = missing(MODULES[script.stem], MODULES)
     assert not gone, f"{script.name} takes what its module does not define: {gone}"
 
 
