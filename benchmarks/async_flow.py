@@ -542,7 +542,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, minutes: float) ->
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    with temporary_database(normalize_url(args.database_url)) as url:
+    with temporary_database(args.database_url) as url:
         migrate.upgrade(url)
         db = create_engine(url)
         with db.begin() as conn:

@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ def _provider(listening: socket.socket) -> None:
     uvicorn.Server(config).run(sockets=[listening])
 
 
-def start_provider() -> tuple[multiprocessing.Process, str]:
+def start_provider() -> tuple[BaseProcess, str]:
     """The provider's process, handed a socket already listening: a port probed free and
     bound again by the child could be taken in between (by an outgoing connection's port)."""
     with socket.create_server(("127.0.0.1", 0), backlog=4096) as listening:
@@ -273,7 +274,7 @@ async def window_tasks(
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"inflight": {}, "flow": {}}
-    with temporary_database(normalize_url(args.database_url)) as url:
+    with temporary_database(args.database_url) as url:
         migrate.upgrade(url)
         db = create_engine(url, pool_size=POOL, max_overflow=0)
         with db.begin() as conn:

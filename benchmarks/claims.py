@@ -32,13 +32,14 @@ import sqlalchemy as sa
 
 import recoverypoint as rp
 from recoverypoint.engine import store
+from recoverypoint.engine._decide import ClaimRequest
 from recoverypoint.keys import fingerprint
 from recoverypoint.migrate import upgrade
 
 # The tests' loopback ports (below the ephemeral range) for the servers started here, and by
 # reaper_soak and server_instructions through this module.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from ports import free_port
+from ports import free_port as free_port  # for reaper_soak and server_instructions
 
 SCOPE, OPERATION = "bench", "claim_only"
 CHUNK = 1_000_000
@@ -219,9 +220,9 @@ def forget_claims(url: str, big: bool) -> None:
             conn.execute("TRUNCATE idempotency_keys")
 
 
-def claim_request(key: str) -> store.ClaimRequest:
+def claim_request(key: str) -> ClaimRequest:
     """What the engine asks the key table for ``key`` of the measured scope and operation."""
-    return store.ClaimRequest(
+    return ClaimRequest(
         scope=SCOPE,
         operation=OPERATION,
         key=key,

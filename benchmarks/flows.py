@@ -83,7 +83,7 @@ class Reference:
     def run(self, key: str) -> dict[str, Any]:
         params = json.dumps(PARAMS)
 
-        def claim(cur: psycopg.Cursor[Any]) -> tuple[Any, ...]:
+        def claim(cur: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
             cur.execute(
                 "SELECT id, recovery_point, locked_at, response_code, response_body "
                 "FROM rr_idempotency_keys WHERE user_id = %s AND idempotency_key = %s",
@@ -310,7 +310,8 @@ class DBOSFlow:
         def create_ride_workflow(key: str) -> dict[str, Any]:
             ride_id = create_ride(key)
             charge_id = charge_step(key)
-            return finish(key, ride_id, charge_id)
+            answer: dict[str, Any] = finish(key, ride_id, charge_id)
+            return answer
 
         self.workflow = create_ride_workflow
         DBOS(
@@ -336,7 +337,8 @@ class DBOSFlow:
 
     def run(self, key: str) -> dict[str, Any]:
         with self._set_id(key):
-            return self.workflow(key)  # type: ignore[no-any-return]
+            answer: dict[str, Any] = self.workflow(key)
+        return answer
 
     def close(self) -> None:
         from dbos import DBOS

@@ -185,7 +185,8 @@ def sync_sides(url: str, redis_url: str, stack: list[Callable[[], None]]) -> dic
     stack.append(lambda: _delete_prefix(client, powertools.prefix))
     finished, stored = fresh(), fresh()
     decorated(finished, 1250)
-    operation, params = decorated.operation, {"order_id": finished, "amount": 1250}
+    operation: rp.Operation[Any] = decorated.operation  # type: ignore[attr-defined]
+    params = {"order_id": finished, "amount": 1250}
     powertools.first(client, stored, 1250)
     return {
         "bare": lambda i: charge_order(fresh(), 1250),
@@ -218,7 +219,8 @@ async def async_sides(
     stack.append(lambda: _delete_prefix_async(client, powertools.prefix))
     finished, stored = fresh(), fresh()
     await decorated(finished, 1250)
-    operation, params = decorated.operation, {"order_id": finished, "amount": 1250}
+    operation: rp.Operation[Any] = decorated.operation  # type: ignore[attr-defined]
+    params = {"order_id": finished, "amount": 1250}
     await powertools.first_async(client, stored, 1250)
 
     async def select(i: int) -> Any:

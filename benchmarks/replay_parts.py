@@ -70,7 +70,7 @@ async def parts(url: str) -> tuple[dict[str, Callable[[], Awaitable[Any]]], Call
     engine = rp.AsyncEngine(db)
     decorated = rp.idempotent(engine, key="order_id", name="replay_parts")(charge_order)
     await decorated(KEY, 1250)  # finished: every later run of the key replays it
-    operation = decorated.operation
+    operation: rp.Operation[Any] = decorated.operation  # type: ignore[attr-defined]
     namespace = engine.namespace
     assert namespace is not None  # read by the first run
     plain = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
@@ -134,7 +134,7 @@ async def parts(url: str) -> tuple[dict[str, Callable[[], Awaitable[Any]]], Call
         await engine.dispose()
         await db.dispose()
 
-    calls = {
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
         "floor": floor_select,
         "replay": replay,
         "claim transaction, request checked before it": claim_transaction_checked_before,

@@ -166,7 +166,7 @@ def write(
         "the median of the rounds. Server CPU: every PostgreSQL process on the machine. "
         "Reported, never asserted.",
         "",
-        *machine.markdown(facts),  # type: ignore[arg-type]
+        *machine.markdown(facts),
         "",
         "| side | wall | client CPU | server CPU | CPU, both sides | in round trips' worth |",
         "|---|---:|---:|---:|---:|---:|",
