@@ -267,6 +267,7 @@ class RecoveryPoint:
             normalize_url(url).set(drivername="postgresql+psycopg_async"),
             pool_size=pool,
             max_overflow=0,
+            pool_use_lifo=True,  # as docs/how-to/production.md says, and asyncpg's pool does
         )
         self.engine = rp.AsyncEngine(self.db)
         self.op = async_ride_operation()

@@ -129,7 +129,9 @@ class RecoveryPointSystem(System):
 
     def open(self, clients: int) -> Clients:
         # A pool as large as the number of clients, opened now: nothing connects in the window.
-        self.db = sa.create_engine(normalize_url(self.url), pool_size=clients + 4, max_overflow=4)
+        self.db = sa.create_engine(
+            normalize_url(self.url), pool_size=clients + 4, max_overflow=4, pool_use_lifo=True
+        )
         engine = rp.Engine(self.db, observer=observers() if self.observed else None)
         operation = ride_operation(
             "bench_create_ride" if self.fast else "bench_create_ride_sa", fast=self.fast

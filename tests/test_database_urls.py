@@ -218,3 +218,60 @@ def test_a_sqlalchemy_url_of_another_database_names_its_driver_not_its_password(
         normalize_url(sa.make_url("mysql+pymysql://app:s3cret@localhost/db"))
     assert "the scheme is 'mysql+pymysql'" in str(refused.value)
     assert "s3cret" not in str(refused.value)
+
+
+def _pids_in_turn(connect: Any) -> tuple[int, int, int]:
+    """The server processes of two connections borrowed at once and given back in turn, and
+    of the next one borrowed."""
+
+    def pid(conn: Any) -> int:
+        return int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+    first, second = connect(), connect()
+    pids = pid(first), pid(second)
+    first.close()
+    second.close()
+    with connect() as after:
+        return (*pids, pid(after))
+
+
+def test_engines_made_from_a_url_hand_out_the_connection_given_back_last(
+    database_url: str,
+) -> None:
+    """A pool larger than the requests in flight then keeps a few connections busy and the
+    rest idle (benchmarks/README.md, "The pool's order"); an application's own engine
+    keeps the order it was made with."""
+    engine = rp.Engine(database_url)
+    try:
+        first, second, after = _pids_in_turn(engine.db.connect)
+        assert after == second != first
+    finally:
+        engine.dispose()
+    own = sa.create_engine(normalize_url(database_url))
+    try:
+        first, second, after = _pids_in_turn(rp.Engine(own).db.connect)
+        assert after == first != second  # SQLAlchemy's default: the longest idle first
+    finally:
+        own.dispose()
+
+    async def in_turn_async() -> tuple[tuple[int, int, int], list[int]]:
+        async_engine = rp.AsyncEngine(database_url)
+        try:
+            sync_side = _pids_in_turn(async_engine.db.connect)
+            query = sa.text("SELECT pg_backend_pid()")
+            first, second = (
+                await async_engine.async_db.connect(),
+                await async_engine.async_db.connect(),
+            )
+            pids = [(await conn.execute(query)).scalar_one() for conn in (first, second)]
+            await first.close()
+            await second.close()
+            async with async_engine.async_db.connect() as after:
+                pids.append((await after.execute(query)).scalar_one())
+            return sync_side, pids
+        finally:
+            await async_engine.dispose()
+
+    sync_side, async_side = asyncio.run(in_turn_async())
+    assert sync_side[2] == sync_side[1] != sync_side[0]
+    assert async_side[2] == async_side[1] != async_side[0]

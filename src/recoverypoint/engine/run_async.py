@@ -33,7 +33,7 @@ from sqlalchemy.engine import URL
 
 from .. import _pooler, backoff
 from .._faults import faults
-from ..database import create_engine, normalize_url
+from ..database import POOL_ORDER, create_engine, normalize_url
 from ..errors import (
     ConfigurationError,
     DeclarationError,
@@ -173,7 +173,7 @@ class AsyncEngine(Registry):
             if isinstance(database, sa_async.AsyncEngine):
                 self.async_db = database
             else:
-                self.async_db = sa_async.create_async_engine(normalize_url(database))
+                self.async_db = sa_async.create_async_engine(normalize_url(database), **POOL_ORDER)
             driver = self.async_db.dialect.driver
         else:
             super().__init__(asynchronous=False)
