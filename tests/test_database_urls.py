@@ -227,10 +227,9 @@ def _pids_in_turn(connect: Any) -> tuple[int, int, int]:
     def pid(conn: Any) -> int:
         return int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
 
-    first, second = connect(), connect()
-    pids = pid(first), pid(second)
-    first.close()
-    second.close()
+    with connect() as first, connect() as second:
+        pids = pid(first), pid(second)
+        first.close()  # given back first; second goes back as the block ends
     with connect() as after:
         return (*pids, pid(after))
 
@@ -238,9 +237,9 @@ def _pids_in_turn(connect: Any) -> tuple[int, int, int]:
 def test_engines_made_from_a_url_hand_out_the_connection_given_back_last(
     database_url: str,
 ) -> None:
-    """A pool larger than the requests in flight then keeps a few connections busy and the
-    rest idle (benchmarks/README.md, "The pool's order"); an application's own engine
-    keeps the order it was made with."""
+    """A pool larger than the requests in flight keeps a few connections busy and the rest
+    idle when it hands out the connection given back last (benchmarks/README.md, "The
+    pool's order"); an application's own engine keeps the order it was made with."""
     engine = rp.Engine(database_url)
     try:
         first, second, after = _pids_in_turn(engine.db.connect)
@@ -256,16 +255,15 @@ def test_engines_made_from_a_url_hand_out_the_connection_given_back_last(
 
     async def in_turn_async() -> tuple[tuple[int, int, int], list[int]]:
         async_engine = rp.AsyncEngine(database_url)
+        query = sa.text("SELECT pg_backend_pid()")
         try:
             sync_side = _pids_in_turn(async_engine.db.connect)
-            query = sa.text("SELECT pg_backend_pid()")
-            first, second = (
-                await async_engine.async_db.connect(),
-                await async_engine.async_db.connect(),
-            )
-            pids = [(await conn.execute(query)).scalar_one() for conn in (first, second)]
-            await first.close()
-            await second.close()
+            async with (
+                async_engine.async_db.connect() as first,
+                async_engine.async_db.connect() as second,
+            ):
+                pids = [(await conn.execute(query)).scalar_one() for conn in (first, second)]
+                await first.close()  # given back first
             async with async_engine.async_db.connect() as after:
                 pids.append((await after.execute(query)).scalar_one())
             return sync_side, pids
