@@ -79,10 +79,8 @@ def _hosts_in_query(rest: str) -> str:
 POOL_ORDER = {"pool_use_lifo": True}
 """How recoverypoint's own pools hand out connections: the one given back last first. A
 pool larger than the requests in flight then keeps a few connections and their server
-processes busy and the rest idle, instead of taking turns with all of them: at 8 tasks on
-a pool of 24, the async engine served 1.16 to 1.47 times the requests a second it served
-with the pool's former order, taking turns with it, for about a quarter less server CPU
-per request (benchmarks/README.md, "The pool's order"). An application's own engine is
+processes busy and the rest idle, instead of taking turns with all of them, which costs
+the server (benchmarks/README.md, "The pool's order"). An application's own engine is
 configured by the application (docs/how-to/production.md)."""
 
 
