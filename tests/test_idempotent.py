@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import math
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -441,6 +442,44 @@ _hostile = st.one_of(
     st.integers(min_value=1, max_value=300).map(lambda d: _nested(d)),  # past the depth limit
     st.sampled_from([10**5000, "x" * 2_000_000, object(), {1, 2}, b"\x00"]),
 )
+
+
+def _non_finite_inside(value: Any) -> bool:
+    """Whether a NaN or an infinity is anywhere in ``value``, by the definition, recursively."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(map(_non_finite_inside, value.values()))
+    return isinstance(value, list | tuple) and any(map(_non_finite_inside, value))
+
+
+_with_floats = st.recursive(
+    st.sampled_from([math.nan, math.inf, -math.inf])
+    | st.floats(min_value=-1e6, max_value=1e6)
+    | st.integers(min_value=-1000, max_value=1000)
+    | st.text(alphabet="ab", max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@HOSTILE
+@given(value=_with_floats)
+@pytest.mark.slow
+def test_a_nan_or_an_infinity_anywhere_in_the_arguments_is_refused_never_stored_as_null(
+    hostile_function: tuple[Any, str, list[Any]], value: Any
+) -> None:
+    # JSON cannot carry them, and pydantic would dump one under Any as null: another value.
+    store_it, _, ran = hostile_function
+    before = len(ran)
+    if _non_finite_inside(value):
+        with pytest.raises(rp.InvalidParams, match="NaN or an infinity"):
+            store_it(uuid.uuid4().hex, value)
+        assert len(ran) == before
+    else:
+        assert store_it(uuid.uuid4().hex, value) == value
 
 
 def _nested(depth: int) -> Any:

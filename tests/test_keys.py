@@ -74,6 +74,38 @@ def test_params_may_nest_up_to_the_limit() -> None:
         check_depth({"a": nested(MAX_JSON_DEPTH)})
 
 
+def _depth(value: object) -> int:
+    """How deeply arrays and objects nest in ``value``, by the definition, recursively."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list | tuple):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+NESTED_VALUES = st.recursive(
+    st.none() | st.integers() | st.text(max_size=2),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(NESTED_VALUES, st.integers(min_value=0, max_value=6))
+def test_check_depth_refuses_exactly_the_values_nested_deeper_than_the_limit(
+    value: object, limit: int
+) -> None:
+    # The walk takes only containers onto its stack; a value's depth is still every path's.
+    if _depth(value) > limit:
+        with pytest.raises(InvalidParams):
+            check_depth(value, limit)
+    else:
+        check_depth(value, limit)
+
+
 def test_canonical_json_is_sorted_compact_and_refuses_what_postgresql_cannot_store() -> None:
     assert canonical_json({"b": 1, "a": [1.5, "é"]}) == '{"a":[1.5,"é"],"b":1}'
     # A backslash followed by the text u0000 is no NUL; a NUL after a backslash is one.

@@ -96,24 +96,27 @@ def validate_request(method: object, path: object) -> tuple[str, str]:
     return method.upper(), path
 
 
+_NESTED = (dict, list, tuple)
+
+
 def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
     """Raise :class:`InvalidParams` when arrays and objects in ``value`` nest deeper than
     ``limit``. Iterative: a hostile depth must not exhaust the stack that checks it."""
+    if not isinstance(value, _NESTED):
+        return
+    # Only containers go on the stack: a request's params are mostly scalars, and a pair
+    # made and taken back for each of them cost as much as the rest of the walk.
     pending: list[tuple[Any, int]] = [(value, 1)]
     while pending:
         node, depth = pending.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list | tuple):
-            children = node
-        else:
-            continue
         if depth > limit:
             raise InvalidParams(
                 f"the params nest arrays and objects deeper than {limit} levels; "
                 "flatten the request"
             )
-        pending.extend([(child, depth + 1) for child in children])
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, _NESTED):
+                pending.append((child, depth + 1))
 
 
 # Made once: json.dumps with options makes an encoder per call.

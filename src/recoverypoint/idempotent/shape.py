@@ -199,23 +199,30 @@ def _annotations(fn: Callable[..., Any], names: list[str]) -> dict[str, Any]:
 _NO_NAN = "JSON cannot carry them"
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
 def _non_finite(value: object) -> bool:
     """Whether ``value`` holds a NaN or an infinity in its lists, tuples, sets and dicts:
     pydantic would dump one where the annotation is ``Any`` as ``null``, silently another
     value. Iterative, and no deeper than JSON may nest (a deeper or cyclic value is
-    refused by the depth check that follows)."""
-    pending: list[tuple[object, int]] = [(value, 0)]
+    refused by the depth check that follows); only containers go on the stack, as in
+    :func:`~recoverypoint.keys.check_depth`."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if not isinstance(value, _CONTAINERS):
+        return False
+    pending: list[tuple[Any, int]] = [(value, 0)]
     while pending:
         node, depth = pending.pop()
-        if isinstance(node, float):
-            if not math.isfinite(node):
-                return True
-        elif depth > MAX_JSON_DEPTH:
+        if depth > MAX_JSON_DEPTH:
             continue
-        elif isinstance(node, dict):
-            pending.extend((child, depth + 1) for child in node.values())
-        elif isinstance(node, list | tuple | set | frozenset):
-            pending.extend((child, depth + 1) for child in node)
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, float):
+                if not math.isfinite(child):
+                    return True
+            elif isinstance(child, _CONTAINERS):
+                pending.append((child, depth + 1))
     return False
 
 
