@@ -153,9 +153,9 @@ def canonical_json(value: Any) -> str:
     # The substring test first: the pattern, tried at every position, cost as much as the
     # encoding of a small value.
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
-        raise ValueError("contains a NUL character, which PostgreSQL cannot store")
+        raise ValueError("holding a NUL character, which PostgreSQL cannot store")
     if not text.isascii() and not _encodable(text):
-        raise ValueError("contains a lone surrogate, which is not valid Unicode text")
+        raise ValueError("holding a lone surrogate, which is not valid Unicode text")
     return text
 
 

@@ -6,7 +6,7 @@ A return value is stored in one of two forms, both rebuilt exactly as the annota
 
 - as its JSON value (readable in the console, and the form of every value stored before
   the second one existed), when plain JSON carries it: no bytes that are not UTF-8, no
-  NaN or infinity, no NUL;
+  NaN or infinity, no float of 1e16 or more (jsonb gives it back as an integer), no NUL;
 - else as the text of its JSON (:data:`JSON_TEXT`), bytes in base64, NaN and the
   infinities as JSON's common extensions, NUL escaped: jsonb stores that text as a string.
 
@@ -108,7 +108,7 @@ class Shape:
 
     def params_of(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         params = {name: value for name, value in arguments.items() if name not in self.exclude}
-        if _non_finite(params):
+        if _holds_float(params, _non_finite):
             raise InvalidParams(
                 f"the arguments of {self.qualname} hold NaN or an infinity: {_NO_NAN}"
             )
@@ -135,8 +135,11 @@ class Shape:
 
     def _plain(self, value: object) -> Any:
         """``value`` as its JSON value, or a ValueError if that form would not carry it."""
-        if _non_finite(value):  # pydantic would dump one where the annotation is Any as null
-            raise ValueError("NaN or an infinity")
+        # pydantic would dump a NaN where the annotation is Any as null; jsonb would give a
+        # float of 1e16 or more back without its exponent, which json reads as an int
+        # (1.0727769301088266e17 as 107277693010882660, not even equal).
+        if _holds_float(value, _not_plain):
+            raise ValueError("NaN, an infinity, or a float jsonb gives back as an int")
         try:
             dumped = self.returns.dump_python(value, mode="json", warnings="error")
             canonical_json(dumped)
@@ -202,14 +205,23 @@ _NO_NAN = "JSON cannot carry them"
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def _non_finite(value: object) -> bool:
-    """Whether ``value`` holds a NaN or an infinity in its lists, tuples, sets and dicts:
-    pydantic would dump one where the annotation is ``Any`` as ``null``, silently another
-    value. Iterative, and no deeper than JSON may nest (a deeper or cyclic value is
+def _non_finite(number: float) -> bool:
+    return not math.isfinite(number)
+
+
+def _not_plain(number: float) -> bool:
+    """Whether jsonb gives ``number`` back as another value: not finite, or printed with a
+    positive exponent (1e16 and more), which jsonb's numeric prints as an integer."""
+    return not math.isfinite(number) or abs(number) >= 1e16
+
+
+def _holds_float(value: object, unfit: Callable[[float], bool]) -> bool:
+    """Whether ``value`` is, or holds in its lists, tuples, sets and dicts, a float that is
+    ``unfit``. Iterative, and no deeper than JSON may nest (a deeper or cyclic value is
     refused by the depth check that follows); only containers go on the stack, as in
     :func:`~recoverypoint.keys.check_depth`."""
     if isinstance(value, float):
-        return not math.isfinite(value)
+        return unfit(value)
     if not isinstance(value, _CONTAINERS):
         return False
     pending: list[tuple[Any, int]] = [(value, 0)]
@@ -219,7 +231,7 @@ def _non_finite(value: object) -> bool:
             continue
         for child in node.values() if isinstance(node, dict) else node:
             if isinstance(child, float):
-                if not math.isfinite(child):
+                if unfit(child):
                     return True
             elif isinstance(child, _CONTAINERS):
                 pending.append((child, depth + 1))
