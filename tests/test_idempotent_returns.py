@@ -327,6 +327,27 @@ def test_nan_where_the_annotation_is_any_comes_back_as_nan(engine: rp.Engine) ->
     assert all(repr(r) == repr(f.value) for r in results), results
 
 
+class Reading(BaseModel):
+    value: Any
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        1.0727769301088266e17,
+        [1e16, {"x": -2.5e20}, 9999999999999998.0],
+        Reading(value=[1.0727769301088266e17]),
+    ],
+)
+def test_a_float_of_1e16_or_more_comes_back_as_it_went(engine: rp.Engine, value: object) -> None:
+    """jsonb prints such a float without its exponent: read back as JSON, an int, and for
+    1.0727769301088266e17 not even an equal one (107277693010882660)."""
+    f = Returning(engine, Reading if isinstance(value, Reading) else Any)
+    f.value = value
+    results = f.three_calls("k")
+    assert all(repr(r) == repr(value) for r in results), results
+
+
 def test_arguments_holding_nan_or_a_bool_key_are_refused_and_store_nothing(
     engine: rp.Engine, db: sa.Engine
 ) -> None:

@@ -135,17 +135,20 @@ class Shape:
 
     def _plain(self, value: object) -> Any:
         """``value`` as its JSON value, or a ValueError if that form would not carry it."""
-        # pydantic would dump a NaN where the annotation is Any as null; jsonb would give a
-        # float of 1e16 or more back without its exponent, which json reads as an int
-        # (1.0727769301088266e17 as 107277693010882660, not even equal).
-        if _holds_float(value, _not_plain):
-            raise ValueError("NaN, an infinity, or a float jsonb gives back as an int")
+        # pydantic would dump one where the annotation is Any as null
+        if _holds_float(value, _non_finite):
+            raise ValueError("NaN or an infinity")
         try:
             dumped = self.returns.dump_python(value, mode="json", warnings="error")
             canonical_json(dumped)
             self.load_return(VALUE, dumped)
         except Exception as exc:  # the exact form is tried next
             raise ValueError(str(exc)) from exc
+        # jsonb prints a float of 1e16 or more without its exponent, which json reads back
+        # as an int where the annotation is Any (1.0727769301088266e17 as
+        # 107277693010882660, not even equal); in a model's field as well as at the top.
+        if _holds_float(dumped, _past_exponent):
+            raise ValueError("a float of 1e16 or more, which jsonb gives back as an int")
         return dumped
 
     def load_return(self, form: str, stored: Any) -> Any:
@@ -209,10 +212,10 @@ def _non_finite(number: float) -> bool:
     return not math.isfinite(number)
 
 
-def _not_plain(number: float) -> bool:
-    """Whether jsonb gives ``number`` back as another value: not finite, or printed with a
-    positive exponent (1e16 and more), which jsonb's numeric prints as an integer."""
-    return not math.isfinite(number) or abs(number) >= 1e16
+def _past_exponent(number: float) -> bool:
+    """Whether Python prints ``number`` with a positive exponent, which jsonb's numeric
+    prints as an integer."""
+    return abs(number) >= 1e16
 
 
 def _holds_float(value: object, unfit: Callable[[float], bool]) -> bool:
