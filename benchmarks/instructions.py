@@ -14,8 +14,9 @@ round trips are counted by tests/test_round_trips.py). Needs valgrind (Debian's 
 asyncio's loop and on uvloop: ``rp.AsyncEngine`` and the flow by hand on asyncpg.
 
 ``--replay`` counts replays of one finished key instead: ``Engine.run`` of the flow's
-operation (with ``--async``, ``rp.AsyncEngine.run`` on each loop), beside the floor a replay
-is judged against, one prepared ``SELECT`` of the stored answer by psycopg
+operation (with ``--async``, ``rp.AsyncEngine.run`` on each loop) and a call of
+``idempotent_cost.py``'s function under ``@rp.idempotent`` on the same engine, beside the
+floor a replay is judged against, one prepared ``SELECT`` of the stored answer by psycopg
 (``flows.PreparedSelect``).
 
 ``--syscalls`` counts the system calls each child makes instead, with ``strace -f -c``
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from async_flow import ASYNC_SIDES, loop_factory
 from flows import SCHEMA, PreparedSelect, RecoveryPointFlow, Reference, ride_operation
+from idempotent_cost import charge_order, charge_order_async
 
 import recoverypoint as rp
 from recoverypoint.database import normalize_url
@@ -50,7 +52,7 @@ from recoverypoint.migrate import upgrade
 
 WARM_UP = 60  # psycopg prepares a statement on its 5th run; the pool fills; caches warm
 FLOWS = ("reference", "recoverypoint")
-REPLAYS = ("prepared-select", "recoverypoint-replay")
+REPLAYS = ("prepared-select", "recoverypoint-replay", "idempotent-replay")
 REPLAYED = "replayed-key"  # finished by every replay child before it counts anything
 # An async flow is named side@loop: an async_flow.py side, or a replay, on one loop.
 LOOPS = ("asyncio", "uvloop")
@@ -94,6 +96,12 @@ def replay_child(url: str, flow_name: str, requests: int) -> None:
             floor.run(REPLAYED)
         floor.close()
         return
+    if flow_name == "idempotent-replay":
+        engine: rp.Engine = flow.engine
+        decorated = rp.idempotent(engine, key="order_id", name="counted")(charge_order)
+        for _ in range(1 + WARM_UP + requests):  # the first call finishes its key
+            decorated(REPLAYED, 1250)
+        return
     for _ in range(WARM_UP + requests):
         flow.run(REPLAYED)
 
@@ -111,6 +119,14 @@ async def async_child(url: str, side: str, requests: int) -> None:
         if side == "recoverypoint-replay":
             for _ in range(WARM_UP + requests):
                 await system.run(REPLAYED)
+            return
+        if side == "idempotent-replay":
+            async_engine: rp.AsyncEngine = system.engine
+            decorated_async = rp.idempotent(async_engine, key="order_id", name="counted")(
+                charge_order_async
+            )
+            for _ in range(1 + WARM_UP + requests):  # the first call finishes its key
+                await decorated_async(REPLAYED, 1250)
             return
         floor = await psycopg.AsyncConnection.connect(url, autocommit=True)
         found = (REPLAYED, "1", system.op.name)
@@ -201,6 +217,7 @@ def main() -> None:
         # Each side against the one it is judged beside, on the same loop.
         pairs = {
             "recoverypoint-replay": "prepared-select",
+            "idempotent-replay": "prepared-select",
             "recoverypoint": "asyncpg" if args.use_async else "reference",
         }
         for flow_name in flows:
