@@ -30,7 +30,7 @@ import recoverypoint as rp
 from recoverypoint import admin
 from recoverypoint.cli import main
 from recoverypoint.database import normalize_url
-from recoverypoint.exits import EXIT_OK, EXIT_REFUSED
+from recoverypoint.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 from recoverypoint.integrations.prometheus_collector import DatabaseCollector
 from recoverypoint.workers import Completer
 
@@ -410,6 +410,10 @@ def test_an_operator_sees_held_keys_and_reconciles_them(
     # `keys retry` refuses, and names what to do.
     status, out = cli("keys", "retry", str(found))
     assert status == EXIT_REFUSED and f"keys reconcile {found}" in out
+
+    # A result PostgreSQL cannot store is refused, saying why; nothing is recorded.
+    status, out = cli("keys", "reconcile", str(found), "--found", '{"charge_id": "ch_\\u0000"}')
+    assert status == EXIT_USAGE and "the result found cannot be stored: it is holding a NUL" in out
 
     # Found: recorded as the step's result; the retry goes on without calling the step.
     status, out = cli("keys", "reconcile", str(found), "--found", '{"charge_id": "ch_1"}')

@@ -327,6 +327,12 @@ def test_nan_where_the_annotation_is_any_comes_back_as_nan(engine: rp.Engine) ->
     assert all(repr(r) == repr(f.value) for r in results), results
 
 
+def _nested_in_lists(value: object, depth: int) -> object:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 class Reading(BaseModel):
     value: Any
 
@@ -337,11 +343,15 @@ class Reading(BaseModel):
         1.0727769301088266e17,
         [1e16, {"x": -2.5e20}, 9999999999999998.0],
         Reading(value=[1.0727769301088266e17]),
+        _nested_in_lists(1e17, 70),  # deeper than params may nest: a return value may
+        -0.0,
+        {"x": [-0.0]},
     ],
 )
-def test_a_float_of_1e16_or_more_comes_back_as_it_went(engine: rp.Engine, value: object) -> None:
-    """jsonb prints such a float without its exponent: read back as JSON, an int, and for
-    1.0727769301088266e17 not even an equal one (107277693010882660)."""
+def test_a_float_jsonb_would_change_comes_back_as_it_went(engine: rp.Engine, value: object) -> None:
+    """jsonb prints a float of 1e16 or more without its exponent: read back as JSON, an
+    int, and for 1.0727769301088266e17 not even an equal one (107277693010882660). It
+    stores -0.0 as 0."""
     f = Returning(engine, Reading if isinstance(value, Reading) else Any)
     f.value = value
     results = f.three_calls("k")

@@ -399,7 +399,10 @@ def reconcile(
                 "name the application (--app) so that its step's result can be recorded"
             )
         step = operation.phases[operation.next_phase(row.point)].point
-        result = canonical_json(dict(found))
+        try:
+            result = canonical_json(dict(found))
+        except ValueError as exc:
+            raise ValueError(f"the result found cannot be stored: it is {exc}") from None
     return _act(
         admin,
         "keys.reconcile",

@@ -6,7 +6,8 @@ A return value is stored in one of two forms, both rebuilt exactly as the annota
 
 - as its JSON value (readable in the console, and the form of every value stored before
   the second one existed), when plain JSON carries it: no bytes that are not UTF-8, no
-  NaN or infinity, no float of 1e16 or more (jsonb gives it back as an integer), no NUL;
+  NaN or infinity, no float jsonb gives back as another value (1e16 or more in
+  magnitude, read back as an integer; -0.0, stored as 0), no NUL;
 - else as the text of its JSON (:data:`JSON_TEXT`), bytes in base64, NaN and the
   infinities as JSON's common extensions, NUL escaped: jsonb stores that text as a string.
 
@@ -144,11 +145,11 @@ class Shape:
             self.load_return(VALUE, dumped)
         except Exception as exc:  # the exact form is tried next
             raise ValueError(str(exc)) from exc
-        # jsonb prints a float of 1e16 or more without its exponent, which json reads back
-        # as an int where the annotation is Any (1.0727769301088266e17 as
-        # 107277693010882660, not even equal); in a model's field as well as at the top.
-        if _holds_float(dumped, _past_exponent):
-            raise ValueError("a float of 1e16 or more, which jsonb gives back as an int")
+        # jsonb gives some floats back as other values (see _changed_by_jsonb), in a model's
+        # field as well as at the top; the dump is acyclic (canonical_json took it), so the
+        # walk goes as deep as it nests.
+        if _holds_float(dumped, _changed_by_jsonb, depth_limit=math.inf):
+            raise ValueError("a float jsonb gives back as another value")
         return dumped
 
     def load_return(self, form: str, stored: Any) -> Any:
@@ -212,17 +213,21 @@ def _non_finite(number: float) -> bool:
     return not math.isfinite(number)
 
 
-def _past_exponent(number: float) -> bool:
-    """Whether Python prints ``number`` with a positive exponent, which jsonb's numeric
-    prints as an integer."""
-    return abs(number) >= 1e16
+def _changed_by_jsonb(number: float) -> bool:
+    """Whether jsonb gives ``number`` back as another value: one Python prints with a
+    positive exponent (1e16 and more, in magnitude), which jsonb's numeric prints as an
+    integer, read back as an int (1.0727769301088266e17 as 107277693010882660, not even
+    equal); and -0.0, which it stores as 0."""
+    return abs(number) >= 1e16 or (number == 0 and math.copysign(1.0, number) < 0)
 
 
-def _holds_float(value: object, unfit: Callable[[float], bool]) -> bool:
+def _holds_float(
+    value: object, unfit: Callable[[float], bool], depth_limit: float = MAX_JSON_DEPTH
+) -> bool:
     """Whether ``value`` is, or holds in its lists, tuples, sets and dicts, a float that is
-    ``unfit``. Iterative, and no deeper than JSON may nest (a deeper or cyclic value is
-    refused by the depth check that follows); only containers go on the stack, as in
-    :func:`~recoverypoint.keys.check_depth`."""
+    ``unfit``. Iterative, and by default no deeper than params may nest (a deeper or cyclic
+    value is refused by the depth check that follows); only containers go on the stack, as
+    in :func:`~recoverypoint.keys.check_depth`."""
     if isinstance(value, float):
         return unfit(value)
     if not isinstance(value, _CONTAINERS):
@@ -230,7 +235,7 @@ def _holds_float(value: object, unfit: Callable[[float], bool]) -> bool:
     pending: list[tuple[Any, int]] = [(value, 0)]
     while pending:
         node, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
+        if depth > depth_limit:
             continue
         for child in node.values() if isinstance(node, dict) else node:
             if isinstance(child, float):
