@@ -99,7 +99,7 @@ def replay_child(url: str, flow_name: str, requests: int) -> None:
     if flow_name == "idempotent-replay":
         engine: rp.Engine = flow.engine
         decorated = rp.idempotent(engine, key="order_id", name="counted")(charge_order)
-        for _ in range(1 + WARM_UP + requests):  # the first call finishes its key
+        for _ in range(1 + WARM_UP + requests):  # the first child's first call finishes it
             decorated(REPLAYED, 1250)
         return
     for _ in range(WARM_UP + requests):
@@ -125,7 +125,7 @@ async def async_child(url: str, side: str, requests: int) -> None:
             decorated_async = rp.idempotent(async_engine, key="order_id", name="counted")(
                 charge_order_async
             )
-            for _ in range(1 + WARM_UP + requests):  # the first call finishes its key
+            for _ in range(1 + WARM_UP + requests):  # the first child's first call finishes it
                 await decorated_async(REPLAYED, 1250)
             return
         floor = await psycopg.AsyncConnection.connect(url, autocommit=True)
@@ -139,13 +139,18 @@ async def async_child(url: str, side: str, requests: int) -> None:
         await system.close()
 
 
-def collected(url: str, flow_name: str, requests: int, syscalls: bool) -> Counter[str]:
-    """What a child running ``requests`` after the warm-up made: its instructions, counted
-    by callgrind, or its system calls by name (and their ``total``), counted by strace."""
-    child = [
+def child_command(url: str, flow_name: str, requests: int) -> list[str]:
+    """The command of a child that runs the warm-up and ``requests`` of ``flow_name``."""
+    return [
         sys.executable, __file__, "--child", flow_name, "--database-url", url,
         "--requests", str(requests),
     ]  # fmt: skip
+
+
+def collected(url: str, flow_name: str, requests: int, syscalls: bool) -> Counter[str]:
+    """What a child running ``requests`` after the warm-up made: its instructions, counted
+    by callgrind, or its system calls by name (and their ``total``), counted by strace."""
+    child = child_command(url, flow_name, requests)
     if syscalls:
         with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
             subprocess.run(["strace", "-f", "-c", "-o", out.name, *child], check=True)
@@ -201,7 +206,10 @@ def main() -> None:
             flows = REPLAYS if args.replay else FLOWS
         per_request = {}
         for flow_name in flows:
-            # The warm-up alone first: a replay's first child finishes the key it replays.
+            if args.replay:
+                # The first child of a replay finishes the key it replays: one uncounted, so
+                # that both counted children start with a replay.
+                subprocess.run(child_command(url, flow_name, 0), check=True)
             warm_up = collected(url, flow_name, 0, args.syscalls)
             extra = collected(url, flow_name, args.requests, args.syscalls)
             extra.subtract(warm_up)
