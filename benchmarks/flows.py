@@ -3,7 +3,9 @@ audit record, "charge" (an in-process stand-in for the foreign call), record the
 stage a receipt job and finish with a stored response.
 
 Each flow is a class with ``run(key)``: one request (a fresh key, or a finished one to
-replay it). Also here: the two Redis lookups the replay is measured beside.
+replay it). Beside them, the work alone (:class:`WorkOnly`): the same statements without
+the key's, the floor under every idempotent way of doing it. Also here: the two Redis
+lookups the replay is measured beside.
 """
 
 from __future__ import annotations
@@ -111,17 +113,7 @@ class Reference:
             return {"status": code, "body": body}
 
         def create_ride(cur: psycopg.Cursor[Any]) -> int:
-            cur.execute(
-                "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) "
-                "VALUES (%s, %s, %s) RETURNING id",
-                (key, PARAMS["origin_lat"], PARAMS["origin_lon"]),
-            )
-            ride_id: int = cur.fetchone()[0]  # type: ignore[index]
-            cur.execute(
-                "INSERT INTO bench_audit_records (action, data, resource_id) "
-                "VALUES ('ride.created', %s, %s)",
-                (params, ride_id),
-            )
+            ride_id = insert_ride(cur, key, params)
             cur.execute(
                 "UPDATE rr_idempotency_keys SET recovery_point = 'ride_created' WHERE id = %s",
                 (key_id,),
@@ -132,7 +124,7 @@ class Reference:
         charge_id = charge(f"rocket-rides-atomic-{key_id}")
 
         def record_charge(cur: psycopg.Cursor[Any]) -> None:
-            cur.execute("UPDATE bench_rides SET charge_id = %s WHERE id = %s", (charge_id, ride_id))
+            set_charge(cur, ride_id, charge_id)
             cur.execute(
                 "UPDATE rr_idempotency_keys SET recovery_point = 'charge_created' WHERE id = %s",
                 (key_id,),
@@ -142,10 +134,7 @@ class Reference:
         response = json.dumps({"ride_id": ride_id, "charge_id": charge_id})
 
         def finish(cur: psycopg.Cursor[Any]) -> None:
-            cur.execute(
-                "INSERT INTO rr_staged_jobs (job_name, job_args) VALUES ('send_ride_receipt', %s)",
-                (json.dumps({"ride_id": ride_id}),),
-            )
+            stage_receipt(cur, ride_id)
             cur.execute(
                 "UPDATE rr_idempotency_keys SET locked_at = NULL, recovery_point = 'finished', "
                 "response_code = 201, response_body = %s WHERE id = %s",
@@ -157,6 +146,51 @@ class Reference:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class WorkOnly(Reference):
+    """The flow's own work and nothing else, by hand: the ride and its audit record in one
+    transaction, the charge, then the charge recorded and the receipt staged in another. No
+    key, no recovery point, no stored response: not safe to retry, and the least any
+    idempotent version of this flow can cost."""
+
+    def run(self, key: str) -> dict[str, Any]:
+        ride_id = self._tx(lambda cur: insert_ride(cur, key, json.dumps(PARAMS)))
+        charge_id = charge(f"work-only-{key}")
+
+        def finish(cur: psycopg.Cursor[Any]) -> None:
+            set_charge(cur, ride_id, charge_id)
+            stage_receipt(cur, ride_id)
+
+        self._tx(finish)
+        return {"status": 201, "body": json.dumps({"ride_id": ride_id, "charge_id": charge_id})}
+
+
+def insert_ride(cur: psycopg.Cursor[Any], key: str, params: str) -> int:
+    """The ride and its audit record; the ride's id."""
+    cur.execute(
+        "INSERT INTO bench_rides (request_key, origin_lat, origin_lon) "
+        "VALUES (%s, %s, %s) RETURNING id",
+        (key, PARAMS["origin_lat"], PARAMS["origin_lon"]),
+    )
+    ride_id: int = cur.fetchone()[0]  # type: ignore[index]
+    cur.execute(
+        "INSERT INTO bench_audit_records (action, data, resource_id) "
+        "VALUES ('ride.created', %s, %s)",
+        (params, ride_id),
+    )
+    return ride_id
+
+
+def set_charge(cur: psycopg.Cursor[Any], ride_id: int, charge_id: str) -> None:
+    cur.execute("UPDATE bench_rides SET charge_id = %s WHERE id = %s", (charge_id, ride_id))
+
+
+def stage_receipt(cur: psycopg.Cursor[Any], ride_id: int) -> None:
+    cur.execute(
+        "INSERT INTO rr_staged_jobs (job_name, job_args) VALUES ('send_ride_receipt', %s)",
+        (json.dumps({"ride_id": ride_id}),),
+    )
 
 
 class PhaseAPI:

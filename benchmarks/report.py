@@ -49,6 +49,10 @@ def ratios(run: dict[str, Any], concurrency: list[int], systems: list[str]) -> d
         )
         ratio("rate recoverypoint/dbos", "recoverypoint", "dbos", "requests_per_second", c)
         ratio(
+            "rate recoverypoint/work-only", "recoverypoint", "work-only", "requests_per_second", c
+        )
+        ratio("rate work-only/reference", "work-only", "reference", "requests_per_second", c)
+        ratio(
             "rate recoverypoint/recoverypoint-sqlalchemy",
             "recoverypoint",
             "recoverypoint-sqlalchemy",
@@ -325,8 +329,9 @@ class Report:
         lines += [
             "",
             "| clients | recoverypoint / reference | recoverypoint / DBOS "
-            "| recoverypoint / recoverypoint-sqlalchemy | client CPU, recoverypoint / reference |",
-            "|---:|---:|---:|---:|---:|",
+            "| recoverypoint / recoverypoint-sqlalchemy | client CPU, recoverypoint / reference "
+            "| recoverypoint / the work alone | the work alone / reference |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for c in self.concurrency:
             cells = [
@@ -336,6 +341,8 @@ class Report:
                     "rate recoverypoint/dbos",
                     "rate recoverypoint/recoverypoint-sqlalchemy",
                     "client cpu recoverypoint/reference",
+                    "rate recoverypoint/work-only",
+                    "rate work-only/reference",
                 )
             ]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")

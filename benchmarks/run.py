@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: the hand-written reference flow, recoverypoint and DBOS.
+"""Side-by-side benchmark: the hand-written reference flow, the work alone, recoverypoint and DBOS.
 
     python benchmarks/run.py --database-url URL   # a server on this machine (CPU is read
                                                   # from /proc); without it, embedded
@@ -50,6 +50,7 @@ from flows import (
     RecoveryPointFlow,
     RedisGet,
     Reference,
+    WorkOnly,
     ride_operation,
 )
 from measure import Meter, PostgresCPU, Progress, RedisCPU, Window, drive
@@ -65,6 +66,7 @@ RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = (
     "reference",
+    "work-only",
     "recoverypoint",
     "recoverypoint-sqlalchemy",
     "recoverypoint-observed",
@@ -95,15 +97,16 @@ def warm_pool(db: sa.Engine, clients: int) -> None:
 
 
 class ReferenceSystem(System):
-    name = "reference"
+    """A flow by hand: the reference, or (``work-only``) the work alone without the key."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, name: str = "reference") -> None:
+        self.url, self.name = url, name
+        self.flow = WorkOnly if name == "work-only" else Reference
         self.refs: list[Reference] = []
 
     def open(self, clients: int) -> Clients:
         # One connection per client, as a hand-written service would keep.
-        self.refs = [Reference(self.url) for _ in range(clients)]
+        self.refs = [self.flow(self.url) for _ in range(clients)]
         return [ref.run for ref in self.refs]
 
     def close(self) -> None:
@@ -515,8 +518,8 @@ def main() -> None:
         meter = Meter(postgres_cpu, RedisCPU(redis_client) if redis_client else None)
         systems: list[System] = []
         for name in wanted:
-            if name == "reference":
-                systems.append(ReferenceSystem(url))
+            if name in ("reference", "work-only"):
+                systems.append(ReferenceSystem(url, name))
             elif name == "dbos":
                 systems.append(DBOSSystem(url, dbos_url))
             else:
