@@ -4,7 +4,8 @@ stage a receipt job and finish with a stored response.
 
 Each flow is a class with ``run(key)``: one request (a fresh key, or a finished one to
 replay it). Beside them, the work alone (:class:`WorkOnly`): the same statements without
-the key's, the floor under every idempotent way of doing it. Also here: the two Redis
+the key's, in two transactions as recoverypoint's two phases (the reference takes three for
+them), the floor under every idempotent way of doing it. Also here: the two Redis
 lookups the replay is measured beside.
 """
 
