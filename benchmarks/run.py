@@ -96,12 +96,16 @@ def warm_pool(db: sa.Engine, clients: int) -> None:
         conn.close()
 
 
+# The flows by hand, by system name: the reference, and the work alone without the key.
+BY_HAND: dict[str, type[Reference]] = {"reference": Reference, "work-only": WorkOnly}
+
+
 class ReferenceSystem(System):
-    """A flow by hand: the reference, or (``work-only``) the work alone without the key."""
+    """A flow by hand (:data:`BY_HAND`), one connection per client."""
 
     def __init__(self, url: str, name: str = "reference") -> None:
         self.url, self.name = url, name
-        self.flow = WorkOnly if name == "work-only" else Reference
+        self.flow = BY_HAND[name]
         self.refs: list[Reference] = []
 
     def open(self, clients: int) -> Clients:
@@ -518,7 +522,7 @@ def main() -> None:
         meter = Meter(postgres_cpu, RedisCPU(redis_client) if redis_client else None)
         systems: list[System] = []
         for name in wanted:
-            if name in ("reference", "work-only"):
+            if name in BY_HAND:
                 systems.append(ReferenceSystem(url, name))
             elif name == "dbos":
                 systems.append(DBOSSystem(url, dbos_url))
