@@ -7,9 +7,9 @@ The server's CPU time per request, read from ``/proc``, swung by ±30 % between 
 the same code on this shared 2-core machine; the instructions its backends execute do not.
 This starts a private PostgreSQL of this machine's own binaries (``pg_config --bindir``,
 as ``run.py``'s sized server) under ``valgrind --tool=callgrind`` (each backend writes its
-count when it exits), and for each flow of ``run.py`` (the hand-written reference and the
-sync ``Engine``) runs a child process twice, once with the warm-up alone and once with
-``--requests`` more fresh-key requests after it, one client; the median of three such
+count when it exits), and for each flow of ``run.py`` (the hand-written reference, the sync
+``Engine`` and the work alone) runs a child process twice, once with the warm-up alone and
+once with ``--requests`` more fresh-key requests after it, one client; the median of three such
 differences of the instructions of the backends each child used, per request (after an
 untimed child per flow, whose backend's first connection builds the server's caches), is
 the server's own cost of a
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import facts as machine
 from claims import binaries, free_port, initdb
 from flows import SCHEMA
-from instructions import FLOWS, WARM_UP, require, sync_flow
+from instructions import FLOWS, WARM_UP, beyond_the_work, require, sync_flow
 
 from recoverypoint.migrate import upgrade
 
@@ -210,6 +210,7 @@ def main() -> None:
             print(lines[-1], flush=True)
         ratio = per_request["recoverypoint"] / per_request["reference"]
         lines.append(f"  recoverypoint / reference: {ratio:.2f}")
+        lines.append(beyond_the_work(per_request))
         lines.append("key tables after both (row: average bytes; HOT: updates writing no index)")
         for flow_name, (size, updates, hot) in key_tables(url).items():
             share = hot / updates if updates else 0.0

@@ -177,7 +177,7 @@ class KeyRecord(NamedTuple):
         (:data:`recoverypoint.engine.sql.CLAIM`: id, creation time in seconds since the
         epoch, address, the params as jsonb stored them, which every later run of the key
         reads too, and the generation)."""
-        key_id, created_at, ctid, params, generation = row
+        key_id, created_at, ctid, params, generation = row[:5]  # then the token's, if set
         assert key_id and created_at and ctid and params is not None and generation
         return cls(
             int(key_id),

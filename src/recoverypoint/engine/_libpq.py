@@ -156,7 +156,8 @@ def transaction(
     named: Callable[[sql.Statement], tuple[bytes | None, bool]],
 ) -> Commands:
     """``statement``, after BEGIN and the transaction's token ``begin`` (see
-    :func:`recoverypoint.engine.sql.mark`) when one is given, and before COMMIT when asked;
+    :func:`recoverypoint.engine.sql.mark`; the statement's own, if it ``marks``) when one is
+    given, and before COMMIT when asked;
     each sent as ``named`` says (the name it goes under, and whether to prepare it first).
     BEGIN first: a Parse may take the snapshot that its isolation level sets, so every other
     statement is parsed after it."""
@@ -164,6 +165,7 @@ def transaction(
     if begin is not None:
         name, prepare = named(sql.BEGIN_STATEMENT)
         commands.append(Command(sql.BEGIN, name, None, prepare))
+    if begin is not None and not statement.marks:
         name, prepare = named(sql.MARK)
         if name is None:  # unnamed, as a utility statement: parsed, not planned
             commands.append(Command(sql.mark(begin), None, None, False))

@@ -51,7 +51,8 @@ def mark(token: str) -> bytes:
     the engine's transaction and begins another leaves a transaction without it; unlike a
     transaction id, it is read on the server that runs the statement, which on Citus is the
     coordinator for BEGIN and for the write's condition alike. The engine's pipelines send
-    :data:`MARK` instead where they prepare their statements; this form goes where a
+    :data:`MARK` instead where they prepare their statements, or leave the token to their
+    first statement (:data:`MARKED`); this form goes where a
     statement is parsed with its execution (behind a pooler, and in the simple query that
     begins a transaction for phase code), as ``SET LOCAL`` rather than ``SELECT
     set_config(...)``: a utility statement is parsed but not planned, where an unnamed
@@ -71,10 +72,12 @@ class Statement:
     """A statement the engine sends often, in both of the forms it travels in: psycopg's
     named placeholders (``text``, for a cursor) and libpq's numbered ones (``positional``,
     prepared once per connection under ``name``, with the values in the order of
-    ``names``)."""
+    ``names``). ``marks``: the statement gives its transaction the token itself (its
+    ``%(tx)s``, see :data:`MARKED`), so that a pipeline it begins sends no :data:`MARK`."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, *, marks: bool = False) -> None:
         self.text = text
+        self.marks = marks
         names: list[str] = []
 
         def numbered(match: re.Match[str]) -> str:
@@ -98,6 +101,15 @@ class Statement:
 BEGIN_STATEMENT = Statement(BEGIN.decode())
 MARK = Statement(f"SELECT set_config('{TOKEN}', %(tx)s, true)")
 COMMIT = Statement("COMMIT")
+# The token given by the first statement of a transaction itself, as a column of its one row
+# (a fresh key's claim, a phase's fence): a statement fewer for each, which cost a fresh
+# request 46k client and 13k server instructions apiece (benchmarks/README.md, "The
+# transaction's token in its first statement"). A statement that returns
+# no row sets nothing, and the write that records a phase then misses (RP002); none of
+# those rows is missing where such a write follows: a claim that inserted nothing runs no
+# phase, and a fence that found no row raises LockLost. Not on Citus, where the token is
+# read on the coordinator and a distributed statement's columns are computed on a worker.
+MARKED = f"set_config('{TOKEN}', %(tx)s, true)"
 
 # Begins the transaction a SQLAlchemy Connection of phase code then joins.
 NOTHING = "SELECT 1"
@@ -188,7 +200,9 @@ _CLAIMED = (
     " RETURNING id, extract(epoch FROM timezone('UTC', created_at)), ctid, request_params,"
     " generation"
 )
-CLAIM = Statement(_CLAIM.format(generation=_RECORDED_GENERATION) + _CLAIMED)
+CLAIM = Statement(
+    _CLAIM.format(generation=_RECORDED_GENERATION) + _CLAIMED + f", {MARKED}", marks=True
+)
 CLAIM_BOUND = Statement(_CLAIM.format(generation="%(generation)s") + _CLAIMED)
 
 # The row of a key CLAIM found there, read in the claim's transaction (the row it conflicted
@@ -476,7 +490,6 @@ def _by_ctid_and_by_id(sql: str, returning: str = "", *, wakes: bool = False) ->
 # Only where the keys are distributed (KEYS_DISTRIBUTED, asked where Citus is installed): on
 # one server nothing is prepared, and the export would cost a file per phase for nothing.
 _EXPORT = "pg_export_snapshot()"
-_BOUND = f", {_EXPORT}"
 BIND = Statement(f"SELECT {_EXPORT} FROM idempotency_keys WHERE scope = %(scope)s AND id = %(id)s")
 LEFT_ITS_WORKER = "cannot PREPARE a transaction that has exported snapshots"
 KEYS_DISTRIBUTED = """
@@ -492,14 +505,17 @@ KEYS_DISTRIBUTED = """
 # Bound to the scope's worker on Citus (see BIND). By address, prepared, in one pipeline with
 # BEGIN (a round trip less for every phase after the first, and no planning per phase); by
 # id when the address is stale.
+#
+# Beside the address, the fence gives its transaction the token on one server (MARKED), and
+# exports the snapshot on Citus (bound).
 _FENCE = """
-    SELECT ctid::text{bound} FROM idempotency_keys WHERE {where}
+    SELECT ctid::text, {also} FROM idempotency_keys WHERE {where}
     FOR UPDATE
 """
-FENCE = Statement(_FENCE.format(bound="", where=_BY_CTID))
-FENCE_BOUND = Statement(_FENCE.format(bound=_BOUND, where=_BY_CTID))
-FENCE_BY_ID = _FENCE.format(bound="", where=_BY_ID)
-FENCE_BY_ID_BOUND = _FENCE.format(bound=_BOUND, where=_BY_ID)
+FENCE = Statement(_FENCE.format(also=MARKED, where=_BY_CTID), marks=True)
+FENCE_BOUND = Statement(_FENCE.format(also=_EXPORT, where=_BY_CTID))
+FENCE_BY_ID = _FENCE.format(also=MARKED, where=_BY_ID)
+FENCE_BY_ID_BOUND = _FENCE.format(also=_EXPORT, where=_BY_ID)
 
 
 # Commit a phase: the new recovery point and state, renewing the lease from this moment

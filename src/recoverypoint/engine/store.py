@@ -99,6 +99,7 @@ def claim(
         "seed": seed,
         "token": token,
         "lock_timeout": request.lock_timeout,
+        "tx": tx.token,
     }
     with _waiting_for_key:
         row = tx.fetch(sql.CLAIM_BOUND if bound else sql.CLAIM, params)
@@ -155,7 +156,13 @@ def fence(tx: Transaction, key: KeyRef, *, bound: bool) -> None:
     """Lock the row while the lease is ours, or raise :class:`LockLost`; :class:`KeyInUse` when
     the database's lock or statement timeout ends the wait for another holder's row lock.
     ``bound``: the transaction is bound to the scope's worker too (see :func:`bind`)."""
-    params = {"scope": key.scope, "ctid": key.ctid, "id": key.id, "token": key.token}
+    params = {
+        "scope": key.scope,
+        "ctid": key.ctid,
+        "id": key.id,
+        "token": key.token,
+        "tx": tx.token,
+    }
     with _waiting_for_key:
         row = tx.fetch(sql.FENCE_BOUND if bound else sql.FENCE, params)
         if row is None:  # a stale address: a rolled-back attempt, a takeover
