@@ -165,12 +165,12 @@ def transaction(
     if begin is not None:
         name, prepare = named(sql.BEGIN_STATEMENT)
         commands.append(Command(sql.BEGIN, name, None, prepare))
-    if begin is not None and not statement.marks:
-        name, prepare = named(sql.MARK)
-        if name is None:  # unnamed, as a utility statement: parsed, not planned
-            commands.append(Command(sql.mark(begin), None, None, False))
-        else:
-            commands.append(Command(sql.MARK.positional, name, [begin.encode()], prepare))
+        if not statement.marks:
+            name, prepare = named(sql.MARK)
+            if name is None:  # unnamed, as a utility statement: parsed, not planned
+                commands.append(Command(sql.mark(begin), None, None, False))
+            else:
+                commands.append(Command(sql.MARK.positional, name, [begin.encode()], prepare))
     name, prepare = named(statement)
     commands.append(Command(statement.positional, name, values, prepare))
     if commit:

@@ -104,11 +104,11 @@ COMMIT = Statement("COMMIT")
 # The token given by the first statement of a transaction itself, as a column of its one row
 # (a fresh key's claim, a phase's fence): a statement fewer for each, which cost a fresh
 # request 46k client and 13k server instructions apiece (benchmarks/README.md, "The
-# transaction's token in its first statement"). A statement that returns
-# no row sets nothing, and the write that records a phase then misses (RP002); none of
-# those rows is missing where such a write follows: a claim that inserted nothing runs no
-# phase, and a fence that found no row raises LockLost. Not on Citus, where the token is
-# read on the coordinator and a distributed statement's columns are computed on a worker.
+# transaction's token in its first statement"). A statement that returns no row sets
+# nothing, and the write that records a phase then misses (RP002); none of those rows is
+# missing where such a write follows: a claim that inserted nothing runs no phase, and a
+# fence that found no row raises LockLost. Not on Citus, where the token is read on the
+# coordinator and a distributed statement's columns are computed on a worker.
 MARKED = f"set_config('{TOKEN}', %(tx)s, true)"
 
 # Begins the transaction a SQLAlchemy Connection of phase code then joins.
